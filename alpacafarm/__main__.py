@@ -1,0 +1,5 @@
+"""``python -m alpacafarm`` runs the command-line interface."""
+
+from alpacafarm.cli import main
+
+raise SystemExit(main())

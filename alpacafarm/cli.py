@@ -1,0 +1,146 @@
+"""The ``alpacafarm`` command line.
+
+Core commands: ``run``, ``plugins``, ``recipe check``. Plugins add more through ``register_commands``.
+User errors (bad recipe, unknown name, missing file or package) print one line and exit 2; ``--debug`` adds
+the traceback. Importing this module must stay cheap: no torch, trl or pydantic before a command needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from collections.abc import Sequence
+
+from alpacafarm import __version__
+from alpacafarm.errors import UserError
+
+
+def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe YAML file, e.g. recipes/quickstart.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe value, e.g. --set seed=3 --set stages.sft.config.learning_rate=1e-5")
+
+
+def build_parser(plugin_commands: dict[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="alpacafarm",
+        description="Simulate pairwise feedback, learn from it, evaluate by win-rate (AlpacaFarm on TRL).",
+    )
+    parser.add_argument("--version", action="version", version=f"alpacafarm {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = commands.add_parser("run", help="run a recipe's pipeline (finished stages are skipped)")
+    _add_recipe_args(run)
+    run.add_argument("--output-dir", help="run directory (default: the recipe's output_dir or runs/<name>)")
+    run.add_argument("--force", action="append", default=[], metavar="STAGE",
+                     help="re-run STAGE (and what depends on it) even if unchanged; 'all' re-runs everything")
+
+    plugins = commands.add_parser("plugins", help="list installed plugins and what each registers")
+    plugins.add_argument("--json", action="store_true", help="print JSON")
+
+    recipe = commands.add_parser("recipe", help="work with recipes")
+    recipe_commands = recipe.add_subparsers(dest="recipe_command", metavar="SUBCOMMAND", required=True)
+    recipe_check = recipe_commands.add_parser("check", help="validate a recipe without running it")
+    _add_recipe_args(recipe_check)
+
+    for name, description in sorted(plugin_commands.items()):
+        extra = commands.add_parser(name, help=description or f"(plugin command {name})", add_help=False)
+        extra.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from alpacafarm.console import console, print_table
+    from alpacafarm.pipeline import Pipeline
+    from alpacafarm.plugins import get_registry
+    from alpacafarm.recipe import load_recipe
+
+    registry = get_registry()
+    loaded = load_recipe(args.recipe, args.overrides, registry)
+    pipeline = Pipeline(loaded, registry, args.output_dir)
+    outcomes = pipeline.run(force=args.force)
+    rows = [[o.name, o.status, f"{o.seconds:.1f}s", o.artifact.kind, o.artifact.path or ""] for o in outcomes]
+    print_table(f"{loaded.recipe.name}: {pipeline.run_dir}", ["stage", "status", "time", "artifact", "path"], rows)
+    for outcome in outcomes:
+        table = outcome.artifact.metadata.get("table")
+        if table:  # stages may publish a results table: {"title", "columns", "rows"}
+            print_table(table.get("title", outcome.name), table["columns"], table["rows"])
+    console().print(f"run directory: {pipeline.run_dir}")
+    return 0
+
+
+def cmd_recipe_check(args: argparse.Namespace) -> int:
+    from alpacafarm.pipeline import plan
+    from alpacafarm.plugins import get_registry
+    from alpacafarm.recipe import load_recipe
+
+    registry = get_registry()
+    loaded = load_recipe(args.recipe, args.overrides, registry)
+    stages = plan(loaded, registry)
+    print(f"ok: {args.recipe}: recipe {loaded.recipe.name!r}, {len(stages)} stage(s)")
+    for stage in stages:
+        wiring = ", ".join(f"{k} <- {v}" for k, v in stage.inputs.items()) or "no inputs"
+        print(f"  {stage.name}: {stage.method} ({stage.plugin}); {wiring}")
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from alpacafarm.plugins import get_plugins
+
+    loaded = get_plugins()
+    registers = loaded.registry.by_plugin()
+    rows = [
+        {"name": p.name, "distribution": p.distribution, "version": p.version, "module": p.module,
+         "builtin": p.builtin, "error": p.error, "registers": registers.get(p.name, {})}
+        for p in loaded.plugins
+    ]
+    if args.json:
+        print(json.dumps({"plugins": rows}, indent=2))
+        return 0
+    from alpacafarm.console import print_table
+
+    table_rows = []
+    for row in rows:
+        what = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in sorted(row["registers"].items()))
+        status = f"FAILED: {row['error']}" if row["error"] else ("built-in" if row["builtin"] else "")
+        table_rows.append([row["name"], row["distribution"], row["version"], what or "-", status])
+    print_table("alpacafarm plugins", ["plugin", "distribution", "version", "registers", "status"], table_rows)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        from alpacafarm.plugins import get_registry
+
+        registry = get_registry()
+        plugin_commands = {e.name: e.description for e in registry.entries("command")}
+        parser = build_parser(plugin_commands)
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
+        if args.command == "run":
+            return cmd_run(args)
+        if args.command == "plugins":
+            return cmd_plugins(args)
+        if args.command == "recipe":
+            return cmd_recipe_check(args)
+        command_main = registry.get("command", args.command)
+        return int(command_main(list(args.args)) or 0)
+    except UserError as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""What a method is: a config class, declared inputs, and ``run(context) -> Artifact``.
+
+Methods (and evaluators, which follow the same interface) are registered by plugins through
+``register_methods`` / ``register_evaluators``. The pipeline wires their declared ``requires`` to the outputs
+of earlier stages, data sources or the recipe's model, and gives them a :class:`StageContext`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from alpacafarm.recipe import PluginRef, Recipe
+    from alpacafarm.registry import Registry
+
+
+@dataclass
+class Artifact:
+    """What a stage produced: a kind (``model``, ``dataset``, ``policy``, ``evaluation``, ...), a path, metadata."""
+
+    kind: str
+    path: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self, run_dir: Path) -> dict[str, Any]:
+        path = self.path
+        if path is not None:
+            try:  # paths inside the run directory are stored relative to it, so a run directory can move
+                path = str(Path(path).resolve().relative_to(run_dir.resolve()))
+            except ValueError:
+                path = str(path)
+        return {"kind": self.kind, "path": path, "metadata": self.metadata}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], run_dir: Path) -> Artifact:
+        path = data.get("path")
+        if path is not None and not Path(path).is_absolute() and (run_dir / path).exists():
+            path = str(run_dir / path)
+        return cls(data["kind"], path, dict(data.get("metadata") or {}))
+
+
+def stable_seed(*parts: object) -> int:
+    """A 31-bit seed from the parts' text; identical across processes and machines (unlike ``hash()``)."""
+    digest = hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+@dataclass
+class StageContext:
+    """Everything a running stage may use. Its files go under ``stage_dir``."""
+
+    stage: str
+    stage_dir: Path
+    run_dir: Path
+    seed: int
+    config: Any
+    inputs: dict[str, Artifact]
+    recipe: Recipe
+    registry: Registry
+    resuming: bool = False
+    logger: logging.Logger = field(default_factory=lambda: logging.getLogger("alpacafarm"))
+
+    def input(self, name: str) -> Artifact:
+        try:
+            return self.inputs[name]
+        except KeyError:
+            raise KeyError(f"stage {self.stage!r} has no input {name!r}; inputs: {sorted(self.inputs)}") from None
+
+    def records(self, name: str, file: str | None = None) -> list[dict[str, Any]]:
+        """The records of an input: a recipe data source, or a dataset file written by an earlier stage.
+
+        For a stage output that is a folder, ``file`` names the file inside it (e.g. ``"train.jsonl"``) or the
+        artifact's metadata key that holds the file name (e.g. ``"train"``).
+        """
+        from alpacafarm.data import load_source, read_records
+        from alpacafarm.recipe import DataSource
+
+        artifact = self.input(name)
+        if artifact.kind == "data_source":
+            return load_source(DataSource.model_validate(artifact.metadata["source"]))
+        if artifact.path is None:
+            raise ValueError(f"input {name!r} of stage {self.stage!r} has no file")
+        path = Path(artifact.path)
+        if path.is_dir():
+            if file is None:
+                raise ValueError(f"input {name!r} is a folder; say which file to read")
+            path = path / str(artifact.metadata.get(file, file))
+        return read_records(path)
+
+    def annotator_ref(self, role: str = "feedback") -> PluginRef:
+        """The recipe's annotator for ``role``: ``feedback`` (training labels) or ``evaluation``."""
+        from alpacafarm.errors import RecipeError
+
+        ref = self.recipe.evaluation.annotator if role == "evaluation" and self.recipe.evaluation else None
+        ref = ref or self.recipe.annotator
+        if ref is None:
+            raise RecipeError(f"stage {self.stage!r} needs an annotator: set 'annotator:' in the recipe")
+        return ref
+
+    def make_annotator(self, role: str = "feedback") -> Any:
+        """Build the recipe's annotator for ``role`` from the registry."""
+        ref = self.annotator_ref(role)
+        factory = self.registry.get("annotator", ref.name)
+        return factory(dict(ref.config))
+
+    @contextmanager
+    def progress(self, description: str, total: int | None) -> Iterator[Any]:
+        """A rich progress bar; yields ``advance(n=1)``."""
+        from alpacafarm.console import progress_bar
+
+        with progress_bar(description, total) as advance:
+            yield advance
+
+
+class Method:
+    """Base class for methods and evaluators.
+
+    Subclasses set ``config_class`` (a pydantic model or dataclass, or ``None``), ``requires`` (names of the
+    inputs the pipeline must wire: ``base_model``, ``sft_model``, ``preferences``, ``reward_model``, a data name,
+    ...), ``provides`` (what the output is, so later stages find it), and implement :meth:`run`.
+    """
+
+    config_class: ClassVar[Any] = None
+    requires: ClassVar[tuple[str, ...]] = ()
+    provides: ClassVar[str] = "policy"
+    description: ClassVar[str] = ""
+
+    def __init__(self, config: Any = None) -> None:
+        self.config = config
+
+    def run(self, context: StageContext) -> Artifact:
+        """Do the work, write files under ``context.stage_dir``, and return the artifact."""
+        raise NotImplementedError(f"{type(self).__name__}.run")

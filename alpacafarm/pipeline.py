@@ -1,0 +1,265 @@
+"""The pipeline runner: a recipe → planned stages → artifacts in a run directory, with skip and resume.
+
+Layout of a run directory::
+
+    recipe.yaml            the resolved recipe (includes merged, overrides applied)
+    run.json               package versions, seed, command history
+    run.log                log of every run in this directory
+    stages/<name>/         one folder per stage: its files and manifest.json
+    error.log              the last failure, if any
+
+A stage is skipped when its manifest says ``complete`` and its fingerprint (method, plugin version, config,
+seed, model block, and the identities of its inputs) is unchanged. Each completed stage gets a fresh
+``output_id``; downstream fingerprints include it, so re-running a stage (``--force``) re-runs what depends
+on it. A stage interrupted mid-way is re-run with ``context.resuming = True`` (trainers resume checkpoints).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import shutil
+import time
+import traceback
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from alpacafarm.data import source_fingerprint, write_json
+from alpacafarm.errors import RecipeError, UserError
+from alpacafarm.method import Artifact, Method, StageContext, stable_seed
+from alpacafarm.recipe import LoadedRecipe
+from alpacafarm.registry import Registry, did_you_mean
+
+BASE_MODEL = "base_model"
+EVALUATION_STAGE = "evaluate"
+#: Requirements that fall back to another provider when no stage provides them.
+FALLBACKS = {"sft_model": BASE_MODEL}
+TRACKED_PACKAGES = ("alpacafarm", "torch", "transformers", "trl", "peft", "accelerate", "datasets", "openai", "pluggy")
+
+logger = logging.getLogger("alpacafarm")
+
+
+@dataclass
+class PlannedStage:
+    """A stage ready to run: its method class, validated config, and where each input comes from."""
+
+    name: str
+    method: str
+    method_cls: type[Method]
+    plugin: str
+    config: Any
+    raw_config: dict[str, Any]
+    inputs: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class StageOutcome:
+    name: str
+    status: str  # "ran" | "skipped"
+    seconds: float
+    artifact: Artifact
+
+
+def plan(loaded: LoadedRecipe, registry: Registry) -> list[PlannedStage]:
+    """Resolve every stage's inputs; errors name the stage and the YAML path."""
+    recipe, doc = loaded.recipe, loaded.source
+    planned: list[PlannedStage] = []
+    providers: dict[str, str] = {}  # what → latest stage that provides it
+
+    def resolve(stage_index: int, stage_name: str, method: str, requirement: str, explicit: str | None) -> str:
+        known = [BASE_MODEL, *recipe.data, *(p.name for p in planned)]
+        if explicit is not None:
+            if explicit in known and not (explicit == BASE_MODEL and recipe.model is None):
+                return explicit
+            raise doc.error(
+                ("stages", stage_index, "inputs", requirement),
+                f"{explicit!r} is not an earlier stage, a data name or {BASE_MODEL!r}{did_you_mean(explicit, known)}",
+            )
+        for candidate in (providers.get(requirement), requirement if requirement in recipe.data else None,
+                          requirement if any(p.name == requirement for p in planned) else None):
+            if candidate:
+                return candidate
+        fallback = FALLBACKS.get(requirement, requirement)
+        if fallback == BASE_MODEL and recipe.model is not None:
+            return BASE_MODEL
+        if fallback == BASE_MODEL:
+            raise doc.error(("model",), f"stage {stage_name!r} (method {method!r}) needs a model: add a 'model:' block")
+        raise doc.error(
+            ("stages", stage_index),
+            f"stage {stage_name!r} (method {method!r}) needs {requirement!r} but no earlier stage provides it and no "
+            f"data source is named so; add one, or set stages[{stage_index}].inputs.{requirement}",
+        )
+
+    for i, spec in enumerate(recipe.stages):
+        entry = registry.entry("method", spec.method)
+        method_cls = entry.load()
+        inputs = {r: resolve(i, spec.name, spec.method, r, spec.inputs.get(r)) for r in method_cls.requires}
+        planned.append(PlannedStage(spec.name, spec.method, method_cls, entry.plugin, loaded.stage_configs.get(spec.name),
+                                    dict(spec.config), inputs))
+        providers[method_cls.provides] = spec.name
+
+    if recipe.evaluation is not None:
+        evaluation = recipe.evaluation
+        entry = registry.entry("evaluator", evaluation.evaluator)
+        evaluator_cls = entry.load()
+        policy = evaluation.policy or planned[-1].name
+        if policy not in [p.name for p in planned]:
+            raise doc.error(("evaluation", "policy"), f"no stage named {policy!r}")
+        from alpacafarm.recipe import validate_plugin_config
+
+        config = validate_plugin_config(getattr(evaluator_cls, "config_class", None), evaluation.config, doc,
+                                        ("evaluation", "config"))
+        inputs = {r: (policy if r == "policy" else resolve(len(planned), EVALUATION_STAGE, evaluation.evaluator, r, None))
+                  for r in evaluator_cls.requires}
+        planned.append(PlannedStage(EVALUATION_STAGE, evaluation.evaluator, evaluator_cls, entry.plugin, config,
+                                    dict(evaluation.config), inputs))
+    return planned
+
+
+def package_versions(extra: tuple[str, ...] = ()) -> dict[str, str]:
+    out = {}
+    for name in (*TRACKED_PACKAGES, *extra):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return out
+
+
+def _digest(payload: Any) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+@contextmanager
+def _run_lock(run_dir: Path) -> Iterator[None]:
+    with (run_dir / ".lock").open("w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"another alpacafarm run is using {run_dir}; wait for it or pick --output-dir") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def run_directory(loaded: LoadedRecipe, output_dir: str | Path | None) -> Path:
+    return Path(output_dir or loaded.recipe.output_dir or Path("runs") / loaded.recipe.name)
+
+
+class Pipeline:
+    """Runs planned stages in order inside one run directory."""
+
+    def __init__(self, loaded: LoadedRecipe, registry: Registry, output_dir: str | Path | None = None) -> None:
+        self.loaded = loaded
+        self.recipe = loaded.recipe
+        self.registry = registry
+        self.stages = plan(loaded, registry)  # before anything is written: a bad recipe leaves no trace
+        self.run_dir = run_directory(loaded, output_dir)
+
+    def _input_identity(self, provider: str, outcomes: dict[str, StageOutcome]) -> tuple[str, Artifact]:
+        if provider == BASE_MODEL:
+            spec = self.recipe.model.model_dump(mode="json")
+            return _digest(spec), Artifact("model", self.recipe.model.name, {"spec": spec, "resolved": False})
+        if provider in self.recipe.data:
+            source = self.recipe.data[provider]
+            return source_fingerprint(source), Artifact("data_source", source.path, {"source": source.model_dump(mode="json")})
+        outcome = outcomes[provider]
+        return outcome.artifact.metadata["output_id"], outcome.artifact
+
+    def run(self, force: tuple[str, ...] | list[str] = ()) -> list[StageOutcome]:
+        names = [s.name for s in self.stages]
+        for name in force:
+            if name != "all" and name not in names:
+                raise UserError(f"--force {name}: no such stage{did_you_mean(name, names)} (stages: {', '.join(names)})")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(self.run_dir / "run.log", encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            with _run_lock(self.run_dir):
+                self._write_run_files()
+                return self._run_stages(set(force))
+        except BaseException as exc:
+            (self.run_dir / "error.log").write_text(f"{_now()}\n{traceback.format_exc()}", encoding="utf-8")
+            logger.error("run failed: %s", exc)
+            raise
+        finally:
+            logger.removeHandler(handler)
+            handler.close()
+
+    def _write_run_files(self) -> None:
+        import yaml
+
+        (self.run_dir / "recipe.yaml").write_text(yaml.safe_dump(self.loaded.resolved(), sort_keys=False), encoding="utf-8")
+        info_path = self.run_dir / "run.json"
+        history = json.loads(info_path.read_text())["history"] if info_path.is_file() else []
+        history.append({"started_at": _now(), "recipe": str(self.loaded.path)})
+        plugins = sorted({s.plugin for s in self.stages})
+        write_json(info_path, {"recipe": self.recipe.name, "seed": self.recipe.seed, "plugins": plugins,
+                               "versions": package_versions(), "history": history})
+
+    def _run_stages(self, force: set[str]) -> list[StageOutcome]:
+        from alpacafarm.console import console
+
+        outcomes: dict[str, StageOutcome] = {}
+        for stage in self.stages:
+            inputs, identities = {}, {}
+            for requirement, provider in stage.inputs.items():
+                identities[requirement], inputs[requirement] = self._input_identity(provider, outcomes)
+            fingerprint = _digest({
+                "method": stage.method, "plugin": stage.plugin, "config": stage.raw_config, "seed": self.recipe.seed,
+                "model": self.recipe.model.model_dump(mode="json") if self.recipe.model else None,
+                "inputs": identities,
+            })
+            stage_dir = self.run_dir / "stages" / stage.name
+            manifest_path = stage_dir / "manifest.json"
+            previous = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+            unchanged = previous is not None and previous.get("fingerprint") == fingerprint
+            if unchanged and previous["status"] == "complete" and not ({"all", stage.name} & force):
+                artifact = Artifact.from_json(previous["artifact"], self.run_dir)
+                outcomes[stage.name] = StageOutcome(stage.name, "skipped", 0.0, artifact)
+                console().print(f"[dim]• {stage.name}: unchanged, skipped[/dim]")
+                logger.info("stage %s skipped (fingerprint %s)", stage.name, fingerprint[:12])
+                continue
+            resuming = unchanged and previous["status"] == "running"
+            if stage_dir.exists() and not resuming:
+                shutil.rmtree(stage_dir)  # stale output of another configuration: never mix the two
+            stage_dir.mkdir(parents=True, exist_ok=True)
+            seed = stable_seed(self.recipe.seed, stage.name)
+            manifest = {
+                "stage": stage.name, "method": stage.method, "plugin": stage.plugin, "status": "running",
+                "fingerprint": fingerprint, "seed": seed, "recipe_seed": self.recipe.seed, "config": stage.raw_config,
+                "inputs": {r: {"from": stage.inputs[r], "id": identities[r]} for r in stage.inputs},
+                "versions": package_versions(), "recipe": self.loaded.resolved(), "started_at": _now(),
+            }
+            write_json(manifest_path, manifest)
+            console().print(f"[bold]▶ {stage.name}[/bold] ({stage.method}){' — resuming' if resuming else ''}")
+            logger.info("stage %s started (method %s, resuming=%s)", stage.name, stage.method, resuming)
+            context = StageContext(stage.name, stage_dir, self.run_dir, seed, stage.config, inputs, self.recipe,
+                                   self.registry, resuming)
+            started = time.perf_counter()
+            artifact = stage.method_cls(stage.config).run(context)
+            if not isinstance(artifact, Artifact):
+                raise TypeError(f"method {stage.method!r} returned {type(artifact).__name__}, not an Artifact")
+            seconds = time.perf_counter() - started
+            artifact.metadata["output_id"] = uuid.uuid4().hex
+            manifest.update(status="complete", finished_at=_now(), duration_s=round(seconds, 3),
+                            artifact=artifact.to_json(self.run_dir))
+            write_json(manifest_path, manifest)
+            logger.info("stage %s complete in %.1fs", stage.name, seconds)
+            outcomes[stage.name] = StageOutcome(stage.name, "ran", seconds, artifact)
+        return list(outcomes.values())

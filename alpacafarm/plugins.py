@@ -1,0 +1,164 @@
+"""The plugin load policy: entry points of group ``alpacafarm`` → a pluggy manager → a :class:`Registry`.
+
+- Every installed distribution may declare ``[project.entry-points.alpacafarm] name = "module"``; the built-ins
+  (shipped in the ``alpacafarm`` distribution) are loaded the same way.
+- ``ALPACAFARM_DISABLE_PLUGIN_AUTOLOAD=1`` skips third-party entry points (the built-ins still load).
+- ``ALPACAFARM_PLUGINS=a,b`` is an allow-list of third-party entry-point names.
+- A plugin that fails to import (or whose hook raises) is recorded with its error and skipped; the rest load.
+- Nothing happens at import time: the registry is built on the first :func:`get_registry` call.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any
+
+import pluggy
+
+from alpacafarm import PROJECT_NAME, hookspecs
+from alpacafarm.errors import PluginError
+from alpacafarm.registry import KINDS, Registry
+
+ENTRY_POINT_GROUP = PROJECT_NAME
+DISABLE_AUTOLOAD_ENV = "ALPACAFARM_DISABLE_PLUGIN_AUTOLOAD"
+ALLOW_LIST_ENV = "ALPACAFARM_PLUGINS"
+BUILTIN_DISTRIBUTION = "alpacafarm"
+
+
+@dataclass
+class PluginInfo:
+    """What is known about one plugin, loaded or not."""
+
+    name: str
+    distribution: str
+    version: str
+    module: str
+    builtin: bool
+    error: str | None = None
+
+
+@dataclass
+class LoadedPlugins:
+    """The result of loading: the pluggy manager, the filled registry, and every plugin's status."""
+
+    manager: pluggy.PluginManager
+    registry: Registry
+    plugins: list[PluginInfo] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[PluginInfo]:
+        return [p for p in self.plugins if p.error is not None]
+
+
+_extra_plugins: dict[str, Any] = {}
+_loaded: LoadedPlugins | None = None
+
+
+def _allow_list() -> set[str] | None:
+    raw = os.environ.get(ALLOW_LIST_ENV, "").strip()
+    return {name.strip() for name in raw.split(",") if name.strip()} if raw else None
+
+
+def _autoload_disabled() -> bool:
+    return os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _describe_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+def load_plugins() -> LoadedPlugins:
+    """Build a fresh plugin manager and registry from entry points and explicitly registered plugins."""
+    manager = pluggy.PluginManager(PROJECT_NAME)
+    manager.add_hookspecs(hookspecs)
+    infos: list[PluginInfo] = []
+    disabled, allowed = _autoload_disabled(), _allow_list()
+
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        dist_name = ep.dist.name if ep.dist else "?"
+        builtin = dist_name == BUILTIN_DISTRIBUTION
+        if not builtin and (disabled or (allowed is not None and ep.name not in allowed)):
+            continue
+        info = PluginInfo(ep.name, dist_name, ep.dist.version if ep.dist else "?", ep.value, builtin)
+        infos.append(info)
+        if manager.has_plugin(ep.name):
+            info.error = f"entry-point name {ep.name!r} is declared twice; kept the first"
+            continue
+        try:
+            _register(manager, ep.load(), ep.name)
+        except Exception as exc:  # a broken plugin must not take the others down
+            info.error = _describe_error(exc)
+
+    for name, plugin in _extra_plugins.items():
+        module = getattr(plugin, "__name__", type(plugin).__name__)
+        info = PluginInfo(name, "(registered in-process)", "-", module, builtin=False)
+        infos.append(info)
+        try:
+            _register(manager, plugin, name)
+        except Exception as exc:
+            info.error = _describe_error(exc)
+
+    registry = Registry()
+    by_name = {info.name: info for info in infos}
+    for kind, hook_name in KINDS.items():
+        for impl in getattr(manager.hook, hook_name).get_hookimpls():
+            plugin_name = impl.plugin_name
+
+            def register(name: str, target: Any, *, description: str = "", _kind=kind, _plugin=plugin_name, **meta):
+                registry.add(_kind, name, target, _plugin, description, **meta)
+
+            try:
+                impl.function(**{arg: register for arg in impl.argnames})
+            except PluginError:
+                raise  # duplicate names are a configuration error, not one plugin's failure
+            except Exception as exc:
+                info = by_name.get(plugin_name)
+                if info is not None and info.error is None:
+                    info.error = f"hook {hook_name} raised {_describe_error(exc)}"
+    return LoadedPlugins(manager, registry, infos)
+
+
+def _register(manager: pluggy.PluginManager, plugin: Any, name: str) -> None:
+    """Register one plugin and reject hook implementations that match no hookspec (misspelled hooks)."""
+    manager.register(plugin, name=name)
+    try:
+        manager.check_pending()
+    except pluggy.PluginValidationError as exc:
+        manager.unregister(name=name)
+        raise PluginError(f"{exc}; valid hooks: {', '.join(KINDS.values())}") from exc
+
+
+def get_plugins() -> LoadedPlugins:
+    """The process-wide plugins, loaded on first use; failures are reported once on stderr."""
+    global _loaded
+    if _loaded is None:
+        _loaded = load_plugins()
+        for info in _loaded.failures:
+            print(f"warning: plugin {info.name!r} ({info.distribution}) failed to load: {info.error}", file=sys.stderr)
+    return _loaded
+
+
+def get_registry() -> Registry:
+    """The process-wide registry of methods, annotators, evaluators, validators, backends and commands."""
+    return get_plugins().registry
+
+
+def reset_plugins() -> None:
+    """Forget the loaded plugins; the next :func:`get_registry` reloads them (tests, long-lived sessions)."""
+    global _loaded
+    _loaded = None
+
+
+def register_plugin(plugin: Any, name: str) -> None:
+    """Add a plugin object (module or instance with ``@hookimpl`` functions) in-process, e.g. from a test."""
+    _extra_plugins[name] = plugin
+    reset_plugins()
+
+
+def unregister_plugin(name: str) -> None:
+    """Remove a plugin added with :func:`register_plugin`."""
+    _extra_plugins.pop(name, None)
+    reset_plugins()

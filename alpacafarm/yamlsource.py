@@ -1,0 +1,211 @@
+"""YAML documents that remember where each key came from, with ``include:`` and ``--set`` overrides.
+
+Recipes are loaded with PyYAML's safe loader only (no tags that run code). Every mapping key and list item
+gets a position ``(file, line)`` so a validation error can say ``recipes/x.yaml:12: stages[0].config.lr: ...``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from alpacafarm.errors import RecipeError
+
+Path_ = tuple[str | int, ...]
+
+
+def format_path(path: Path_) -> str:
+    """``("stages", 0, "config", "lr")`` → ``"stages[0].config.lr"``."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+@dataclass
+class SourcedDocument:
+    """A plain YAML value plus the source position of every path in it."""
+
+    data: Any
+    positions: dict[Path_, tuple[str, int]] = field(default_factory=dict)
+
+    def where(self, path: Path_) -> str:
+        """``"file:line"`` of the longest known prefix of ``path`` (empty when unknown)."""
+        for end in range(len(path), -1, -1):
+            pos = self.positions.get(tuple(path[:end]))
+            if pos is not None:
+                return pos[0] if pos[0] == "--set" else f"{pos[0]}:{pos[1]}"
+        return ""
+
+    def error(self, path: Path_, message: str) -> RecipeError:
+        where = self.where(path)
+        prefix = f"{where}: " if where else ""
+        return RecipeError(f"{prefix}{format_path(path)}: {message}")
+
+
+def _build(node: yaml.Node, path: Path_, positions: dict, source: str) -> Any:
+    positions.setdefault(path, (source, node.start_mark.line + 1))
+    if isinstance(node, yaml.MappingNode):
+        out: dict[str, Any] = {}
+        for key_node, value_node in node.value:
+            key = yaml.safe_load(yaml.serialize(key_node)) if not isinstance(key_node, yaml.ScalarNode) else key_node.value
+            if not isinstance(key, str):
+                raise RecipeError(f"{source}:{key_node.start_mark.line + 1}: mapping keys must be strings, got {key!r}")
+            if key in out:
+                raise RecipeError(f"{source}:{key_node.start_mark.line + 1}: {format_path((*path, key))}: duplicate key")
+            positions[(*path, key)] = (source, key_node.start_mark.line + 1)
+            out[key] = _build(value_node, (*path, key), positions, source)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_build(item, (*path, i), positions, source) for i, item in enumerate(node.value)]
+    # Scalars: let the safe constructor resolve ints, floats, bools, nulls exactly as safe_load would.
+    return _fix_exponent_float(yaml.safe_load(yaml.serialize(node)))
+
+
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _fix_exponent_float(value: Any) -> Any:
+    """YAML 1.1 reads ``2e-5`` as a string; learning rates are written that way, so read them as floats."""
+    if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+        return float(value)
+    return value
+
+
+def parse_yaml(text: str, source: str) -> SourcedDocument:
+    """Parse one YAML document (safe loader) into a :class:`SourcedDocument`."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark is not None else source
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError(f"{where}: malformed YAML: {problem}") from None
+    positions: dict[Path_, tuple[str, int]] = {}
+    data = {} if node is None else _build(node, (), positions, source)
+    return SourcedDocument(data, positions)
+
+
+def deep_merge(base: SourcedDocument, over: SourcedDocument) -> SourcedDocument:
+    """Overlay ``over`` on ``base``: mappings merge key by key, everything else (lists too) is replaced."""
+    positions = dict(base.positions)
+
+    def merge(a: Any, b: Any, path: Path_) -> Any:
+        if isinstance(a, dict) and isinstance(b, dict):
+            out = dict(a)
+            for key, value in b.items():
+                out[key] = merge(a[key], value, (*path, key)) if key in a else value
+                if key not in a or not (isinstance(a[key], dict) and isinstance(value, dict)):
+                    _drop_subtree(positions, (*path, key))
+                    _copy_subtree(over.positions, positions, (*path, key))
+            return out
+        return b
+
+    data = merge(base.data, over.data, ())
+    return SourcedDocument(data, positions)
+
+
+def _drop_subtree(positions: dict, prefix: Path_) -> None:
+    for key in [k for k in positions if k[: len(prefix)] == prefix]:
+        del positions[key]
+
+
+def _copy_subtree(src: dict, dst: dict, prefix: Path_) -> None:
+    for key, value in src.items():
+        if key[: len(prefix)] == prefix:
+            dst[key] = value
+
+
+def display_path(path: Path) -> str:
+    """A path relative to the working directory when possible (error messages stay short and machine-free)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def load_with_includes(path: Path, _stack: tuple[Path, ...] = ()) -> SourcedDocument:
+    """Load ``path``; its ``include:`` (a file or list of files, relative to it) are merged underneath it."""
+    path = Path(path)
+    shown = display_path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file not found: {shown}")
+    resolved = path.resolve()
+    if resolved in _stack:
+        chain = " -> ".join(display_path(p) for p in (*_stack, resolved))
+        raise RecipeError(f"{shown}: include cycle: {chain}")
+    doc = parse_yaml(path.read_text(encoding="utf-8"), shown)
+    if not isinstance(doc.data, dict):
+        raise RecipeError(f"{shown}:1: a recipe must be a YAML mapping, got {type(doc.data).__name__}")
+    includes = doc.data.pop("include", None)
+    if includes is None:
+        return doc
+    if isinstance(includes, str):
+        includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise doc.error(("include",), "must be a file name or a list of file names")
+    merged = SourcedDocument({}, {})
+    for i, name in enumerate(includes):
+        target = path.parent / name
+        if not target.is_file():
+            where = doc.positions.get(("include", i)) or doc.positions.get(("include",))
+            loc = f"{where[0]}:{where[1]}: " if where else f"{shown}: "
+            raise RecipeError(f"{loc}include: file not found: {display_path(target)}")
+        merged = deep_merge(merged, load_with_includes(target, (*_stack, resolved)))
+    doc.positions = {k: v for k, v in doc.positions.items() if k[:1] != ("include",)}
+    return deep_merge(merged, doc)
+
+
+def parse_override(text: str) -> tuple[list[str | int], Any]:
+    """``"stages.0.config.lr=1e-5"`` → ``(["stages", 0, "config", "lr"], 1e-5)``; the value is parsed as YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise RecipeError(f"--set {text!r}: expected KEY=VALUE, e.g. --set seed=3")
+    parts: list[str | int] = [int(p) if p.isdigit() else p for p in key.strip().split(".")]
+    if any(p == "" for p in parts):
+        raise RecipeError(f"--set {text!r}: empty key segment")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # not valid YAML: take it as a plain string
+    return parts, _fix_exponent_float(value)
+
+
+def apply_override(doc: SourcedDocument, text: str) -> None:
+    """Set one ``--set`` override in place; list items are addressed by index, stages also by name."""
+    parts, value = parse_override(text)
+    node: Any = doc.data
+    walked: list[str | int] = []
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            index = _list_index(node, part)
+            if index is None:
+                raise RecipeError(f"--set {text}: {format_path(tuple(walked))} has no item {part!r}")
+            part = index
+            if last:
+                node[part] = value
+            else:
+                node = node[part]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                node = node.setdefault(part, {})
+        else:
+            raise RecipeError(f"--set {text}: {format_path(tuple(walked))} is a {type(node).__name__}, not a mapping")
+        walked.append(part)
+    doc.positions[tuple(walked)] = ("--set", 0)
+
+
+def _list_index(items: list, part: str | int) -> int | None:
+    if isinstance(part, int):
+        return part if -len(items) <= part < len(items) else None
+    for i, item in enumerate(items):  # stages are easier to address by name: --set stages.sft.config.lr=...
+        if isinstance(item, dict) and item.get("name") == part:
+            return i
+    return None
