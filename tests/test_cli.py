@@ -1,0 +1,160 @@
+"""The command line in fresh processes: cheap --help, plugin listing, recipe check, third-party and broken plugins."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT, run_cli
+
+
+def test_help_imports_neither_torch_nor_trl():
+    code = (
+        "import sys\n"
+        "from alpacafarm.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = sorted(m for m in ('torch', 'trl', 'transformers', 'pydantic', 'datasets') if m in sys.modules)\n"
+        "print('HEAVY=' + ','.join(heavy))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "run" in result.stdout and "plugins" in result.stdout
+    assert "HEAVY=\n" in result.stdout
+
+
+def test_importtime_of_help_shows_no_torch():
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "alpacafarm", "--help"], capture_output=True,
+                            text=True, cwd=REPO_ROOT, timeout=120)
+    assert result.returncode == 0
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in result.stderr.splitlines() if "|" in line}
+    assert "alpacafarm" in imported and "pluggy" in imported
+    assert not imported & {"torch", "trl", "transformers"}
+
+
+def test_plugins_json_lists_the_builtins():
+    result = run_cli("plugins", "--json")
+    assert result.returncode == 0, result.stderr
+    plugins = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
+    assert plugins["data"]["builtin"] and plugins["data"]["distribution"] == "alpacafarm"
+    assert plugins["data"]["registers"]["method"] == ["split_instructions"]
+    assert plugins["models"]["registers"]["method"] == ["inspect_model"]
+    assert all(p["error"] is None for p in plugins.values())
+
+
+@pytest.mark.parametrize("recipe", sorted(p.relative_to(REPO_ROOT) for p in (REPO_ROOT / "recipes").glob("*.yaml")),
+                         ids=str)
+def test_every_shipped_recipe_passes_check(recipe: Path):
+    result = run_cli("recipe", "check", str(recipe))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"ok: {recipe}")
+
+
+def _fake_distribution(site: Path, name: str, entry_points: dict[str, str], modules: dict[str, str]) -> None:
+    """A minimal installed distribution (dist-info + modules) on a folder that goes on PYTHONPATH."""
+    info = site / f"{name.replace('-', '_')}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[alpacafarm]\n" + "".join(f"{k} = {v}\n" for k, v in entry_points.items()))
+    for module, source in modules.items():
+        (site / f"{module}.py").write_text(source)
+
+
+@pytest.fixture
+def broken_plugin_site(tmp_path: Path) -> Path:
+    site = tmp_path / "site"
+    _fake_distribution(site, "alpacafarm-broken", {"broken": "alpacafarm_broken"},
+                       {"alpacafarm_broken": "import a_module_that_does_not_exist\n"})
+    return site
+
+
+def test_a_plugin_that_fails_to_import_is_reported_and_the_rest_work(broken_plugin_site: Path):
+    env = {"PYTHONPATH": str(broken_plugin_site)}
+    result = run_cli("plugins", "--json", env=env)
+    assert result.returncode == 0
+    plugins = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
+    assert "ModuleNotFoundError" in plugins["broken"]["error"] and "a_module_that_does_not_exist" in plugins["broken"]["error"]
+    assert plugins["data"]["error"] is None
+    assert "plugin 'broken' (alpacafarm-broken) failed to load" in result.stderr
+    check = run_cli("recipe", "check", "recipes/quickstart.yaml", env=env)
+    assert check.returncode == 0, check.stderr
+
+
+def test_unknown_method_from_a_broken_plugin_exits_2_and_names_it(broken_plugin_site: Path, tmp_path: Path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\nstages:\n  - name: s\n    method: broken_method\n")
+    out = tmp_path / "run"
+    result = run_cli("run", str(recipe), "--output-dir", str(out), env={"PYTHONPATH": str(broken_plugin_site)})
+    assert result.returncode == 2
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1
+    assert "unknown method 'broken_method'" in error_lines[0] and "broken (ModuleNotFoundError" in error_lines[0]
+    assert "Traceback" not in result.stderr
+    assert not out.exists()
+
+
+def test_two_plugins_registering_one_name_exit_2(tmp_path: Path):
+    site = tmp_path / "site"
+    source = ("from alpacafarm import hookimpl\n\n@hookimpl\ndef register_methods(register):\n"
+              "    register('split_instructions', 'alpacafarm.method:Method')\n")
+    _fake_distribution(site, "alpacafarm-clash", {"clash": "alpacafarm_clash"}, {"alpacafarm_clash": source})
+    result = run_cli("recipe", "check", "recipes/quickstart.yaml", env={"PYTHONPATH": str(site)})
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: method 'split_instructions' is registered by two plugins: ")
+    assert "'data'" in last and "'clash'" in last and "Traceback" not in result.stderr
+
+
+def test_autoload_switch_and_allow_list(broken_plugin_site: Path):
+    env = {"PYTHONPATH": str(broken_plugin_site), "ALPACAFARM_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    names = {p["name"] for p in json.loads(run_cli("plugins", "--json", env=env).stdout)["plugins"]}
+    assert "broken" not in names and {"data", "models"} <= names  # built-ins always load
+    env = {"PYTHONPATH": str(broken_plugin_site), "ALPACAFARM_PLUGINS": "someone_else"}
+    names = {p["name"] for p in json.loads(run_cli("plugins", "--json", env=env).stdout)["plugins"]}
+    assert "broken" not in names
+    env = {"PYTHONPATH": str(broken_plugin_site), "ALPACAFARM_PLUGINS": "broken"}
+    names = {p["name"] for p in json.loads(run_cli("plugins", "--json", env=env).stdout)["plugins"]}
+    assert "broken" in names
+
+
+def test_third_party_plugin_is_listed_and_its_method_runs(example_plugin_site: Path, tmp_path: Path):
+    env = {"PYTHONPATH": str(example_plugin_site)}
+    plugins = {p["name"]: p for p in json.loads(run_cli("plugins", "--json", env=env).stdout)["plugins"]}
+    example = plugins["example"]
+    assert example["distribution"] == "alpacafarm-example" and example["version"] == "0.2.0" and not example["builtin"]
+    assert example["registers"] == {"annotator": ["prefer_longer"], "command": ["example-hello"],
+                                    "method": ["echo_longest"]}
+
+    recipe = tmp_path / "third_party.yaml"
+    recipe.write_text(
+        "name: third_party\n"
+        "data:\n  instructions: {builtin: alpaca_eval_sample, limit: 5}\n"
+        "annotator: prefer_longer\n"
+        "stages:\n  - name: echo\n    method: echo_longest\n    config: {max_chars: 40}\n"
+    )
+    out = tmp_path / "run"
+    result = run_cli("run", str(recipe), "--output-dir", str(out), env=env)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in (out / "stages" / "echo" / "outputs.jsonl").read_text().splitlines()]
+    assert len(rows) == 5 and all(0 < len(r["output"]) <= 40 for r in rows)
+
+    hello = run_cli("example-hello", "tester", env=env)
+    assert hello.returncode == 0 and hello.stdout.strip() == "hello tester from alpacafarm-example"
+    assert "example-hello" in run_cli("--help", env=env).stdout
+
+
+def test_debug_shows_the_traceback(tmp_path: Path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("name: x\nstages: []\n")
+    plain = run_cli("recipe", "check", str(recipe))
+    debug = run_cli("--debug", "recipe", "check", str(recipe))
+    assert plain.returncode == debug.returncode == 2
+    assert "Traceback" not in plain.stderr and "Traceback" in debug.stderr
+    assert "stages" in plain.stderr.strip().splitlines()[-1]
+
+
+def test_environment_is_offline():
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and os.environ["HF_DATASETS_OFFLINE"] == "1"

@@ -1,0 +1,211 @@
+"""The pipeline runner: wiring, manifests, skipping unchanged stages, --force, resume after an interruption."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import alpacafarm
+from alpacafarm.data import write_jsonl
+from alpacafarm.errors import RecipeError, UserError
+from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.pipeline import Pipeline
+from alpacafarm.plugins import get_registry
+from alpacafarm.recipe import load_recipe
+from alpacafarm.testing import write_records
+
+CALLS: list[tuple[str, bool]] = []
+
+
+@dataclass
+class NumbersConfig:
+    scale: int = 1
+
+
+class MakeNumbers(Method):
+    config_class = NumbersConfig
+    requires = ("instructions",)
+    provides = "numbers"
+
+    def run(self, context: StageContext) -> Artifact:
+        CALLS.append((context.stage, context.resuming))
+        rows = [{"value": len(r["instruction"]) * self.config.scale} for r in context.records("instructions")]
+        write_jsonl(context.stage_dir / "numbers.jsonl", rows)
+        return Artifact("dataset", str(context.stage_dir / "numbers.jsonl"))
+
+
+@dataclass
+class SumConfig:
+    fail_marker: str = ""
+
+
+class SumNumbers(Method):
+    config_class = SumConfig
+    requires = ("numbers",)
+    provides = "total"
+
+    def run(self, context: StageContext) -> Artifact:
+        CALLS.append((context.stage, context.resuming))
+        (context.stage_dir / "partial.txt").write_text("work in progress")
+        marker = Path(self.config.fail_marker) if self.config.fail_marker else None
+        if marker is not None and not marker.exists():
+            marker.write_text("failed once")
+            raise RuntimeError("simulated crash in the middle of the stage")
+        total = sum(r["value"] for r in context.records("numbers"))
+        return Artifact("report", None, {"total": total, "resumed": context.resuming})
+
+
+class CountingEvaluator(Method):
+    requires = ("policy",)
+    provides = "evaluation"
+
+    def run(self, context: StageContext) -> Artifact:
+        CALLS.append((context.stage, context.resuming))
+        return Artifact("evaluation", None, {"evaluated": context.input("policy").metadata["total"]})
+
+
+class PipelinePlugin:
+    @alpacafarm.hookimpl
+    def register_methods(self, register):
+        register("make_numbers", MakeNumbers)
+        register("sum_numbers", SumNumbers)
+
+    @alpacafarm.hookimpl
+    def register_evaluators(self, register):
+        register("counting", CountingEvaluator)
+
+
+@pytest.fixture
+def recipe_file(tmp_path: Path, register_test_plugin) -> Path:
+    register_test_plugin(PipelinePlugin(), "pipeline-test")
+    CALLS.clear()
+    write_records(tmp_path / "instructions.jsonl", [{"instruction": "abc"}, {"instruction": "hello"}])
+    path = tmp_path / "recipe.yaml"
+    path.write_text(
+        "name: toy\n"
+        f"data:\n  instructions:\n    path: {tmp_path / 'instructions.jsonl'}\n"
+        "stages:\n"
+        "  - name: numbers\n    method: make_numbers\n"
+        "  - name: total\n    method: sum_numbers\n"
+        "evaluation:\n  evaluator: counting\n"
+    )
+    return path
+
+
+def run(recipe: Path, out: Path, *overrides: str, force: tuple[str, ...] = ()) -> dict[str, object]:
+    loaded = load_recipe(recipe, list(overrides))
+    outcomes = Pipeline(loaded, get_registry(), out).run(force=force)
+    return {o.name: o for o in outcomes}
+
+
+def statuses(outcomes: dict) -> dict[str, str]:
+    return {name: o.status for name, o in outcomes.items()}
+
+
+def test_first_run_writes_artifacts_and_manifests(recipe_file: Path, tmp_path: Path):
+    out = tmp_path / "run"
+    outcomes = run(recipe_file, out)
+    assert statuses(outcomes) == {"numbers": "ran", "total": "ran", "evaluate": "ran"}
+    assert outcomes["total"].artifact.metadata["total"] == 3 + 5
+    assert outcomes["evaluate"].artifact.metadata["evaluated"] == 8
+    manifest = json.loads((out / "stages" / "numbers" / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["method"] == "make_numbers"
+    assert manifest["artifact"]["path"] == "stages/numbers/numbers.jsonl"  # relative: a run dir can move
+    assert manifest["inputs"]["instructions"]["from"] == "instructions" and len(manifest["inputs"]["instructions"]["id"]) == 64
+    assert manifest["versions"]["alpacafarm"] == alpacafarm.__version__ and "pluggy" in manifest["versions"]
+    assert manifest["recipe"]["name"] == "toy" and isinstance(manifest["seed"], int)
+    downstream = json.loads((out / "stages" / "total" / "manifest.json").read_text())
+    assert downstream["inputs"]["numbers"]["id"] == manifest["artifact"]["metadata"]["output_id"]
+    assert (out / "recipe.yaml").is_file() and (out / "run.log").is_file()
+    assert json.loads((out / "run.json").read_text())["seed"] == 42
+
+
+def test_rerun_skips_everything_unchanged(recipe_file: Path, tmp_path: Path):
+    out = tmp_path / "run"
+    run(recipe_file, out)
+    CALLS.clear()
+    outcomes = run(recipe_file, out)
+    assert statuses(outcomes) == {"numbers": "skipped", "total": "skipped", "evaluate": "skipped"}
+    assert CALLS == []
+    assert outcomes["total"].artifact.metadata["total"] == 8  # artifacts come back from the manifests
+    assert len(json.loads((out / "run.json").read_text())["history"]) == 2
+
+
+def test_changed_config_reruns_only_that_stage_and_downstream(recipe_file: Path, tmp_path: Path):
+    out = tmp_path / "run"
+    run(recipe_file, out)
+    outcomes = run(recipe_file, out, "stages.total.config.fail_marker=")  # same value as the default: unchanged?
+    assert statuses(outcomes)["total"] == "ran"  # the raw config changed ({} -> {fail_marker: ''})
+    outcomes = run(recipe_file, out, "stages.numbers.config.scale=2")
+    assert statuses(outcomes) == {"numbers": "ran", "total": "ran", "evaluate": "ran"}
+    assert outcomes["total"].artifact.metadata["total"] == 16
+
+
+def test_changed_input_file_reruns(recipe_file: Path, tmp_path: Path):
+    out = tmp_path / "run"
+    run(recipe_file, out)
+    write_records(tmp_path / "instructions.jsonl", [{"instruction": "abcdefghij"}])
+    outcomes = run(recipe_file, out)
+    assert statuses(outcomes) == {"numbers": "ran", "total": "ran", "evaluate": "ran"}
+    assert outcomes["total"].artifact.metadata["total"] == 10
+
+
+def test_force_reruns_the_stage_and_what_depends_on_it(recipe_file: Path, tmp_path: Path):
+    out = tmp_path / "run"
+    run(recipe_file, out)
+    assert statuses(run(recipe_file, out, force=("total",))) == {"numbers": "skipped", "total": "ran", "evaluate": "ran"}
+    assert statuses(run(recipe_file, out, force=("numbers",))) == {"numbers": "ran", "total": "ran", "evaluate": "ran"}
+    with pytest.raises(UserError, match="--force totl: no such stage; did you mean 'total'"):
+        run(recipe_file, out, force=("totl",))
+
+
+def test_interrupted_stage_resumes_and_finished_stages_are_kept(recipe_file: Path, tmp_path: Path):
+    out = tmp_path / "run"
+    marker = tmp_path / "crash-marker"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(recipe_file, out, f"stages.total.config.fail_marker={marker}")
+    manifest = json.loads((out / "stages" / "total" / "manifest.json").read_text())
+    assert manifest["status"] == "running"
+    assert "simulated crash" in (out / "error.log").read_text()
+    CALLS.clear()
+    outcomes = run(recipe_file, out, f"stages.total.config.fail_marker={marker}")
+    assert statuses(outcomes) == {"numbers": "skipped", "total": "ran", "evaluate": "ran"}
+    assert ("total", True) in CALLS and outcomes["total"].artifact.metadata["resumed"] is True
+    assert (out / "stages" / "total" / "partial.txt").is_file()  # the interrupted stage's files were kept for it
+
+
+def test_changed_config_discards_stale_files_of_an_interrupted_stage(recipe_file: Path, tmp_path: Path):
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError):
+        run(recipe_file, out, f"stages.total.config.fail_marker={tmp_path / 'm'}")
+    CALLS.clear()
+    run(recipe_file, out, "stages.numbers.config.scale=3")
+    assert ("total", False) in CALLS  # different inputs: a fresh start, not a resume
+
+
+def test_missing_requirement_names_the_stage(recipe_file: Path, tmp_path: Path):
+    text = recipe_file.read_text().replace("  - name: numbers\n    method: make_numbers\n", "")
+    recipe_file.write_text(text)
+    with pytest.raises(RecipeError, match="stage 'total' \\(method 'sum_numbers'\\) needs 'numbers'"):
+        Pipeline(load_recipe(recipe_file), get_registry(), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_explicit_input_must_name_an_earlier_stage(recipe_file: Path, tmp_path: Path):
+    text = recipe_file.read_text().replace("method: sum_numbers\n", "method: sum_numbers\n    inputs: {numbers: numbrs}\n")
+    recipe_file.write_text(text)
+    with pytest.raises(RecipeError, match=r"recipe.yaml:\d+: stages\[1\]\.inputs\.numbers: 'numbrs' .*did you mean 'numbers'"):
+        Pipeline(load_recipe(recipe_file), get_registry(), tmp_path / "run")
+
+
+def test_a_second_run_on_the_same_directory_is_refused(recipe_file: Path, tmp_path: Path):
+    out = tmp_path / "run"
+    out.mkdir()
+    with (out / ".lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(UserError, match="another alpacafarm run is using"):
+            run(recipe_file, out)
