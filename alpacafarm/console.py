@@ -18,7 +18,14 @@ def console() -> Any:
 @contextmanager
 def progress_bar(description: str, total: int | None) -> Iterator[Any]:
     """A progress bar with elapsed/remaining time; yields ``advance(n=1)``."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console(), transient=False) as progress:

@@ -24,27 +24,49 @@ def builtin_datasets() -> list[str]:
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """Records from a ``.json`` (a list of objects), ``.jsonl`` or ``.csv`` file."""
+    """Records from a ``.json`` file (a list of objects, or pandas' column layouts), ``.jsonl`` or ``.csv`` file."""
     path = Path(path)
     suffix = path.suffix.lower()
-    try:
-        if suffix == ".jsonl":
-            with path.open(encoding="utf-8") as fh:
-                records = [json.loads(line) for line in fh if line.strip()]
-        elif suffix == ".json":
-            records = json.loads(path.read_text(encoding="utf-8"))
-            if isinstance(records, dict):  # {"column": [values]} as pandas writes it
-                records = [dict(zip(records, row)) for row in zip(*records.values())]
-        elif suffix == ".csv":
-            with path.open(encoding="utf-8", newline="") as fh:
-                records = list(csv.DictReader(fh))
-        else:
-            raise UserError(f"{path}: unsupported data file type {suffix!r} (use .json, .jsonl or .csv)")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: not valid {suffix[1:].upper()}: {exc}") from None
+    if suffix == ".jsonl":
+        records = []
+        with path.open(encoding="utf-8") as fh:
+            for number, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise UserError(f"{path}:{number}: not valid JSON: {exc.msg}") from None
+    elif suffix == ".json":
+        try:
+            records = _from_columns(json.loads(path.read_text(encoding="utf-8")), path)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+    elif suffix == ".csv":
+        with path.open(encoding="utf-8", newline="") as fh:
+            records = list(csv.DictReader(fh))
+    else:
+        raise UserError(f"{path}: unsupported data file type {suffix!r} (use .json, .jsonl or .csv)")
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         raise UserError(f"{path}: expected a list of records (JSON objects)")
     return records
+
+
+def _from_columns(data: Any, path: Path) -> Any:
+    """pandas writes ``{"col": [v, ...]}`` (orient="list") or ``{"col": {"0": v, ...}}`` (its default)."""
+    if not isinstance(data, dict):
+        return data
+    columns = list(data.values())
+    if columns and all(isinstance(c, list) for c in columns):
+        if len({len(c) for c in columns}) != 1:
+            raise UserError(f"{path}: columns have different lengths; expected a list of records")
+        return [dict(zip(data, row, strict=False)) for row in zip(*columns, strict=False)]
+    if columns and all(isinstance(c, dict) for c in columns):
+        index = list(columns[0])
+        if any(list(c) != index for c in columns):
+            raise UserError(f"{path}: columns have different indexes; expected a list of records")
+        return [{name: data[name][i] for name in data} for i in index]
+    raise UserError(f"{path}: expected a list of records (JSON objects), got a single object")
 
 
 def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> int:
@@ -53,11 +75,14 @@ def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     n = 0
-    with tmp.open("w", encoding="utf-8") as fh:
-        for record in records:
-            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
-            n += 1
-    os.replace(tmp, path)
+    try:
+        with tmp.open("w", encoding="utf-8") as fh:
+            for record in records:
+                fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+                n += 1
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return n
 
 
@@ -66,8 +91,11 @@ def write_json(path: Path, data: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def file_sha256(path: Path) -> str:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from alpacafarm.data import source_fingerprint, write_json
-from alpacafarm.errors import RecipeError, UserError
+from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext, stable_seed
 from alpacafarm.recipe import LoadedRecipe
 from alpacafarm.registry import Registry, did_you_mean

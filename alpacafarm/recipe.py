@@ -13,7 +13,15 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from alpacafarm.errors import RecipeError, UnknownNameError
 from alpacafarm.registry import Registry, did_you_mean
@@ -161,17 +169,15 @@ def _data_path(loc: tuple, data: Any) -> Path_:
     path: list[str | int] = []
     node = data
     for part in loc:
-        if isinstance(node, dict) and part in node:
-            path.append(part)
-            node = node[part]
-        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+        if (isinstance(node, dict) and part in node) or (isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)):
             path.append(part)
             node = node[part]
     return tuple(path)
 
 
 def _pydantic_error(exc: ValidationError, doc: SourcedDocument, root_path: Path_, data: Any, root: Any) -> RecipeError:
-    errors = exc.errors()
+    # An unknown key explains a "missing" one next to it (a misspelling), so it is reported first.
+    errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
     loc = tuple(first["loc"])
     path = (*root_path, *_data_path(loc, data))

@@ -63,7 +63,8 @@ def _build(node: yaml.Node, path: Path_, positions: dict, source: str) -> Any:
     if isinstance(node, yaml.SequenceNode):
         return [_build(item, (*path, i), positions, source) for i, item in enumerate(node.value)]
     # Scalars: let the safe constructor resolve ints, floats, bools, nulls exactly as safe_load would.
-    return _fix_exponent_float(yaml.safe_load(yaml.serialize(node)))
+    value = yaml.safe_load(yaml.serialize(node))
+    return _fix_exponent_float(value) if getattr(node, "style", None) is None else value  # quoted stays text
 
 
 _EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
@@ -165,14 +166,15 @@ def parse_override(text: str) -> tuple[list[str | int], Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise RecipeError(f"--set {text!r}: expected KEY=VALUE, e.g. --set seed=3")
-    parts: list[str | int] = [int(p) if p.isdigit() else p for p in key.strip().split(".")]
+    parts: list[str | int] = [int(p) if p.lstrip("-").isdigit() else p for p in key.strip().split(".")]
     if any(p == "" for p in parts):
         raise RecipeError(f"--set {text!r}: empty key segment")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
-        value = raw  # not valid YAML: take it as a plain string
-    return parts, _fix_exponent_float(value)
+        return parts, raw  # not valid YAML: take it as a plain string
+    quoted = raw.strip()[:1] in ("'", '"')
+    return parts, value if quoted else _fix_exponent_float(value)
 
 
 def apply_override(doc: SourcedDocument, text: str) -> None:
@@ -199,6 +201,7 @@ def apply_override(doc: SourcedDocument, text: str) -> None:
         else:
             raise RecipeError(f"--set {text}: {format_path(tuple(walked))} is a {type(node).__name__}, not a mapping")
         walked.append(part)
+    _drop_subtree(doc.positions, tuple(walked))  # the old file positions no longer describe this value
     doc.positions[tuple(walked)] = ("--set", 0)
 
 

@@ -53,7 +53,7 @@ def test_lazy_targets_are_not_imported_until_used(register_test_plugin):
     entry = registry.entry("method", "lazy_method")
     assert entry.is_lazy and entry.plugin == "lazy" and entry.description == "never imported unless used"
     assert "tests_lazy_target_module" not in sys.modules
-    with pytest.raises(PluginError, match="method 'lazy_method' of plugin 'lazy'.*tests_lazy_target_module"):
+    with pytest.raises(PluginError, match=r"method 'lazy_method' of plugin 'lazy'.*tests_lazy_target_module"):
         entry.load()
     assert registry.get("evaluator", "ev") is alpacafarm.method.Method
 
