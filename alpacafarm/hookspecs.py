@@ -29,7 +29,9 @@ def register_methods(register):
 def register_annotators(register):
     """Register pairwise annotators: single judges and pools (presets such as ``alpacafarm_ann``).
 
-    The target must resolve to a callable ``(config: dict) -> annotator`` (a class or factory).
+    Called when a recipe's ``annotator`` (or ``evaluation.annotator``) names one. The target must resolve to a
+    callable ``(config) -> annotator`` (a class or factory); if it has a ``config_class`` attribute, the recipe's
+    config block is validated with it first and passed as that object, otherwise as a dict.
     """
 
 
@@ -37,7 +39,9 @@ def register_annotators(register):
 def register_evaluators(register):
     """Register evaluators (e.g. win-rate against reference outputs).
 
-    The target must resolve to a callable ``(config: dict) -> evaluator``.
+    Called when a recipe's ``evaluation.evaluator`` names one. The target must resolve to a ``Method``
+    subclass whose ``requires`` includes ``"policy"`` (the evaluated stage's output); it runs as the
+    pipeline's final stage, ``evaluate``.
     """
 
 

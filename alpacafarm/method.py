@@ -106,9 +106,12 @@ class StageContext:
 
     def make_annotator(self, role: str = "feedback") -> Any:
         """Build the recipe's annotator for ``role`` from the registry."""
-        ref = self.annotator_ref(role)
-        factory = self.registry.get("annotator", ref.name)
-        return factory(dict(ref.config))
+        from alpacafarm.recipe import validate_plugin_ref
+        from alpacafarm.yamlsource import SourcedDocument
+
+        ref = self.annotator_ref(role)  # already validated when the recipe loaded; this builds the config object
+        config = validate_plugin_ref(self.registry, "annotator", ref, SourcedDocument(None), ("annotator",))
+        return self.registry.get("annotator", ref.name)(config)
 
     @contextmanager
     def progress(self, description: str, total: int | None) -> Iterator[Any]:

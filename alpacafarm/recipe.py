@@ -123,7 +123,6 @@ class Recipe(_Strict):
     model: ModelSpec | None = None
     data: dict[str, DataSource] = Field(default_factory=dict)
     annotator: PluginRef | None = None
-    model_map: dict[str, str] = Field(default_factory=dict)
     stages: list[StageSpec] = Field(min_length=1)
     evaluation: EvaluationSpec | None = None
 

@@ -65,7 +65,7 @@ class CountingEvaluator(Method):
 
     def run(self, context: StageContext) -> Artifact:
         CALLS.append((context.stage, context.resuming))
-        return Artifact("evaluation", None, {"evaluated": context.input("policy").metadata["total"]})
+        return Artifact("evaluation", None, {"evaluated": context.input("policy").metadata.get("total")})
 
 
 class PipelinePlugin:
@@ -209,3 +209,50 @@ def test_a_second_run_on_the_same_directory_is_refused(recipe_file: Path, tmp_pa
         fcntl.flock(held, fcntl.LOCK_EX)
         with pytest.raises(UserError, match="another alpacafarm run is using"):
             run(recipe_file, out)
+
+
+class Judge:
+    """A test annotator whose config is validated by its own pydantic class."""
+
+    from pydantic import BaseModel
+
+    class config_class(BaseModel):  # the attribute name is the plugin contract
+        prefer: int = 1
+
+    def __init__(self, config):
+        self.config = config
+
+
+class AnnotatingMethod(Method):
+    requires = ()
+    provides = "labels"
+
+    def run(self, context: StageContext) -> Artifact:
+        judge = context.make_annotator()
+        evaluation_judge = context.make_annotator("evaluation")
+        return Artifact("labels", None, {"feedback": judge.config.prefer, "evaluation": evaluation_judge.config.prefer})
+
+
+def test_stages_build_the_recipes_annotators_with_validated_configs(tmp_path: Path, register_test_plugin):
+    class Plugin:
+        @alpacafarm.hookimpl
+        def register_annotators(self, register):
+            register("judge", Judge)
+
+        @alpacafarm.hookimpl
+        def register_methods(self, register):
+            register("annotating", AnnotatingMethod)
+
+        @alpacafarm.hookimpl
+        def register_evaluators(self, register):
+            register("counting", CountingEvaluator)
+
+    register_test_plugin(Plugin(), "annotating-test")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: a\nannotator: {name: judge, config: {prefer: '2'}}\n"
+                      "stages:\n  - {name: label, method: annotating}\n"
+                      "evaluation: {evaluator: counting, annotator: {name: judge, config: {prefer: 3}}}\n")
+    outcomes = run(recipe, tmp_path / "run")
+    assert outcomes["label"].artifact.metadata["feedback"] == 2  # coerced by the annotator's own config class
+    assert outcomes["label"].artifact.metadata["evaluation"] == 3
+    assert outcomes["evaluate"].status == "ran"
