@@ -1,0 +1,79 @@
+"""Annotators are data: a YAML file per annotator (model, prompt template, batch size, decoding, parser).
+
+``configs/<name>.yaml`` holds one :class:`PromptedAnnotatorConfig` (``kind: prompted``) or one
+:class:`PoolConfig` (``kind: pool``). Every field can be overridden from a recipe's ``annotator.config`` block.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+TEMPLATE_DIR = Path(__file__).parent / "templates"
+
+#: Retired API models the paper used, mapped to themselves by default; a recipe's ``model_map`` or the CLI's
+#: ``--model-map OLD=NEW`` points them at a model that still exists (or at a local server's model).
+RETIRED_MODELS = ("gpt-4-0314", "gpt-3.5-turbo-0301", "text-davinci-003")
+
+
+class Price(BaseModel):
+    """USD per million tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: float = Field(0.0, ge=0)
+    output: float = Field(0.0, ge=0)
+
+
+class PromptedAnnotatorConfig(BaseModel):
+    """An LLM judge behind an OpenAI-compatible endpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["prompted"] = "prompted"
+    description: str = ""
+    model: str = Field(description="model name sent to the endpoint (after model_map)")
+    template: str = Field(description="prompt template: a file in templates/ (without .yaml) or a path")
+    style: Literal["chat", "completion"] = "chat"
+    batch_size: int = Field(1, ge=1, le=50, description="pairs per request")
+    parser: str = Field("ranking", description="how to read the completion: see parsing.PARSERS")
+    decoding: dict[str, Any] = Field(default_factory=lambda: {"temperature": 1.0, "top_p": 1.0, "max_tokens": 100})
+    logprobs: bool = False
+    base_url: str | None = Field(None, description="endpoint; default: $OPENAI_BASE_URL, else OpenAI")
+    api_key_env: str | None = Field("OPENAI_API_KEY", description="name of the env variable holding the key")
+    model_map: dict[str, str] = Field(default_factory=dict)
+    price: Price | None = Field(None, description="default: the price table entry for the model")
+    max_concurrency: int = Field(8, ge=1)
+    requests_per_minute: float | None = Field(None, gt=0)
+    timeout_s: float = Field(60.0, gt=0)
+    max_retries: int = Field(6, ge=0)
+    max_cost_usd: float | None = Field(None, ge=0)
+    cache: bool = True
+
+
+class PoolConfig(BaseModel):
+    """A crowd: several annotators, one chosen per instruction, order randomised, optional label noise."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["pool"] = "pool"
+    description: str = ""
+    annotators: list[str] = Field(min_length=1)
+    p_label_flip: float = Field(0.0, ge=0.0, le=0.5)
+    randomize_order: bool = True
+    seed: int = 0
+    overrides: dict[str, Any] = Field(default_factory=dict, description="applied to every member's config")
+
+
+def load_config_file(name: str) -> dict[str, Any]:
+    path = CONFIG_DIR / f"{name}.yaml"
+    with path.open(encoding="utf-8") as fh:
+        return yaml.safe_load(fh)
+
+
+def builtin_annotator_names() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))

@@ -1,0 +1,77 @@
+"""A pool of annotators with AlpacaFarm's semantics: a crowd, not a single judge.
+
+For every pair, with draws seeded by a stable hash (identical in every process and on every machine):
+
+- **assignment**: the annotator is chosen per instruction (``seed``, instruction, input), as one crowd worker
+  would take a task;
+- **order**: the two outputs are shown in a random order (keyed on the unordered pair, so ``(a, b)`` and
+  ``(b, a)`` are shown identically and get mirrored labels), and the answer is mapped back ("unswapped");
+- **label noise** (``p_label_flip``, 0.25 for p_sim^ann): with probability ``2 * p_label_flip`` the label is a fair
+  coin instead of an annotation, so it flips with probability ``p_label_flip``. Such pairs are neither sent nor
+  cached — training feedback costs half as much, as the paper notes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from alpacafarm.annotation import Annotator, ProgressCallback, identical_tie, stable_hash, stable_uniform
+from alpacafarm.types import Annotation, Pair, flip
+from alpacafarm_annotators.config import PoolConfig
+
+
+class AnnotatorPool(Annotator):
+    def __init__(self, config: PoolConfig, members: dict[str, Annotator], name: str = "pool") -> None:
+        missing = [m for m in config.annotators if m not in members]
+        if missing:
+            raise ValueError(f"pool {name!r}: no annotator object for {', '.join(missing)}")
+        self.config = config
+        self.members = [members[m] for m in config.annotators]
+        self.name = name
+
+    def member_index(self, pair: Pair) -> int:
+        """Which member annotates this pair's instruction."""
+        return stable_hash(self.config.seed, "assign", pair.instruction, pair.input) % len(self.members)
+
+    def _draws(self, pair: Pair) -> tuple[Pair, bool, int | None]:
+        """(pair as shown, shown swapped relative to the caller's order, noise label in the caller's order or None)."""
+        low, high = sorted((pair.output_1, pair.output_2))
+        key = (self.config.seed, pair.instruction, pair.input, low, high)
+        canonical = Pair(pair.instruction, low, high, pair.input)
+        caller_is_canonical = pair.output_1 == low
+        noise: int | None = None
+        if stable_uniform(*key, "noise") < 2 * self.config.p_label_flip:
+            coin = 1 + stable_hash(*key, "coin") % 2  # in canonical order, then mapped to the caller's order
+            noise = coin if caller_is_canonical else flip(coin)
+        if not self.config.randomize_order:
+            return pair, False, noise  # shown exactly as given
+        shown = canonical.swapped() if stable_hash(*key, "swap") % 2 else canonical
+        return shown, shown.output_1 != pair.output_1, noise
+
+    async def aannotate(self, pairs: Sequence[Pair], progress: ProgressCallback | None = None) -> list[Annotation]:
+        results: list[Annotation | None] = [None] * len(pairs)
+        work: dict[int, list[tuple[int, Pair, bool]]] = {}
+        for i, pair in enumerate(pairs):
+            tie = identical_tie(pair, self.name)
+            if tie is not None:
+                results[i] = tie
+                continue
+            shown, swapped, noise = self._draws(pair)
+            if noise is not None:
+                results[i] = Annotation(noise, "noise", noise=True, metadata={"p_label_flip": self.config.p_label_flip})
+                continue
+            work.setdefault(self.member_index(pair), []).append((i, shown, swapped))
+        if progress and len(pairs) - sum(len(w) for w in work.values()):
+            progress(len(pairs) - sum(len(w) for w in work.values()), 0.0)
+
+        async def run_member(member: int, items: list[tuple[int, Pair, bool]]) -> None:
+            annotations = await self.members[member].aannotate([shown for _, shown, _ in items], progress)
+            for (i, _, swapped), annotation in zip(items, annotations, strict=True):
+                if swapped:
+                    annotation.preference = flip(annotation.preference)
+                annotation.swapped = swapped
+                results[i] = annotation
+
+        await asyncio.gather(*(run_member(m, items) for m, items in work.items()))
+        return [r if r is not None else Annotation(None, self.name) for r in results]
