@@ -51,6 +51,7 @@ class PromptedAnnotatorConfig(BaseModel):
     requests_per_minute: float | None = Field(None, gt=0)
     timeout_s: float = Field(60.0, gt=0)
     max_retries: int = Field(6, ge=0)
+    retry_backoff_s: float = Field(1.0, ge=0, description="first retry delay; doubles each time, with jitter")
     max_cost_usd: float | None = Field(None, ge=0)
     cache: bool = True
 

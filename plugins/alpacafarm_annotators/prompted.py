@@ -146,7 +146,7 @@ class PromptedAnnotator(Annotator):
                 completion = await complete(
                     client, style=self.config.style, model=self.model, prompt=prompt,
                     decoding=self.config.decoding, logprobs=self.config.logprobs, max_retries=self.config.max_retries,
-                    timeout_s=self.config.timeout_s, limiter=limiter)
+                    timeout_s=self.config.timeout_s, limiter=limiter, backoff_s=self.config.retry_backoff_s)
             except RequestFailed as exc:
                 self.budget.settle(estimate, 0.0)
                 return [Annotation(None, self.name, metadata={"error": str(exc)}) for _ in batch]  # not cached
