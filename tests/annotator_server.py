@@ -54,7 +54,7 @@ class TagResponder:
             if self.wrong_count_left > 0:
                 self.wrong_count_left -= 1
         if wrong:
-            firsts = firsts[:-1] if len(firsts) > 1 else firsts + [1]
+            firsts = firsts[:-1] if len(firsts) > 1 else [*firsts, 1]
         if "JSON" in text:
             return json.dumps([{"pair": k, "reasoning": "the tagged one is better", "preferred": c}
                                for k, c in enumerate(firsts, start=1)])

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from alpacafarm.errors import UserError
 
 
@@ -22,6 +24,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-cost-usd", type=float, help="stop before spending more than this")
     parser.add_argument("--seed", type=int, help="pool seed (assignment, order, noise)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the annotation cache")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="any annotator config field, e.g. --set max_concurrency=4 (pools: applied to members)")
     return parser.parse_args(argv)
 
 
@@ -38,6 +42,11 @@ def _overrides(args: argparse.Namespace, kind: str) -> dict[str, Any]:
         member["max_cost_usd"] = args.max_cost_usd
     if args.no_cache:
         member["cache"] = False
+    for setting in args.settings:
+        key, sep, raw = setting.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set expects KEY=VALUE, got {setting!r}")
+        member[key] = yaml.safe_load(raw)
     if kind == "pool":
         out: dict[str, Any] = {"overrides": member} if member else {}
         if args.seed is not None:
@@ -57,7 +66,9 @@ def build_annotator(name: str, args: argparse.Namespace) -> Any:
         return factory(_overrides(args, factory.kind))
     if args.base_url or args.model_map or args.max_cost_usd is not None or args.seed is not None:
         raise UserError(f"annotator {name!r} takes no --base-url/--model-map/--max-cost-usd/--seed")
-    return factory({})
+    settings = _overrides(argparse.Namespace(**{**vars(args), "no_cache": False}), "prompted")
+    config_class = getattr(factory, "config_class", None)
+    return factory(config_class.model_validate(settings) if config_class else settings)
 
 
 def main(argv: list[str]) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 TEMPLATE_DIR = Path(__file__).parent / "templates"
@@ -68,6 +68,14 @@ class PoolConfig(BaseModel):
     randomize_order: bool = True
     seed: int = 0
     overrides: dict[str, Any] = Field(default_factory=dict, description="applied to every member's config")
+
+    @field_validator("annotators")
+    @classmethod
+    def _distinct(cls, value: list[str]) -> list[str]:
+        duplicates = sorted({name for name in value if value.count(name) > 1})
+        if duplicates:  # a repeated member would silently get a larger share of the instructions
+            raise ValueError(f"pool members must be distinct; repeated: {', '.join(duplicates)}")
+        return value
 
 
 def load_config_file(name: str) -> dict[str, Any]:

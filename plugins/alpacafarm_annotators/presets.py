@@ -14,7 +14,12 @@ from pydantic import BaseModel, ConfigDict, create_model
 from alpacafarm.annotation import Annotator
 from alpacafarm.annotation_cache import AnnotationCache
 from alpacafarm.errors import UserError
-from alpacafarm_annotators.config import PoolConfig, PromptedAnnotatorConfig, builtin_annotator_names, load_config_file
+from alpacafarm_annotators.config import (
+    PoolConfig,
+    PromptedAnnotatorConfig,
+    builtin_annotator_names,
+    load_config_file,
+)
 
 
 def _overrides_model(base: type[BaseModel]) -> type[BaseModel]:
