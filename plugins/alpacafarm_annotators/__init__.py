@@ -8,6 +8,8 @@ from alpacafarm_annotators.config import builtin_annotator_names
 def register_annotators(register):
     for name in builtin_annotator_names():
         register(name, f"alpacafarm_annotators.presets:{name}", description=f"configs/{name}.yaml")
+    register("offline", "alpacafarm_annotators.offline:OfflineAnnotator",
+             description="offline judge: MiniLM + text features, no network, $0, order-independent")
     register("local_judge", "alpacafarm_annotators.local_judge:LocalJudge",
              description="a local causal LM's log-probabilities of the answer labels, both orders averaged")
 

@@ -1,0 +1,67 @@
+"""The ``offline`` annotator: the offline judge (no network, no key, $0, deterministic, order-independent).
+
+It is reference-guided when it can be: ``references`` names records with ``instruction``, optional ``input``
+and a strong model's answer (``reference`` or ``output``); for a pair whose instruction has one, both outputs are
+scored against it. A reference equal to one of the two outputs is never used (a system is never its own
+reference); without one the judge falls back to its reference-free weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from alpacafarm.annotation import Annotator, ProgressCallback, identical_tie
+from alpacafarm.recipe import DataSource
+from alpacafarm.types import Annotation, Pair
+
+
+class OfflineAnnotatorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    references: DataSource | None = Field(None, description="records with instruction, input, reference/output")
+    batch_size: int = Field(32, ge=1, description="texts embedded per forward pass")
+
+
+class OfflineAnnotator(Annotator):
+    config_class = OfflineAnnotatorConfig
+
+    def __init__(self, config: OfflineAnnotatorConfig | dict | None = None) -> None:
+        from alpacafarm_annotators.offline_judge import OfflineJudge
+
+        self.config = config if isinstance(config, OfflineAnnotatorConfig) else OfflineAnnotatorConfig.model_validate(config or {})
+        self.name = "offline"
+        self.judge = OfflineJudge(batch_size=self.config.batch_size)
+        self._references: dict[tuple[str, str], str] | None = None
+
+    def references(self) -> dict[tuple[str, str], str]:
+        if self._references is None:
+            from alpacafarm.data import load_source
+
+            self._references = {}
+            if self.config.references is not None:
+                for record in load_source(self.config.references):
+                    text = record.get("reference", record.get("output"))
+                    if isinstance(text, str) and text.strip():
+                        self._references[(record["instruction"], str(record.get("input") or ""))] = text
+        return self._references
+
+    def reference_for(self, pair: Pair) -> str | None:
+        reference = self.references().get((pair.instruction, pair.input))
+        if reference is None or reference.strip() in (pair.output_1.strip(), pair.output_2.strip()):
+            return None
+        return reference
+
+    async def aannotate(self, pairs: Sequence[Pair], progress: ProgressCallback | None = None) -> list[Annotation]:
+        results: list[Annotation | None] = [identical_tie(p, self.name) for p in pairs]
+        todo = [i for i, r in enumerate(results) if r is None]
+        instructions = [f"{pairs[i].instruction}\n\n{pairs[i].input}" if pairs[i].input else pairs[i].instruction
+                        for i in todo]
+        labels = self.judge.judge([(text, pairs[i].output_1, pairs[i].output_2, self.reference_for(pairs[i]))
+                                   for text, i in zip(instructions, todo, strict=True)])
+        for i, label in zip(todo, labels, strict=True):
+            results[i] = Annotation(label, self.name, metadata={"reference": self.reference_for(pairs[i]) is not None})
+        if progress:
+            progress(len(pairs), 0.0)
+        return [r for r in results if r is not None]

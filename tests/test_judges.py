@@ -1,0 +1,74 @@
+"""The local (no-API) judges: the offline annotator and the local transformers judge."""
+
+from __future__ import annotations
+
+import pytest
+
+from alpacafarm.data import BUILTIN_DIR, read_records
+from alpacafarm.plugins import get_registry
+from alpacafarm.recipe import DataSource
+from alpacafarm.testing import tiny_causal_lm, tiny_tokenizer
+from alpacafarm.types import Pair, flip
+from alpacafarm_annotators.local_judge import LocalJudge, LocalJudgeConfig
+from alpacafarm_annotators.offline import OfflineAnnotator, OfflineAnnotatorConfig
+
+
+@pytest.fixture(scope="module")
+def sample_pairs() -> list[Pair]:
+    records = read_records(BUILTIN_DIR / "alpaca_eval_sample.jsonl")[:12]
+    # a full reference answer against its first sentence: a lopsided, realistic pair
+    return [Pair(r["instruction"], r["reference"], r["reference"].split(".")[0] + ".", r["input"]) for r in records]
+
+
+@pytest.fixture(scope="module")
+def offline() -> OfflineAnnotator:
+    return OfflineAnnotator(OfflineAnnotatorConfig(references=DataSource(builtin="alpaca_eval_sample")))
+
+
+def test_offline_is_order_independent_and_deterministic(offline, sample_pairs):
+    forward = offline.annotate(sample_pairs)
+    backward = offline.annotate([p.swapped() for p in sample_pairs])
+    assert all(flip(a.preference) == b.preference for a, b in zip(forward, backward, strict=True))
+    assert sum(a.preference == 0 for a in forward) <= 2  # only where the "short" answer is the whole answer
+    fresh = OfflineAnnotator(OfflineAnnotatorConfig(references=DataSource(builtin="alpaca_eval_sample")))
+    assert [a.preference for a in fresh.annotate(sample_pairs)] == [a.preference for a in forward]
+    assert sum(a.preference == 1 for a in forward) >= 9  # the full answer usually beats its first sentence
+
+
+def test_offline_never_uses_an_output_as_its_own_reference(offline, sample_pairs):
+    pair = sample_pairs[0]
+    assert offline.reference_for(Pair(pair.instruction, "something else", "another", pair.input)) is not None
+    assert offline.reference_for(pair) is None  # output_1 *is* the reference here
+    assert offline.reference_for(Pair("an instruction nobody wrote", "a", "b")) is None
+    assert offline.annotate([Pair("q", "same", "same")])[0].preference == 0
+
+
+def test_offline_pool_preset_adds_the_papers_noise(sample_pairs):
+    pool = get_registry().get("annotator", "offline_ann")({})
+    pairs = [Pair(f"{p.instruction} (variant {k})", p.output_1, p.output_2, p.input) for k in range(4)
+             for p in sample_pairs[:4]]  # instructions unknown to the references: reference-free judging
+    annotations = pool.annotate(pairs)
+    noisy = [a for a in annotations if a.noise]
+    assert 0 < len(noisy) < len(pairs) and all(a.annotator == "noise" for a in noisy)
+    assert all(a.annotator == "offline" and a.swapped in (True, False) for a in annotations if not a.noise)
+
+
+def test_local_judge_is_order_independent_and_sign_consistent():
+    tokenizer = tiny_tokenizer()
+    judge = LocalJudge(LocalJudgeConfig(model="tiny", batch_size=3), model=tiny_causal_lm(tokenizer).eval(),
+                       tokenizer=tokenizer)
+    pairs = [Pair(f"Name a colour {i}.", "Red.", f"Blue, or maybe green {i}.") for i in range(5)] + [Pair("q", "x", "x")]
+    forward = judge.annotate(pairs)
+    backward = judge.annotate([p.swapped() for p in pairs])
+    for a, b in zip(forward[:-1], backward[:-1], strict=True):
+        assert a.metadata["log_odds"] == pytest.approx(-b.metadata["log_odds"], abs=1e-5)
+        assert a.preference == (1 if a.metadata["log_odds"] > 0 else 2)
+    assert forward[-1].preference == 0 and "log_odds" not in forward[-1].metadata
+
+
+def test_local_judge_rejects_labels_sharing_a_first_token():
+    tokenizer = tiny_tokenizer()
+    judge = LocalJudge(LocalJudgeConfig(model="tiny", labels=("1", "1 or 2")), model=tiny_causal_lm(tokenizer),
+                       tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="start with the same token"):
+        judge.annotate([Pair("q", "a", "b")])
