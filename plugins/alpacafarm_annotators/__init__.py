@@ -1,13 +1,19 @@
-"""Built-in plugin: simulated annotators — API judges and the AlpacaFarm pools, the offline judge, local judges."""
+"""Built-in plugin: simulated annotators — API judges and the AlpacaFarm pools, the offline judge, local judges.
+
+Only names are registered here (no pydantic, no openai): the CLI lists them without importing anything heavy.
+"""
+
+from pathlib import Path
 
 from alpacafarm import hookimpl
-from alpacafarm_annotators.config import builtin_annotator_names
+
+CONFIG_DIR = Path(__file__).parent / "configs"
 
 
 @hookimpl
 def register_annotators(register):
-    for name in builtin_annotator_names():
-        register(name, f"alpacafarm_annotators.presets:{name}", description=f"configs/{name}.yaml")
+    for path in sorted(CONFIG_DIR.glob("*.yaml")):  # annotators defined as data, one file each
+        register(path.stem, f"alpacafarm_annotators.presets:{path.stem}", description=f"configs/{path.name}")
     register("offline", "alpacafarm_annotators.offline:OfflineAnnotator",
              description="offline judge: MiniLM + text features, no network, $0, order-independent")
     register("local_judge", "alpacafarm_annotators.local_judge:LocalJudge",

@@ -12,7 +12,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-CONFIG_DIR = Path(__file__).parent / "configs"
+from alpacafarm_annotators import CONFIG_DIR
+
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 
 #: Retired API models the paper used, mapped to themselves by default; a recipe's ``model_map`` or the CLI's
