@@ -51,8 +51,9 @@ def _text(prompt: list[dict[str, Any]] | str) -> str:
 
 
 def test_config_inventory():
-    assert len(PROMPTED) == 14 and len(POOLS) == 3
-    assert set(POOLS) == {"alpacafarm_eval", "alpacafarm_ann", "alpacafarm_gpt4"}
+    assert len(PROMPTED) == 14 and len(POOLS) == 4
+    assert set(POOLS) == {"alpacafarm_eval", "alpacafarm_ann", "alpacafarm_gpt4", "offline_ann"}
+    assert POOLS["offline_ann"].annotators == ["offline"] and POOLS["offline_ann"].p_label_flip == 0.25
     for path in CONFIG_DIR.glob("*.yaml"):
         assert _load(path)["kind"] in ("prompted", "pool"), path.name
 

@@ -257,7 +257,7 @@ def test_annotator_name_and_config_are_validated(tmp_path, test_plugin):
     assert load_recipe(toy_recipe(tmp_path, config, "annotator: longer_judge\n")).recipe.annotator.name == "longer_judge"
     message = error_of(toy_recipe(tmp_path, config, "annotator: longer_judg\n"))
     assert "toy.yaml:2: annotator.name: unknown annotator 'longer_judg'" in message
-    assert "did you mean 'longer_judge'?" in message
+    assert "did you mean 'longer_judge'" in message
     message = error_of(toy_recipe(tmp_path, config, "annotator:\n  name: longer_judge\n  config: {threshhold: 2}\n"))
     assert "annotator.config.threshhold: unknown key" in message and "did you mean 'threshold'?" in message
 
