@@ -119,6 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         registry = get_registry()
         plugin_commands = {e.name: e.description for e in registry.entries("command")}
+        rest = [a for a in argv if a != "--debug"]
+        if rest and rest[0] in plugin_commands:  # plugin commands parse their own arguments, --help included
+            return int(registry.get("command", rest[0])(rest[1:]) or 0)
         parser = build_parser(plugin_commands)
         args = parser.parse_args(argv)
         if args.command is None:
@@ -128,10 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_run(args)
         if args.command == "plugins":
             return cmd_plugins(args)
-        if args.command == "recipe":
-            return cmd_recipe_check(args)
-        command_main = registry.get("command", args.command)
-        return int(command_main(list(args.args)) or 0)
+        return cmd_recipe_check(args)
     except UserError as exc:
         if debug:
             traceback.print_exc()

@@ -146,6 +146,11 @@ def test_third_party_plugin_is_listed_and_its_method_runs(example_plugin_site: P
     assert "example-hello" in run_cli("--help", env=env).stdout
 
 
+def test_plugin_commands_parse_their_own_options():
+    result = run_cli("annotate", "--help")
+    assert result.returncode == 0 and "usage: alpacafarm annotate" in result.stdout and "--annotator" in result.stdout
+
+
 def test_debug_shows_the_traceback(tmp_path: Path):
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("name: x\nstages: []\n")

@@ -1,0 +1,113 @@
+"""The model block of a recipe → loaded models: full precision, LoRA adapters (peft) or QLoRA (bitsandbytes).
+
+One place decides dtype, device placement, quantization and adapters, so SFT, reward modelling, DPO, PPO and
+generation all load models the same way. Heavy imports (torch, transformers, peft) happen inside functions.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from alpacafarm.errors import MissingPackageError, UserError
+from alpacafarm.models import resolve_model_path
+
+if TYPE_CHECKING:
+    from alpacafarm.recipe import ModelSpec
+
+
+def torch_dtype(spec: ModelSpec) -> Any:
+    """``auto``: bfloat16 on a GPU that supports it, else float32 (CPU training in half precision is slow and lossy)."""
+    import torch
+
+    if spec.dtype != "auto":
+        return getattr(torch, spec.dtype)
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def device_map(spec: ModelSpec) -> Any:
+    import torch
+
+    if spec.device == "auto":
+        return "auto" if torch.cuda.is_available() else None
+    return spec.device
+
+
+def quantization_config(spec: ModelSpec) -> Any:
+    """A ``BitsAndBytesConfig`` for ``quantization: 4bit|8bit`` (NF4 with double quantization, as QLoRA does)."""
+    if spec.quantization is None:
+        return None
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise MissingPackageError(f"quantization: {spec.quantization} needs bitsandbytes: pip install 'alpacafarm[qlora]'")
+    from transformers import BitsAndBytesConfig
+
+    if spec.quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch_dtype(spec))
+
+
+def lora_config(spec: ModelSpec, task_type: str = "CAUSAL_LM") -> Any:
+    """The peft ``LoraConfig`` for the model block's ``lora:`` (None without one)."""
+    if spec.lora is None:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=spec.lora.r, lora_alpha=spec.lora.alpha, lora_dropout=spec.lora.dropout,
+                      target_modules=spec.lora.target_modules, task_type=task_type, bias="none")
+
+
+def load_tokenizer(spec: ModelSpec, path: str | None = None, *, padding_side: str = "right") -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(path or spec.name), revision=spec.revision,
+                                              trust_remote_code=spec.trust_remote_code)
+    if tokenizer.pad_token is None:  # Llama-style tokenizers ship without one; padding is masked anyway
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+def _load(auto_class: Any, spec: ModelSpec, path: str | None, **kwargs: Any) -> Any:
+    location = resolve_model_path(path or spec.name)
+    try:
+        return auto_class.from_pretrained(location, revision=spec.revision, dtype=torch_dtype(spec),
+                                          device_map=device_map(spec), quantization_config=quantization_config(spec),
+                                          trust_remote_code=spec.trust_remote_code, **kwargs)
+    except OSError as exc:
+        hint = "" if Path(location).exists() else " (offline? use a local folder or an offline alias such as smollm2-135m-instruct)"
+        raise UserError(f"cannot load model {location!r}: {str(exc).splitlines()[0]}{hint}") from None
+
+
+def load_causal_lm(spec: ModelSpec, path: str | None = None) -> Any:
+    """The causal LM of the model block (or of ``path``, e.g. an SFT stage's output), quantized if asked."""
+    from transformers import AutoModelForCausalLM
+
+    model = _load(AutoModelForCausalLM, spec, path)
+    if spec.device not in ("auto", "cpu") and spec.quantization is None:
+        model = model.to(spec.device)
+    return model
+
+
+def load_sequence_classifier(spec: ModelSpec, path: str | None = None, num_labels: int = 1) -> Any:
+    """A sequence-classification head on the model (a reward model when ``num_labels == 1``)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = _load(AutoModelForSequenceClassification, spec, path, num_labels=num_labels)
+    if model.config.pad_token_id is None:  # the head reads the last non-pad token, so it must know the pad id
+        tokenizer = load_tokenizer(spec, path)
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def save_model(model: Any, tokenizer: Any, directory: str | Path, *, merge_adapters: bool = False) -> str:
+    """Save weights (or adapters) and tokenizer; with ``merge_adapters`` a peft model is merged first."""
+    directory = Path(directory)
+    if merge_adapters and hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)

@@ -1,0 +1,18 @@
+"""Built-in plugin: generation backends and the stage that samples a model's outputs."""
+
+from alpacafarm import hookimpl
+
+
+@hookimpl
+def register_generation_backends(register):
+    register("transformers", "alpacafarm_generation.backends:transformers_backend",
+             description="batched sampling with a transformers model (the default)")
+    register("openai", "alpacafarm_generation.backends:OpenAIGenerator",
+             description="an OpenAI-compatible completions server (vLLM, llama.cpp, TGI)")
+    register("vllm", "alpacafarm_generation.backends:vllm_backend", description="vLLM in-process (extra 'vllm')")
+
+
+@hookimpl
+def register_methods(register):
+    register("generate_outputs", "alpacafarm_generation.stage:GenerateOutputs",
+             description="sample the model's outputs for an instruction split (JSONL)")

@@ -1,0 +1,17 @@
+"""Built-in plugin: validating the simulator against human data (rank correlations, annotator agreement)."""
+
+from alpacafarm import hookimpl
+
+
+@hookimpl
+def register_validators(register):
+    register("rank_correlation", "alpacafarm_validation.correlations:RankCorrelationValidator",
+             description="Spearman, Pearson, Kendall, R² between two win-rate columns, bootstrap intervals")
+    register("agreement", "alpacafarm_validation.agreement:AgreementValidator",
+             description="leave-one-out agreement, bias, variance, P(prefer longer), P(prefer first)")
+
+
+@hookimpl
+def register_commands(register):
+    register("compare", "alpacafarm_validation.cli:main",
+             description="validate the simulator: correlate two win-rate columns, or annotator agreement")
