@@ -127,13 +127,17 @@ class Method:
 
     Subclasses set ``config_class`` (a pydantic model or dataclass, or ``None``), ``requires`` (names of the
     inputs the pipeline must wire: ``base_model``, ``sft_model``, ``preferences``, ``reward_model``, a data name,
-    ...), ``provides`` (what the output is, so later stages find it), and implement :meth:`run`.
+    ...), ``provides`` (what the output is, so later stages find it), ``annotator_role`` if they use an
+    annotator, and implement :meth:`run`.
     """
 
     config_class: ClassVar[Any] = None
     requires: ClassVar[tuple[str, ...]] = ()
     provides: ClassVar[str] = "policy"
     description: ClassVar[str] = ""
+    #: ``"feedback"`` or ``"evaluation"`` when the method calls ``context.make_annotator(role)``: the recipe's
+    #: annotator for that role is then part of the stage's fingerprint (changing the judge re-runs the stage).
+    annotator_role: ClassVar[str | None] = None
 
     def __init__(self, config: Any = None) -> None:
         self.config = config

@@ -179,6 +179,15 @@ class Pipeline:
         outcome = outcomes[provider]
         return outcome.artifact.metadata["output_id"], outcome.artifact
 
+    def _annotator_identity(self, stage: PlannedStage) -> Any:
+        """The annotator a stage uses (by its ``annotator_role``), so that changing the judge re-runs it."""
+        role = getattr(stage.method_cls, "annotator_role", None)
+        if role is None:
+            return None
+        ref = self.recipe.evaluation.annotator if role == "evaluation" and self.recipe.evaluation else None
+        ref = ref or self.recipe.annotator
+        return ref.model_dump(mode="json") if ref is not None else None
+
     def run(self, force: tuple[str, ...] | list[str] = ()) -> list[StageOutcome]:
         names = [s.name for s in self.stages]
         for name in force:
@@ -223,7 +232,7 @@ class Pipeline:
             fingerprint = _digest({
                 "method": stage.method, "plugin": stage.plugin, "config": stage.raw_config, "seed": self.recipe.seed,
                 "model": self.recipe.model.model_dump(mode="json") if self.recipe.model else None,
-                "inputs": identities,
+                "inputs": identities, "annotator": self._annotator_identity(stage),
             })
             stage_dir = self.run_dir / "stages" / stage.name
             manifest_path = stage_dir / "manifest.json"

@@ -62,6 +62,7 @@ class SumNumbers(Method):
 class CountingEvaluator(Method):
     requires = ("policy",)
     provides = "evaluation"
+    annotator_role = "evaluation"  # as a judging evaluator would declare
 
     def run(self, context: StageContext) -> Artifact:
         CALLS.append((context.stage, context.resuming))
@@ -226,6 +227,7 @@ class Judge:
 class AnnotatingMethod(Method):
     requires = ()
     provides = "labels"
+    annotator_role = "feedback"
 
     def run(self, context: StageContext) -> Artifact:
         judge = context.make_annotator()
@@ -256,3 +258,8 @@ def test_stages_build_the_recipes_annotators_with_validated_configs(tmp_path: Pa
     assert outcomes["label"].artifact.metadata["feedback"] == 2  # coerced by the annotator's own config class
     assert outcomes["label"].artifact.metadata["evaluation"] == 3
     assert outcomes["evaluate"].status == "ran"
+    outcomes = run(recipe, tmp_path / "run", "annotator.config.prefer=5")  # another judge: label again
+    assert outcomes["label"].status == "ran" and outcomes["label"].artifact.metadata["feedback"] == 5
+    assert outcomes["evaluate"].status == "ran"  # its input changed
+    outcomes = run(recipe, tmp_path / "run", "annotator.config.prefer=5", "evaluation.annotator.config.prefer=4")
+    assert outcomes["label"].status == "skipped" and outcomes["evaluate"].status == "ran"

@@ -46,6 +46,7 @@ class PreferenceData(Method):
     config_class = PreferenceDataConfig
     requires = ("sft_model", "instruction_splits")
     provides = "preferences"
+    annotator_role = "feedback"
 
     def run(self, context: StageContext) -> Artifact:
         config: PreferenceDataConfig = self.config

@@ -1,0 +1,206 @@
+"""``alpacafarm evaluate`` and ``alpacafarm leaderboard``.
+
+* ``alpacafarm evaluate --annotations FILE [--json]``: win-rate metrics of judged pairs (AlpacaEval format).
+* ``alpacafarm evaluate --outputs FILE --annotator NAME [--references SOURCE] [-o DIR] [--json]``: pair a
+  system's outputs with reference outputs, judge them, write ``annotations.json`` and ``metrics.json``.
+* ``alpacafarm leaderboard INPUTS... -o OUT_PREFIX``: gather results into CSV, JSON and a bar plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from alpacafarm.errors import UserError
+
+METRIC_KEYS = ("win_rate", "standard_error", "length_controlled_win_rate", "n_wins", "n_wins_base", "n_draws",
+               "n_total", "n_unparsed", "avg_length", "discrete_win_rate")
+
+
+def _strip_separator(argv: list[str]) -> list[str]:
+    """Drop a leading ``--``: the core CLI hands plugin commands their arguments through argparse.REMAINDER,
+    which rejects a first argument that starts with ``-`` unless ``--`` precedes it (and then keeps the ``--``)."""
+    return argv[1:] if argv[:1] == ["--"] else argv
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="alpacafarm evaluate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--annotations", help="judged pairs (JSON list): preference, output_1 = reference, output_2")
+    what.add_argument("--outputs", help="a system's outputs (JSON/JSONL): instruction, optional input, output")
+    what.add_argument("--model", help="a model (hub ID, folder or offline alias): generate outputs for the "
+                      "reference instructions, then evaluate them")
+    parser.add_argument("--annotator", help="a registered annotator (see: alpacafarm plugins); needed with --outputs")
+    parser.add_argument("--references", help="reference outputs: a JSON/JSONL file (instruction, input, "
+                        "reference or output) or a builtin dataset name (default: builtin alpaca_eval_sample)")
+    parser.add_argument("--reference-field", default="reference", help="field holding the reference text")
+    parser.add_argument("-o", "--output-dir", help="where annotations.json and metrics.json go "
+                        "(default: <outputs folder>/<annotator>/, AlpacaEval's layout)")
+    parser.add_argument("--max-instructions", type=int, help="evaluate only the first N matched instructions")
+    parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    parser.add_argument("--prompt-format", default="chat_template", choices=["alpaca", "chat_template"],
+                        help="with --model: how instructions become prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="with --model: answer length cap")
+    parser.add_argument("--temperature", type=float, default=0.0, help="with --model: 0 = greedy")
+    # Options passed through to the annotator, as in ``alpacafarm annotate``.
+    parser.add_argument("--base-url", help="OpenAI-compatible endpoint for API annotators")
+    parser.add_argument("--model-map", action="append", default=[], metavar="OLD=NEW", help="send model OLD as NEW")
+    parser.add_argument("--max-cost-usd", type=float, help="stop before spending more than this")
+    parser.add_argument("--seed", type=int, help="pool seed (assignment, order, noise)")
+    parser.add_argument("--no-cache", action="store_true", help="neither read nor write the annotation cache")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="any annotator config field, e.g. --set max_concurrency=4")
+    args = parser.parse_args(_strip_separator(argv))
+    if args.max_instructions is not None and args.max_instructions < 1:
+        parser.error("--max-instructions must be at least 1")
+    return args
+
+
+def _report(metrics: dict[str, Any], title: str, as_json: bool) -> None:
+    """Print the metrics: one JSON object on stdout, or a rich table on stderr."""
+    if as_json:
+        print(json.dumps(metrics, sort_keys=True))
+        return
+    from alpacafarm.console import print_table
+    from alpacafarm_evaluation.metrics import metrics_table
+
+    table = metrics_table(metrics, title)
+    print_table(table["title"], table["columns"], table["rows"])
+
+
+def _read(path_text: str, what: str) -> list[dict[str, Any]]:
+    from alpacafarm.data import read_records
+
+    path = Path(path_text)
+    if not path.is_file():
+        raise UserError(f"{what} file not found: {path}")
+    return read_records(path)
+
+
+def evaluate_annotations(path_text: str) -> dict[str, Any]:
+    """Metrics of a file of judged pairs; UserError naming the file for a bad record."""
+    from alpacafarm_evaluation.metrics import metrics_from_annotations
+
+    records = _read(path_text, "annotations")
+    if not records:
+        raise UserError(f"{path_text}: no annotations")
+    try:
+        return metrics_from_annotations(records)
+    except ValueError as exc:
+        raise UserError(f"{path_text}: {exc}") from None
+
+
+def build_annotator(name: str, args: argparse.Namespace) -> Any:
+    """The annotator ``name`` built exactly as ``alpacafarm annotate`` builds it (same pass-through options)."""
+    from alpacafarm.plugins import get_registry
+
+    registry = get_registry()
+    try:
+        from alpacafarm_annotators.cli import build_annotator as build
+    except ImportError:  # the annotators plugin is not installed: call the registered factory with defaults
+        factory = registry.get("annotator", name)
+        config_class = getattr(factory, "config_class", None)
+        return factory(config_class.model_validate({}) if config_class else {})
+    return build(name, args)
+
+
+def evaluate_outputs(args: argparse.Namespace) -> dict[str, Any]:
+    """Pair, annotate and score an outputs file; returns the metrics (paths of the written files included)."""
+    from alpacafarm_evaluation.pairing import annotate_and_score, load_references, pair_outputs
+
+    if not args.annotator:
+        raise UserError("--outputs needs --annotator NAME (e.g. --annotator offline)")
+    from alpacafarm.plugins import get_registry
+
+    get_registry().entry("annotator", args.annotator)  # fail on an unknown name before reading anything
+    outputs = _read(args.outputs, "outputs")
+    references = load_references(args.references, args.reference_field)
+    pairs, skipped = pair_outputs(outputs, references, args.max_instructions, args.outputs,
+                                  generator=Path(args.outputs).stem)
+    if skipped["n_unmatched"] or skipped["n_extra_samples"]:
+        from alpacafarm.console import console
+
+        console().print(f"[yellow]skipped {skipped['n_unmatched']} of {len(outputs)} outputs without a reference "
+                        f"instruction and {skipped['n_extra_samples']} extra samples of paired instructions[/yellow]")
+    out_dir = Path(args.output_dir) if args.output_dir else Path(args.outputs).resolve().parent / args.annotator
+    annotator = build_annotator(args.annotator, args)
+    try:
+        metrics = annotate_and_score(pairs, annotator, out_dir, {**skipped, "outputs": str(args.outputs)})
+    finally:
+        annotator.close()
+    metrics["annotations_path"] = str(out_dir / "annotations.json")
+    metrics["metrics_path"] = str(out_dir / "metrics.json")
+    return metrics
+
+
+def generate_model_outputs(args: argparse.Namespace) -> str:
+    """Sample ``args.model``'s answers to the reference instructions; returns the outputs file it wrote."""
+    from alpacafarm.generation import (
+        SamplingConfig,
+        TransformersGenerator,
+        generate_records,
+        write_completions,
+    )
+    from alpacafarm.recipe import ModelSpec
+    from alpacafarm_evaluation.pairing import load_references
+
+    if not args.annotator:
+        raise UserError("--model needs --annotator NAME (e.g. --annotator offline)")
+    references = load_references(args.references, args.reference_field)
+    records = [{"instruction": r["instruction"], "input": r["input"], "dataset": r["dataset"]}
+               for r in references.records[: args.max_instructions]]
+    spec = ModelSpec(name=args.model, prompt_format=args.prompt_format)
+    generator = TransformersGenerator.from_spec(spec)
+    sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    from alpacafarm.console import progress_bar
+
+    with progress_bar(f"generating ({args.model})", len(records)) as advance:
+        rows = generate_records(generator, records, sampling, prompt_format=args.prompt_format,
+                                tokenizer=generator.tokenizer, progress=advance)
+    name = Path(args.model).name or args.model
+    out_dir = Path(args.output_dir) if args.output_dir else Path("runs") / "evaluate" / name
+    path = out_dir / "outputs.jsonl"
+    write_completions(path, [{**row, "generator": name} for row in rows])
+    if not args.output_dir:
+        args.output_dir = str(out_dir / args.annotator)
+    return str(path)
+
+
+def main(argv: list[str]) -> int:
+    """``alpacafarm evaluate``: returns the exit status."""
+    args = parse_args(argv)
+    if args.model:
+        args.outputs = generate_model_outputs(args)
+    if args.annotations:
+        metrics = evaluate_annotations(args.annotations)
+        title = f"{metrics.get('generator') or Path(args.annotations).parent.name}: win-rate vs reference"
+    else:
+        metrics = evaluate_outputs(args)
+        title = f"{metrics.get('generator') or 'system'} vs {metrics['reference']} (judge: {metrics['annotator']})"
+    if metrics["n_total"] == 0:
+        raise UserError("no parsed preference: every annotation is unparsed, no win-rate")
+    _report(metrics, title, args.json)
+    return 0
+
+
+def leaderboard_main(argv: list[str]) -> int:
+    """``alpacafarm leaderboard INPUTS... -o OUT_PREFIX``: returns the exit status."""
+    from alpacafarm_evaluation.leaderboard import build_leaderboard, show_leaderboard, write_leaderboard
+
+    parser = argparse.ArgumentParser(prog="alpacafarm leaderboard", description="gather evaluation results "
+                                     "(metrics.json, run directories, AlpacaEval annotations.json) into one table")
+    parser.add_argument("inputs", nargs="+", help="metrics.json / annotations.json files or run directories")
+    parser.add_argument("-o", "--output", required=True, metavar="OUT_PREFIX",
+                        help="writes OUT_PREFIX.csv, OUT_PREFIX.json and OUT_PREFIX.png")
+    parser.add_argument("--json", action="store_true", help="print the rows as one JSON object on stdout")
+    args = parser.parse_args(_strip_separator(argv))
+    rows = build_leaderboard(args.inputs)
+    written = write_leaderboard(rows, args.output)
+    if args.json:
+        print(json.dumps({"rows": rows, "files": written}))
+    else:
+        show_leaderboard(rows, written)
+    return 0
