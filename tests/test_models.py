@@ -103,7 +103,9 @@ def test_quickstart_runs_then_skips(tmp_path: Path):
     out = tmp_path / "quickstart"
     first = run_cli("run", "recipes/quickstart.yaml", "--output-dir", str(out))
     assert first.returncode == 0, first.stderr
-    summary = json.loads((out / "stages" / "inspect" / "summary.json").read_text())
-    assert summary["has_chat_template"] and all(s["output"].strip() for s in summary["samples"])
+    metrics = json.loads((out / "stages" / "evaluate" / "metrics.json").read_text())
+    assert metrics["n_total"] == 32 and 0 <= metrics["win_rate"] <= 100 and metrics["standard_error"] > 0
+    preferences = (out / "stages" / "preferences" / "preferences.jsonl").read_text().splitlines()
+    assert 12 <= len(preferences) <= 24 and all(json.loads(r)["preference"] in (1, 2) for r in preferences)
     again = run_cli("run", "recipes/quickstart.yaml", "--output-dir", str(out))
-    assert again.returncode == 0 and again.stderr.count("unchanged, skipped") == 2
+    assert again.returncode == 0 and again.stderr.count("unchanged, skipped") == 4
