@@ -40,7 +40,7 @@ def test_plugins_json_lists_the_builtins():
     assert result.returncode == 0, result.stderr
     plugins = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
     assert plugins["data"]["builtin"] and plugins["data"]["distribution"] == "alpacafarm"
-    assert plugins["data"]["registers"]["method"] == ["split_instructions"]
+    assert plugins["data"]["registers"]["method"] == ["preference_data", "split_instructions"]
     assert plugins["models"]["registers"]["method"] == ["inspect_model"]
     assert all(p["error"] is None for p in plugins.values())
 
