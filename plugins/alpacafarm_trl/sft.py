@@ -1,0 +1,130 @@
+"""``sft``: supervised fine-tuning of the base model on instruction/response demonstrations with TRL's SFTTrainer.
+
+This is the paper's "SFT 10k" step (Section 3.4): LLaMA-7B fine-tuned on the 10k ``sft`` split of the Alpaca
+data, the starting point of every pairwise-feedback method. Examples are given to TRL in prompt/completion form
+(the prompt from :func:`alpacafarm.prompts.format_prompt`), so the loss covers the response tokens only.
+
+This module imports TRL at import time (its config subclasses ``trl.SFTConfig``); the plugin registers it as a
+lazy target, so only a recipe that names ``sft`` pays for the import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trl import SFTConfig
+
+from alpacafarm.errors import UserError
+from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.prompts import format_prompt
+from alpacafarm_trl.training import (
+    apply_device_defaults,
+    limit,
+    resume_checkpoint,
+    stage_training_args,
+    train_summary,
+)
+
+#: Where an answer may live in a demonstration record, in order of preference after ``response_field``.
+FALLBACK_RESPONSE_FIELDS = ("output", "reference")
+
+
+@dataclass
+class SFTMethodConfig(SFTConfig):
+    """Every ``trl.SFTConfig`` / ``TrainingArguments`` field, plus where the data comes from.
+
+    Defaults differ from TRL's where the paper or the machine says so: ``learning_rate`` 2e-5, 3 epochs,
+    cosine schedule with 3% warmup, ``max_length`` 512 (Appendix B); ``bf16`` and gradient checkpointing
+    are automatic (on with a suitable GPU, off on a CPU); ``report_to`` none; ``output_dir`` is always the
+    stage folder.
+    """
+
+    train_split: str = field(default="train", metadata={"help": "file (or metadata key) of a dataset stage's output"})
+    max_examples: int | None = field(default=None, metadata={"help": "train on the first N demonstrations only"})
+    response_field: str = field(default="output", metadata={"help": "record field holding the answer"})
+
+    num_train_epochs: float = 3.0
+    lr_scheduler_type: str = "cosine"
+    warmup_steps: float = 0.03
+    max_length: int | None = 512
+    bf16: bool | None = None
+    gradient_checkpointing: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_examples is not None and self.max_examples < 1:
+            raise ValueError("max_examples must be at least 1")
+        apply_device_defaults(self)
+        super().__post_init__()
+
+
+def response_of(record: dict[str, Any], response_field: str) -> str:
+    """The answer of a demonstration: ``response_field``, else ``output``, else ``reference``."""
+    for name in (response_field, *FALLBACK_RESPONSE_FIELDS):
+        value = record.get(name)
+        if isinstance(value, str):
+            return value
+    raise UserError(f"an SFT record has no {response_field!r} field (fields: {', '.join(sorted(record))}); "
+                    f"set stages.<name>.config.response_field")
+
+
+def prompt_completion_rows(records: list[dict[str, Any]], *, response_field: str, style: str, tokenizer: Any) -> list[dict[str, str]]:
+    """Records → ``{"prompt", "completion"}`` rows; the completion ends with EOS so the model learns to stop."""
+    eos = tokenizer.eos_token or ""
+    rows = []
+    for record in records:
+        if not record.get("instruction"):
+            raise UserError(f"an SFT record has no 'instruction' (fields: {', '.join(sorted(record))})")
+        prompt = format_prompt(record["instruction"], record.get("input") or None, style=style, tokenizer=tokenizer)
+        response = response_of(record, response_field)
+        rows.append({"prompt": prompt, "completion": response if response.endswith(eos) else response + eos})
+    return rows
+
+
+def build_sft_trainer(config: SFTMethodConfig, spec: Any, model_path: str, records: list[dict[str, Any]],
+                      *, callbacks: list[Any] | None = None) -> Any:
+    """A ready ``SFTTrainer`` for ``records`` with the model block's loading, LoRA and quantization.
+
+    ``config`` must already carry its final ``output_dir`` (see :func:`stage_training_args`). Shared by the
+    method and the overhead benchmark, so both measure the same trainer.
+    """
+    from datasets import Dataset
+    from trl import SFTTrainer
+
+    from alpacafarm.modeling import load_causal_lm, load_tokenizer, lora_config
+
+    tokenizer = load_tokenizer(spec, model_path)
+    rows = prompt_completion_rows(limit(records, config.max_examples), response_field=config.response_field,
+                                  style=spec.prompt_format, tokenizer=tokenizer)
+    if not rows:
+        raise UserError("the SFT data is empty")
+    model = load_causal_lm(spec, model_path)
+    return SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                      peft_config=lora_config(spec), callbacks=callbacks)
+
+
+class SFT(Method):
+    """Fine-tunes the recipe's base model on demonstrations; writes ``model/`` (weights or adapters + tokenizer)."""
+
+    config_class = SFTMethodConfig
+    requires = ("base_model", "sft_data")
+    provides = "sft_model"
+    description = "supervised fine-tuning on demonstrations (TRL SFTTrainer, response-only loss)"
+
+    def run(self, context: StageContext) -> Artifact:
+        from alpacafarm.data import write_json
+        from alpacafarm.modeling import save_model
+
+        spec = context.recipe.model
+        args = stage_training_args(self.config, context)
+        records = context.records("sft_data", args.train_split)
+        trainer = build_sft_trainer(args, spec, context.input("base_model").path, records)
+        context.logger.info("stage %s: SFT on %d examples", context.stage, len(trainer.train_dataset))
+        result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
+        model_dir = Path(context.stage_dir) / "model"
+        save_model(trainer.model, trainer.processing_class, model_dir, merge_adapters=spec.merge_adapters)
+        metrics = {**train_summary(trainer, result), "n_examples": len(trainer.train_dataset),
+                   "lora": spec.lora is not None, "merged": bool(spec.merge_adapters and spec.lora)}
+        write_json(Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": trainer.state.log_history})
+        return Artifact("model", str(model_dir), metrics)
