@@ -47,8 +47,8 @@ def build_parser(plugin_commands: dict[str, str]) -> argparse.ArgumentParser:
     _add_recipe_args(recipe_check)
 
     for name, description in sorted(plugin_commands.items()):
-        extra = commands.add_parser(name, help=description or f"(plugin command {name})", add_help=False)
-        extra.add_argument("args", nargs=argparse.REMAINDER)
+        # listed for --help only: main() hands a plugin command its arguments before argparse sees them
+        commands.add_parser(name, help=description or f"(plugin command {name})", add_help=False)
     return parser
 
 
@@ -121,7 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         plugin_commands = {e.name: e.description for e in registry.entries("command")}
         rest = [a for a in argv if a != "--debug"]
         if rest and rest[0] in plugin_commands:  # plugin commands parse their own arguments, --help included
-            return int(registry.get("command", rest[0])(rest[1:]) or 0)
+            own = rest[1:]
+            if own[:1] == ["--"]:  # ``alpacafarm compare -- --agreement ...``: the separator is not theirs
+                own = own[1:]
+            return int(registry.get("command", rest[0])(own) or 0)
         parser = build_parser(plugin_commands)
         args = parser.parse_args(argv)
         if args.command is None:

@@ -98,8 +98,7 @@ class StageContext:
         """The recipe's annotator for ``role``: ``feedback`` (training labels) or ``evaluation``."""
         from alpacafarm.errors import RecipeError
 
-        ref = self.recipe.evaluation.annotator if role == "evaluation" and self.recipe.evaluation else None
-        ref = ref or self.recipe.annotator
+        ref = self.recipe.annotator_for(role)
         if ref is None:
             raise RecipeError(f"stage {self.stage!r} needs an annotator: set 'annotator:' in the recipe")
         return ref

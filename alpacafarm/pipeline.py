@@ -184,8 +184,7 @@ class Pipeline:
         role = getattr(stage.method_cls, "annotator_role", None)
         if role is None:
             return None
-        ref = self.recipe.evaluation.annotator if role == "evaluation" and self.recipe.evaluation else None
-        ref = ref or self.recipe.annotator
+        ref = self.recipe.annotator_for(role)
         return ref.model_dump(mode="json") if ref is not None else None
 
     def run(self, force: tuple[str, ...] | list[str] = ()) -> list[StageOutcome]:

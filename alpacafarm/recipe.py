@@ -126,6 +126,12 @@ class Recipe(_Strict):
     stages: list[StageSpec] = Field(min_length=1)
     evaluation: EvaluationSpec | None = None
 
+    def annotator_for(self, role: str) -> PluginRef | None:
+        """The annotator for ``role``: ``evaluation`` uses ``evaluation.annotator`` if set; otherwise ``annotator``."""
+        if role == "evaluation" and self.evaluation is not None and self.evaluation.annotator is not None:
+            return self.evaluation.annotator
+        return self.annotator
+
 
 @dataclasses.dataclass
 class LoadedRecipe:

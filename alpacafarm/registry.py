@@ -48,9 +48,6 @@ class Entry:
             self._loaded = import_target(self.target, what=f"{self.kind} {self.name!r} of plugin {self.plugin!r}")
         return self._loaded
 
-    def describe(self) -> dict[str, Any]:
-        target = self.target if self.is_lazy else f"{getattr(self.target, '__module__', '?')}:{getattr(self.target, '__qualname__', repr(self.target))}"
-        return {"name": self.name, "target": target, "description": self.description, **self.metadata}
 
 
 def import_target(spec: str, what: str = "target") -> Any:
@@ -108,10 +105,6 @@ class Registry:
 
     def entries(self, kind: str) -> list[Entry]:
         return [self._entries[kind][n] for n in self.names(kind)]
-
-    def __contains__(self, key: tuple[str, str]) -> bool:
-        kind, name = key
-        return name in self._entries.get(kind, {})
 
     def entry(self, kind: str, name: str) -> Entry:
         """The entry for ``name``; an unknown name raises with "did you mean" and the full list."""

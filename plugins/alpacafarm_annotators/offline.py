@@ -58,10 +58,11 @@ class OfflineAnnotator(Annotator):
         todo = [i for i, r in enumerate(results) if r is None]
         instructions = [f"{pairs[i].instruction}\n\n{pairs[i].input}" if pairs[i].input else pairs[i].instruction
                         for i in todo]
-        labels = self.judge.judge([(text, pairs[i].output_1, pairs[i].output_2, self.reference_for(pairs[i]))
-                                   for text, i in zip(instructions, todo, strict=True)])
-        for i, label in zip(todo, labels, strict=True):
-            results[i] = Annotation(label, self.name, metadata={"reference": self.reference_for(pairs[i]) is not None})
+        references = [self.reference_for(pairs[i]) for i in todo]
+        labels = self.judge.judge([(text, pairs[i].output_1, pairs[i].output_2, reference)
+                                   for text, i, reference in zip(instructions, todo, references, strict=True)])
+        for i, label, reference in zip(todo, labels, references, strict=True):
+            results[i] = Annotation(label, self.name, metadata={"reference": reference is not None})
         if progress:
             progress(len(pairs), 0.0)
         return [r for r in results if r is not None]

@@ -19,12 +19,6 @@ METRIC_KEYS = ("win_rate", "standard_error", "length_controlled_win_rate", "n_wi
                "n_total", "n_unparsed", "avg_length", "discrete_win_rate")
 
 
-def _strip_separator(argv: list[str]) -> list[str]:
-    """Drop a leading ``--``: the core CLI hands plugin commands their arguments through argparse.REMAINDER,
-    which rejects a first argument that starts with ``-`` unless ``--`` precedes it (and then keeps the ``--``)."""
-    return argv[1:] if argv[:1] == ["--"] else argv
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="alpacafarm evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,7 +47,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the annotation cache")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                         help="any annotator config field, e.g. --set max_concurrency=4")
-    args = parser.parse_args(_strip_separator(argv))
+    args = parser.parse_args(argv)
     if args.max_instructions is not None and args.max_instructions < 1:
         parser.error("--max-instructions must be at least 1")
     return args
@@ -196,7 +190,7 @@ def leaderboard_main(argv: list[str]) -> int:
     parser.add_argument("-o", "--output", required=True, metavar="OUT_PREFIX",
                         help="writes OUT_PREFIX.csv, OUT_PREFIX.json and OUT_PREFIX.png")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON object on stdout")
-    args = parser.parse_args(_strip_separator(argv))
+    args = parser.parse_args(argv)
     rows = build_leaderboard(args.inputs)
     written = write_leaderboard(rows, args.output)
     if args.json:

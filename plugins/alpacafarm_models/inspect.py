@@ -30,8 +30,8 @@ class InspectModel(Method):
 
     def run(self, context: StageContext) -> Artifact:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from alpacafarm.modeling import load_causal_lm, load_tokenizer
         from alpacafarm.models import resolve_model_path
         from alpacafarm.prompts import format_prompt
 
@@ -39,9 +39,8 @@ class InspectModel(Method):
         spec = context.recipe.model
         path = resolve_model_path(context.input("sft_model").path)
         started = time.perf_counter()
-        tokenizer = AutoTokenizer.from_pretrained(path, revision=spec.revision)
-        model = AutoModelForCausalLM.from_pretrained(path, revision=spec.revision, dtype="auto")
-        model.eval()
+        tokenizer = load_tokenizer(spec, path)
+        model = load_causal_lm(spec, path).eval()
         load_seconds = time.perf_counter() - started
         torch.manual_seed(context.seed)
 

@@ -143,10 +143,7 @@ def cmd_agreement(args: argparse.Namespace) -> int:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``alpacafarm compare``; UserError becomes one ``error:`` line and exit status 2."""
-    argv = list(argv)
-    if argv[:1] == ["--"]:  # ``alpacafarm compare -- --agreement ...`` reaches us with the separator
-        argv = argv[1:]
-    args = parse_args(argv)
+    args = parse_args(list(argv))
     if args.agreement is True:  # ``compare HUMAN.json --agreement``: the positional is the human file
         if not args.table:
             raise UserError("--agreement needs the human annotations file: --agreement HUMAN.json")
