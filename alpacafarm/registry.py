@@ -106,6 +106,11 @@ class Registry:
     def entries(self, kind: str) -> list[Entry]:
         return [self._entries[kind][n] for n in self.names(kind)]
 
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        """``("method", "sft") in registry``."""
+        kind, name = key
+        return name in self._entries.get(kind, {})
+
     def entry(self, kind: str, name: str) -> Entry:
         """The entry for ``name``; an unknown name raises with "did you mean" and the full list."""
         try:
