@@ -132,6 +132,9 @@ class Method:
 
     config_class: ClassVar[Any] = None
     requires: ClassVar[tuple[str, ...]] = ()
+    #: Inputs wired when an earlier stage (or a data source) provides them and left out otherwise, e.g. the
+    #: evaluator's ``reward_model`` (a proxy-reward column when the recipe trained one).
+    optional: ClassVar[tuple[str, ...]] = ()
     provides: ClassVar[str] = "policy"
     description: ClassVar[str] = ""
     #: ``"feedback"`` or ``"evaluation"`` when the method calls ``context.make_annotator(role)``: the recipe's

@@ -74,7 +74,8 @@ def plan(loaded: LoadedRecipe, registry: Registry) -> list[PlannedStage]:
     planned: list[PlannedStage] = []
     providers: dict[str, str] = {}  # what → latest stage that provides it
 
-    def resolve(stage_index: int, stage_name: str, method: str, requirement: str, explicit: str | None) -> str:
+    def resolve(stage_index: int, stage_name: str, method: str, requirement: str, explicit: str | None,
+                optional: bool = False) -> str | None:
         known = [BASE_MODEL, *recipe.data, *(p.name for p in planned)]
         if explicit is not None:
             if explicit in known and not (explicit == BASE_MODEL and recipe.model is None):
@@ -87,6 +88,8 @@ def plan(loaded: LoadedRecipe, registry: Registry) -> list[PlannedStage]:
                           requirement if any(p.name == requirement for p in planned) else None):
             if candidate:
                 return candidate
+        if optional:
+            return None
         fallback = FALLBACKS.get(requirement, requirement)
         if fallback == BASE_MODEL and recipe.model is not None:
             return BASE_MODEL
@@ -98,10 +101,21 @@ def plan(loaded: LoadedRecipe, registry: Registry) -> list[PlannedStage]:
             f"data source is named so; add one, or set stages[{stage_index}].inputs.{requirement}",
         )
 
+    def wire(index: int, name: str, method: str, requires: tuple[str, ...], optional: tuple[str, ...],
+             explicit: dict[str, str]) -> dict[str, str]:
+        inputs = {r: resolve(index, name, method, r, explicit.get(r)) for r in requires}
+        for r in optional:
+            provider = resolve(index, name, method, r, explicit.get(r), optional=True)
+            if provider is not None:
+                inputs[r] = provider
+        return inputs
+
     for i, spec in enumerate(recipe.stages):
+        if not spec.enabled:
+            continue
         entry = registry.entry("method", spec.method)
         method_cls = entry.load()
-        inputs = {r: resolve(i, spec.name, spec.method, r, spec.inputs.get(r)) for r in method_cls.requires}
+        inputs = wire(i, spec.name, spec.method, method_cls.requires, getattr(method_cls, "optional", ()), spec.inputs)
         planned.append(PlannedStage(spec.name, spec.method, method_cls, entry.plugin, loaded.stage_configs.get(spec.name),
                                     dict(spec.config), inputs))
         providers[method_cls.provides] = spec.name
@@ -110,18 +124,40 @@ def plan(loaded: LoadedRecipe, registry: Registry) -> list[PlannedStage]:
         evaluation = recipe.evaluation
         entry = registry.entry("evaluator", evaluation.evaluator)
         evaluator_cls = entry.load()
-        policy = evaluation.policy or planned[-1].name
-        if policy not in [p.name for p in planned]:
-            raise doc.error(("evaluation", "policy"), f"no stage named {policy!r}")
+        policies = policy_stages(recipe, [p.name for p in planned], doc)
         from alpacafarm.recipe import validate_plugin_config
 
         config = validate_plugin_config(getattr(evaluator_cls, "config_class", None), evaluation.config, doc,
                                         ("evaluation", "config"))
-        inputs = {r: (policy if r == "policy" else resolve(len(planned), EVALUATION_STAGE, evaluation.evaluator, r, None))
-                  for r in evaluator_cls.requires}
+        inputs = wire(len(planned), EVALUATION_STAGE, evaluation.evaluator,
+                      tuple(r for r in evaluator_cls.requires if r != "policy"), getattr(evaluator_cls, "optional", ()), {})
+        if isinstance(evaluation.policy, list):  # several systems: one input per evaluated stage
+            inputs.update({f"policy:{name}": name for name in policies})
+        else:
+            inputs["policy"] = policies[0]
         planned.append(PlannedStage(EVALUATION_STAGE, evaluation.evaluator, evaluator_cls, entry.plugin, config,
                                     dict(evaluation.config), inputs))
     return planned
+
+
+def policy_stages(recipe: Any, planned: list[str], doc: Any) -> list[str]:
+    """The stages the evaluation evaluates: ``evaluation.policy`` (one name or a list), else the last stage.
+
+    Listed stages that are disabled (``enabled: false``) are left out; an unknown name is an error.
+    """
+    policy = recipe.evaluation.policy
+    if policy is None:
+        return [planned[-1]]
+    names = [policy] if isinstance(policy, str) else list(policy)
+    disabled = {s.name for s in recipe.stages if not s.enabled}
+    for i, name in enumerate(names):
+        if name not in planned and name not in disabled:
+            path = ("evaluation", "policy") if isinstance(policy, str) else ("evaluation", "policy", i)
+            raise doc.error(path, f"no stage named {name!r}{did_you_mean(name, planned)}")
+    chosen = [name for name in names if name in planned]
+    if not chosen:
+        raise doc.error(("evaluation", "policy"), "every evaluated stage is disabled")
+    return chosen
 
 
 def package_versions(extra: tuple[str, ...] = ()) -> dict[str, str]:

@@ -89,10 +89,15 @@ _STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class StageSpec(_Strict):
-    """One pipeline step: a registered method, its config, and optional explicit input wiring."""
+    """One pipeline step: a registered method, its config, and optional explicit input wiring.
+
+    ``enabled: false`` keeps a stage in the recipe (validated, but not planned or run): optional stages are
+    switched on with ``--set stages.<name>.enabled=true``. An evaluation that lists a disabled stage skips it.
+    """
 
     name: str
     method: str
+    enabled: bool = True
     config: dict[str, Any] = Field(default_factory=dict)
     inputs: dict[str, str] = Field(default_factory=dict)
 
@@ -105,11 +110,15 @@ class StageSpec(_Strict):
 
 
 class EvaluationSpec(_Strict):
-    """The final evaluation stage: an evaluator, its annotator, and which stage's output to evaluate."""
+    """The final evaluation stage: an evaluator, its annotator, and which stages' outputs to evaluate.
+
+    ``policy`` names one stage, or a list of stages compared on one results table (e.g. the SFT outputs, a
+    best-of-n sweep and an expert-iteration model's outputs); unset means the last stage.
+    """
 
     evaluator: str = "win_rate"
     annotator: PluginRef | None = None
-    policy: str | None = None
+    policy: str | list[str] | None = None
     config: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -309,11 +318,12 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), r
         loaded.stage_configs[stage.name] = validate_plugin_config(
             getattr(method_cls, "config_class", None), stage.config, doc, ("stages", i, "config")
         )
+        accepted = (*getattr(method_cls, "requires", ()), *getattr(method_cls, "optional", ()))
         for requirement in stage.inputs:
-            if requirement not in getattr(method_cls, "requires", ()):
+            if requirement not in accepted:
                 raise doc.error(
                     ("stages", i, "inputs", requirement),
-                    f"method {stage.method!r} has no input {requirement!r} (inputs: {', '.join(method_cls.requires) or 'none'})",
+                    f"method {stage.method!r} has no input {requirement!r} (inputs: {', '.join(accepted) or 'none'})",
                 )
     if recipe.annotator is not None:
         validate_plugin_ref(registry, "annotator", recipe.annotator, doc, ("annotator",))

@@ -8,6 +8,7 @@ evaluation annotator (``evaluation.annotator``, else ``annotator``), and scored 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,57 +33,123 @@ class WinRateConfig(BaseModel):
     max_instructions: int | None = Field(None, ge=1, description="evaluate only the first N matched instructions")
 
 
+@dataclass
+class System:
+    """One evaluated system: its name, its output records, and what its stage recorded about it (n, proxy reward)."""
+
+    name: str
+    stage: str
+    outputs: list[dict[str, Any]]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
 class WinRateEvaluator(Method):
-    """Win-rate of the evaluated stage's outputs against reference outputs, judged by the recipe's annotator."""
+    """Win-rate of the evaluated stages' outputs against reference outputs, judged by the recipe's annotator.
+
+    Evaluates one system (``evaluation.policy: <stage>``) or several (a list of stages; a stage whose artifact
+    lists ``systems``, such as ``best_of_n``, contributes one system per entry). Writes ``results.csv`` /
+    ``results.json`` (system, win-rate ± SE, avg length, proxy reward) and, when systems carry ``n``, the
+    ``results.png`` curve of win-rate and proxy reward against n. The proxy reward is the mean reward-model
+    score of a system's outputs: recorded by its stage (best-of-n), else scored here with the run's latest
+    ``reward_model`` when the recipe trained one.
+    """
 
     config_class = WinRateConfig
     requires = ("policy",)
+    optional = ("reward_model",)
     provides = "evaluation"
     annotator_role = "evaluation"
     description = "win-rate of a system's outputs against reference outputs, with standard error"
 
-    def _outputs(self, context: StageContext) -> list[dict[str, Any]]:
-        """The records of the policy artifact's outputs file."""
-        artifact = context.input("policy")
+    def _outputs(self, context: StageContext, key: str) -> list[dict[str, Any]]:
+        """The records of a policy artifact's outputs file."""
+        artifact = context.input(key)
         if artifact.kind == "data_source":
-            return context.records("policy")
+            return context.records(key)
         path = Path(artifact.path) if artifact.path else None
         if path is None or not path.exists():
             raise UserError(f"stage {context.stage!r}: the evaluated stage's artifact ({artifact.kind}) has no outputs "
-                            "file; generating outputs from a model lands with the training-backbone issue")
+                            "file; add a generate_outputs stage for it (inputs: {sft_model: <stage>})")
         if path.is_dir():
             if "outputs" in artifact.metadata:
-                return context.records("policy", "outputs")
+                return context.records(key, "outputs")
             if (path / DEFAULT_OUTPUTS_FILE).is_file():
-                return context.records("policy", DEFAULT_OUTPUTS_FILE)
+                return context.records(key, DEFAULT_OUTPUTS_FILE)
             raise UserError(f"stage {context.stage!r}: {path} is a folder without {DEFAULT_OUTPUTS_FILE} and its "
-                            "artifact has no 'outputs' metadata naming the outputs file (a model folder cannot be "
-                            "evaluated until generation lands with the training-backbone issue)")
-        return context.records("policy")
+                            "artifact has no 'outputs' metadata naming the outputs file (to evaluate a model, add a "
+                            "generate_outputs stage with inputs: {sft_model: <stage>})")
+        return context.records(key)
+
+    def systems(self, context: StageContext) -> list[System]:
+        """Every evaluated system, in the recipe's order."""
+        from alpacafarm.data import read_records
+
+        evaluation = context.recipe.evaluation
+        default_stage = (evaluation.policy if evaluation and isinstance(evaluation.policy, str) else None) \
+            or context.recipe.stages[-1].name
+        found: list[System] = []
+        for key, artifact in context.inputs.items():
+            if key != "policy" and not key.startswith("policy:"):
+                continue
+            stage = key.split(":", 1)[1] if ":" in key else default_stage
+            listed = artifact.metadata.get("systems")
+            if listed and artifact.path and Path(artifact.path).is_dir():
+                for name, info in listed.items():
+                    found.append(System(name, stage, read_records(Path(artifact.path) / info["outputs"]), dict(info)))
+            else:
+                found.append(System(stage, stage, self._outputs(context, key)))
+        names = [s.name for s in found]
+        for system in found:  # two stages listing the same system name: qualify both with their stage
+            if names.count(system.name) > 1:
+                system.name = f"{system.stage}/{system.name}"
+        return found
 
     def run(self, context: StageContext) -> Artifact:
-        """Pair, judge, score; writes annotations.json and metrics.json into the stage folder."""
+        """Pair, judge, score every system; writes annotations, metrics and the results table into the stage folder."""
         from alpacafarm_evaluation.metrics import metrics_table
         from alpacafarm_evaluation.pairing import annotate_and_score, load_references, pair_outputs
+        from alpacafarm_evaluation.results import proxy_rewards, results_rows, write_results
 
         config = self.config if isinstance(self.config, WinRateConfig) else WinRateConfig.model_validate(self.config or {})
-        outputs = self._outputs(context)
+        systems = self.systems(context)
         references = load_references(config.references, config.reference_field)
-        policy = context.inputs["policy"]
-        evaluation = context.recipe.evaluation
-        stage_name = (evaluation.policy if evaluation else None) or context.recipe.stages[-1].name
-        pairs, skipped = pair_outputs(outputs, references, config.max_instructions, f"policy ({policy.path})",
-                                      generator=stage_name)
-        if skipped["n_unmatched"] or skipped["n_extra_samples"]:
-            context.logger.warning("%s: skipped %d of %d outputs without a reference instruction and %d extra samples",
-                                   context.stage, skipped["n_unmatched"], len(outputs), skipped["n_extra_samples"])
+        single = len(systems) == 1
         annotator = context.make_annotator("evaluation")
+        evaluated: list[tuple[System, dict[str, Any], list[dict[str, Any]]]] = []
         try:
-            metrics = annotate_and_score(pairs, annotator, context.stage_dir, skipped)
+            for system in systems:
+                pairs, skipped = pair_outputs(system.outputs, references, config.max_instructions,
+                                              f"{system.name} outputs", generator=system.name)
+                if skipped["n_unmatched"] or skipped["n_extra_samples"]:
+                    context.logger.warning(
+                        "%s: %s: skipped %d of %d outputs without a reference instruction and %d extra samples",
+                        context.stage, system.name, skipped["n_unmatched"], len(system.outputs),
+                        skipped["n_extra_samples"])
+                out_dir = context.stage_dir if single else context.stage_dir / "systems" / system.name.replace("/", "__")
+                metrics = annotate_and_score(pairs, annotator, out_dir, skipped)
+                context.logger.info("%s: %s win-rate %.2f ± %.2f over %d pairs", context.stage, system.name,
+                                    metrics["win_rate"] or 0.0, metrics["standard_error"] or 0.0, metrics["n_total"])
+                evaluated.append((system, metrics, pairs))
         finally:
             annotator.close()
-        title = f"win-rate of {metrics.get('generator')} vs {metrics['reference']} (judge: {metrics['annotator']})"
-        context.logger.info("%s: win-rate %.2f ± %.2f over %d pairs", context.stage, metrics["win_rate"] or 0.0,
-                            metrics["standard_error"] or 0.0, metrics["n_total"])
-        return Artifact("evaluation", str(context.stage_dir / "metrics.json"),
-                        {**metrics, "table": metrics_table(metrics, title)})
+        rewards = proxy_rewards(context, [(s, pairs) for s, _, pairs in evaluated])
+        rows = results_rows([(s, m) for s, m, _ in evaluated], rewards)
+        files = write_results(rows, context.stage_dir)
+        judge = evaluated[0][1]["annotator"]
+        reference = evaluated[0][1]["reference"]
+        if single:
+            metrics = {**evaluated[0][1], "proxy_reward": rows[0]["proxy_reward"], "results": files}
+            title = f"win-rate of {metrics.get('generator')} vs {reference} (judge: {judge})"
+            return Artifact("evaluation", str(context.stage_dir / "metrics.json"),
+                            {**metrics, "table": metrics_table(metrics, title)})
+        table = {"title": f"win-rate vs {reference} (judge: {judge})",
+                 "columns": ["system", "n", "win-rate %", "± SE", "LC win-rate %", "avg length", "proxy reward"],
+                 "rows": [[r["system"], r["n"] if r["n"] is not None else "-", _fmt(r["win_rate"]),
+                           _fmt(r["standard_error"]), _fmt(r["length_controlled_win_rate"]), _fmt(r["avg_length"], 0),
+                           _fmt(r["proxy_reward"], 3)] for r in rows]}
+        return Artifact("evaluation", files["json"], {"systems": rows, "annotator": judge, "reference": reference,
+                                                      "results": files, "table": table})
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"

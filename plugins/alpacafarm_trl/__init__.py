@@ -12,3 +12,9 @@ def register_methods(register):
              description="supervised fine-tuning on demonstrations (TRL SFTTrainer, response-only loss)")
     register("reward_model", "alpacafarm_trl.reward_model:RewardModel",
              description="Bradley-Terry reward model on pairwise preferences, initialised from the SFT model")
+    register("best_of_n", "alpacafarm_trl.best_of_n:BestOfN",
+             description="best-of-n sampling with the reward model; one run evaluates every n <= N on prefixes")
+    register("expert_iteration", "alpacafarm_trl.expert_iteration:ExpertIteration",
+             description="expert iteration: best-of-n on unlabeled instructions, then SFT on the best samples")
+    register("quark", "alpacafarm_trl.quark:Quark",
+             description="Quark (best quantile, fresh pool per round): top-reward rollouts, NLL + KL to the SFT model")

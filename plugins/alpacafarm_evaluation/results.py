@@ -1,0 +1,107 @@
+"""The evaluation's results table and plot: one row per system, and win-rate / proxy reward against n.
+
+``results.csv`` and ``results.json`` hold the rows (system, n, win-rate ± SE, LC win-rate, wins/losses/draws,
+avg length, proxy reward); ``results.png`` plots, for the systems that carry an ``n`` (a best-of-n sweep), the
+win-rate with ± 1 SE bars and the proxy reward against n, with every other system as a dashed reference line —
+the shape of the paper's Figure 5 / Figure 13.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from alpacafarm.data import write_json
+
+logger = logging.getLogger("alpacafarm")
+
+COLUMNS = ("system", "stage", "n", "win_rate", "standard_error", "length_controlled_win_rate", "n_wins", "n_wins_base",
+           "n_draws", "n_total", "avg_length", "proxy_reward")
+
+
+def proxy_rewards(context: Any, systems: Sequence[tuple[Any, list[dict[str, Any]]]]) -> list[float | None]:
+    """Mean reward-model score of each system's judged outputs.
+
+    A system whose stage recorded ``proxy_reward`` (best-of-n, scored with its reward model) keeps it; the others
+    are scored here with the run's ``reward_model`` input when there is one, else ``None``.
+    """
+    values: list[float | None] = [s.info.get("proxy_reward") for s, _ in systems]
+    missing = [i for i, v in enumerate(values) if v is None]
+    if not missing or "reward_model" not in context.inputs:
+        return values
+    from alpacafarm_trl.scoring import RewardScorer
+
+    scorer = RewardScorer.from_path(context.input("reward_model").path, context.recipe.model)
+    with context.progress("proxy reward", len(missing)) as advance:
+        for i in missing:
+            pairs = systems[i][1]
+            records = [{"instruction": p["instruction"], "input": p["input"]} for p in pairs]
+            scores = scorer.score_records(records, [p["output_2"] for p in pairs])
+            values[i] = round(sum(scores) / len(scores), 6) if scores else None
+            advance(1)
+    return values
+
+
+def results_rows(evaluated: Sequence[tuple[Any, dict[str, Any]]], rewards: Sequence[float | None]) -> list[dict[str, Any]]:
+    """One row per system, in the evaluation's order."""
+    rows = []
+    for (system, metrics), reward in zip(evaluated, rewards, strict=True):
+        rows.append({"system": system.name, "stage": system.stage, "n": system.info.get("n"),
+                     **{k: metrics.get(k) for k in COLUMNS[3:-1]}, "proxy_reward": reward})
+    return rows
+
+
+def write_results(rows: list[dict[str, Any]], directory: Path) -> dict[str, str]:
+    """``results.csv``, ``results.json`` and, when some row has an ``n``, ``results.png``; returns their paths."""
+    files = {"csv": str(directory / "results.csv"), "json": str(directory / "results.json")}
+    with open(files["csv"], "w", encoding="utf-8", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(COLUMNS))
+        writer.writeheader()
+        writer.writerows(rows)
+    write_json(Path(files["json"]), {"columns": list(COLUMNS), "rows": rows})
+    if any(r["n"] is not None for r in rows):
+        files["png"] = str(directory / "results.png")
+        plot_curve(rows, Path(files["png"]))
+    return files
+
+
+def plot_curve(rows: list[dict[str, Any]], path: Path) -> None:
+    """Win-rate (± SE) and proxy reward against n (log scale), other systems as dashed horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: never open a window
+    import matplotlib.pyplot as plt
+
+    curve = sorted((r for r in rows if r["n"] is not None and r["win_rate"] is not None), key=lambda r: r["n"])
+    others = [r for r in rows if r["n"] is None and r["win_rate"] is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    try:
+        ns = [r["n"] for r in curve]
+        ax.errorbar(ns, [r["win_rate"] for r in curve], yerr=[r["standard_error"] or 0.0 for r in curve],
+                    marker="o", capsize=3, color="#4C72B0", label="best-of-n win-rate")
+        colors = ["#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3"]
+        for i, row in enumerate(others):
+            ax.axhline(row["win_rate"], linestyle="--", linewidth=1, color=colors[i % len(colors)],
+                       label=f"{row['system']} {row['win_rate']:.1f}%")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set_xlabel("n (samples per instruction)")
+        ax.set_ylabel("win-rate vs reference (%) ± SE")
+        handles, labels = ax.get_legend_handles_labels()
+        if any(r["proxy_reward"] is not None for r in curve):
+            right = ax.twinx()
+            shown = [r for r in curve if r["proxy_reward"] is not None]
+            right.plot([r["n"] for r in shown], [r["proxy_reward"] for r in shown], marker="s", color="#8C8C8C",
+                       label="proxy reward (reward model)")
+            right.set_ylabel("mean proxy reward")
+            extra_handles, extra_labels = right.get_legend_handles_labels()
+            handles, labels = handles + extra_handles, labels + extra_labels
+        ax.legend(handles, labels, loc="best", fontsize=8)
+        ax.set_title("win-rate and proxy reward against n")
+        fig.tight_layout()
+        fig.savefig(path, format="png", dpi=100)
+    finally:
+        plt.close(fig)

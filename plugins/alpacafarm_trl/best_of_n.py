@@ -1,0 +1,146 @@
+"""``best_of_n``: sample n outputs per instruction, score them with the reward model, keep the best.
+
+Paper Section 3.4 / Appendix A.2: best-of-n sampling is an inference-time policy that turns a surrogate reward
+model into better outputs without training. The largest ``n`` is sampled once; every smaller ``n`` in
+``n_values`` is evaluated on the *prefix* of the same samples (best of the first n), so one run gives the paper's
+curve of win-rate against n and against proxy reward (Figure 4) at the cost of the largest n alone — and the
+curve is monotone in the proxy reward by construction, as it should be.
+
+Files (in the stage folder)::
+
+    samples.jsonl         every sample: instruction, input, sample_index, output, reward
+    best_of_<n>.jsonl     for each n: the chosen output per instruction (with its reward and sample_index)
+
+The artifact's ``systems`` metadata lists the per-n files, so a recipe's evaluation (``evaluation.policy``
+naming this stage) evaluates every n and plots the curve; ``outputs`` names the largest n's file, the default
+policy when only one system is evaluated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from alpacafarm.data import write_jsonl
+from alpacafarm.generation import SamplingConfig, generate_records
+from alpacafarm.method import Artifact, Method, StageContext
+
+#: ``scores(records, completions) -> rewards``: the reward model, or any scorer in tests.
+Scorer = Callable[[Sequence[dict[str, Any]], Sequence[str]], list[float]]
+
+
+def powers_of_two(n_max: int) -> list[int]:
+    """1, 2, 4, ... up to ``n_max``, and ``n_max`` itself when it is not a power of two."""
+    values, n = [], 1
+    while n < n_max:
+        values.append(n)
+        n *= 2
+    return [*values, n_max]
+
+
+class BestOfNConfig(BaseModel):
+    """Which instructions, how many samples, how to sample and score them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    split: str = Field("eval", description="file of the instruction splits to answer (eval: a decoding policy)")
+    max_instructions: int | None = Field(None, ge=1)
+    n: int = Field(16, ge=1, description="the largest n: samples drawn per instruction (the paper sweeps up to 1024)")
+    n_values: list[int] | None = Field(None, description="the n evaluated on prefixes; default 1, 2, 4, ..., n")
+    sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=1.0, max_new_tokens=256),
+                                     description="n is taken from the field above")
+    score_batch_size: int = Field(8, ge=1)
+    backend: str = "transformers"
+    backend_config: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_n_values(self) -> BestOfNConfig:
+        if self.n_values is not None:
+            bad = [v for v in self.n_values if not 1 <= v <= self.n]
+            if bad or not self.n_values:
+                raise ValueError(f"n_values must be between 1 and n={self.n} (got {self.n_values})")
+        return self
+
+    def resolved_n_values(self) -> list[int]:
+        return sorted(set(self.n_values)) if self.n_values else powers_of_two(self.n)
+
+
+def best_index(rewards: Sequence[float], n: int) -> int:
+    """Index of the highest reward among the first ``n`` samples; the earliest wins a tie (deterministic)."""
+    window = list(rewards[:n])
+    if not window:
+        raise ValueError("no samples to choose from")
+    return max(range(len(window)), key=lambda i: (window[i], -i))
+
+
+def sample_and_score(generator: Any, scorer: Scorer, records: Sequence[dict[str, Any]], sampling: SamplingConfig, *,
+                     prompt_format: str, progress: Callable[[int], None] | None = None) -> list[list[dict[str, Any]]]:
+    """``sampling.n`` samples per record, each with its ``reward``; one list of samples per record, in order."""
+    rows = generate_records(generator, list(records), sampling, prompt_format=prompt_format,
+                            tokenizer=getattr(generator, "tokenizer", None), progress=progress)
+    rewards = scorer(rows, [row["output"] for row in rows])
+    grouped: list[list[dict[str, Any]]] = [[] for _ in records]
+    for i, (row, reward) in enumerate(zip(rows, rewards, strict=True)):
+        grouped[i // sampling.n].append({**row, "reward": float(reward)})
+    return grouped
+
+
+def select(samples: Sequence[Sequence[dict[str, Any]]], n: int) -> list[dict[str, Any]]:
+    """The best of the first ``n`` samples of every instruction (a copy carrying ``n``)."""
+    chosen = []
+    for group in samples:
+        best = group[best_index([s["reward"] for s in group], n)]
+        chosen.append({**best, "n": n})
+    return chosen
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def reward_scorer(context: StageContext, batch_size: int) -> tuple[Any, Scorer]:
+    """The ``reward_model`` input loaded for scoring, and a scorer function over it."""
+    from alpacafarm_trl.scoring import RewardScorer
+
+    scorer = RewardScorer.from_path(context.input("reward_model").path, context.recipe.model)
+    return scorer, lambda records, completions: scorer.score_records(records, completions, batch_size=batch_size)
+
+
+class BestOfN(Method):
+    """Best-of-n outputs for every n in the sweep, from one set of samples; proxy reward per n in the metadata."""
+
+    config_class = BestOfNConfig
+    requires = ("sft_model", "reward_model", "instruction_splits")
+    provides = "policy_outputs"
+    description = "best-of-n sampling with the reward model; one run evaluates every n <= N on prefixes"
+
+    def run(self, context: StageContext) -> Artifact:
+        config: BestOfNConfig = self.config
+        spec = context.recipe.model
+        records = context.records("instruction_splits", config.split)[: config.max_instructions]
+        sampling = config.sampling.model_copy(update={"n": config.n, "seed": config.sampling.seed + context.seed})
+        generator = context.registry.get("generation_backend", config.backend)(
+            config.backend_config, spec, context.input("sft_model").path)
+        _, scorer = reward_scorer(context, config.score_batch_size)
+        started = time.perf_counter()
+        with context.progress(f"best-of-{config.n}: sampling", len(records)) as advance:
+            samples = sample_and_score(generator, scorer, records, sampling, prompt_format=spec.prompt_format,
+                                       progress=advance)
+        seconds = time.perf_counter() - started
+        write_jsonl(context.stage_dir / "samples.jsonl", [s for group in samples for s in group])
+        systems: dict[str, dict[str, Any]] = {}
+        for n in config.resolved_n_values():
+            chosen = select(samples, n)
+            name = f"best_of_{n}"
+            write_jsonl(context.stage_dir / f"{name}.jsonl", chosen)
+            systems[name] = {"outputs": f"{name}.jsonl", "n": n, "proxy_reward": round(mean([c["reward"] for c in chosen]), 6),
+                             "avg_length": round(mean([len(c["output"]) for c in chosen]), 1)}
+            context.logger.info("stage %s: best-of-%d mean proxy reward %.4f", context.stage, n,
+                                systems[name]["proxy_reward"])
+        largest = f"best_of_{max(config.resolved_n_values())}"
+        return Artifact("outputs", str(context.stage_dir), {
+            "outputs": systems[largest]["outputs"], "systems": systems, "n_instructions": len(records),
+            "n_samples": sum(len(g) for g in samples), "sampling_seconds": round(seconds, 2)})
