@@ -1,0 +1,372 @@
+"""The ``quark`` method (best-quantile Quark, fresh pool per round) on tiny random-init models."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from alpacafarm.errors import RecipeError
+from alpacafarm.recipe import ModelSpec, load_recipe
+from alpacafarm.testing import write_records
+
+INSTRUCTIONS = [{"instruction": f"Say something about topic {i}.", "input": "" if i % 3 else "a short note"}
+                for i in range(16)]
+TOPICS = ["rivers", "baking", "chess", "planets"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models run many times slower with two threads when another process competes for the two cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def e_share(records: list[dict[str, Any]], completions: list[str]) -> list[float]:
+    """A simple learnable reward: the share of the letter 'e' among the completion's characters."""
+    return [c.count("e") / max(len(c), 1) for c in completions]
+
+
+def quark_args(tmp_path: Path, **overrides: Any) -> Any:
+    from alpacafarm_trl.quark import QuarkMethodConfig
+
+    values = {"output_dir": str(tmp_path / "trainer"), "rounds": 2, "prompts_per_round": 8, "rollouts_per_prompt": 4,
+              "top_quantile": 0.25, "max_new_tokens": 10, "generation_batch_size": 8, "per_device_train_batch_size": 8,
+              "learning_rate": 5e-3, "report_to": "none", "disable_tqdm": True, **overrides}
+    return QuarkMethodConfig(**values)
+
+
+def tiny_trainer(tmp_path: Path, **overrides: Any) -> Any:
+    """A trainer whose policy and frozen reference are two identical tiny models."""
+    from alpacafarm.testing import tiny_causal_lm, tiny_tokenizer
+    from alpacafarm_trl.quark import build_quark_trainer
+
+    tokenizer = tiny_tokenizer()
+    return build_quark_trainer(quark_args(tmp_path, **overrides), tiny_causal_lm(tokenizer), tokenizer,
+                               tiny_causal_lm(tokenizer))
+
+
+def read_pool(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def run_recipe(recipe: Path, run_dir: Path, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    from alpacafarm.pipeline import Pipeline
+    from alpacafarm.plugins import get_registry
+
+    outcomes = Pipeline(load_recipe(recipe, list(overrides)), get_registry(), run_dir).run()
+    return {o.name: o.artifact for o in outcomes}
+
+
+def preference_records(n: int = 24) -> list[dict[str, Any]]:
+    records = []
+    for i in range(n):
+        topic = TOPICS[i % len(TOPICS)]
+        good, bad = f"Here is a helpful answer about {topic}.", f"No. I refuse to talk about {topic}."
+        first, second = (good, bad) if i % 2 else (bad, good)
+        records.append({"instruction": f"Tell me about {topic} (#{i}).", "input": "", "output_1": first,
+                        "output_2": second, "preference": 2 - i % 2})
+    return records
+
+
+def quark_recipe(tmp_path: Path, model: str, extra_model: str = "", quark_config: str = "") -> Path:
+    prefs = write_records(tmp_path / "prefs.jsonl", preference_records())
+    instructions = write_records(tmp_path / "instructions.jsonl", INSTRUCTIONS[:8])
+    path = tmp_path / "recipe.yaml"
+    path.write_text(
+        "name: quark-test\n"
+        f"model: {{name: {model}{extra_model}}}\n"
+        f"data:\n  preferences: {{path: {prefs}}}\n  unlabeled: {{path: {instructions}}}\n"
+        "stages:\n"
+        "  - {name: rm, method: reward_model, config: {max_steps: 2, per_device_train_batch_size: 8,"
+        " save_strategy: 'no', eval_fraction: 0.25}}\n"
+        "  - name: quark\n    method: quark\n    inputs: {instruction_splits: unlabeled}\n"
+        "    config: {rounds: 2, prompts_per_round: 4, rollouts_per_prompt: 2, top_quantile: 0.5, max_new_tokens: 6,"
+        " generation_batch_size: 4, per_device_train_batch_size: 4, learning_rate: 1.0e-3, disable_tqdm: true"
+        f"{quark_config}}}\n"
+        "  - name: outputs\n    method: generate_outputs\n    inputs: {sft_model: quark, instruction_splits: unlabeled}\n"
+        "    config: {sampling: {max_new_tokens: 4, batch_size: 4}}\n",
+        encoding="utf-8")
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+def test_config_defaults_follow_the_paper_and_bad_values_are_errors(tmp_path: Path):
+    from alpacafarm_trl.quark import QuarkMethodConfig
+
+    config = QuarkMethodConfig(output_dir=str(tmp_path))
+    assert (config.kl_coef, config.learning_rate, config.num_train_epochs, config.max_grad_norm) == (0.05, 3e-6, 2.0, 1.0)
+    assert config.lr_scheduler_type.value == "linear" and (config.rounds, config.prompts_per_round) == (390, 512)
+    assert config.split == "train" and config.max_instructions is None
+    assert config.bf16 is False and config.gradient_checkpointing is False  # automatic values on a CPU
+    for bad in ({"top_quantile": 0.0}, {"top_quantile": 1.5}, {"rounds": 0}, {"kl_coef": -0.1}, {"temperature": 0.0},
+                {"rollouts_per_prompt": 0}, {"max_instructions": 0}):
+        with pytest.raises(ValueError):
+            QuarkMethodConfig(output_dir=str(tmp_path), **bad)
+
+
+def test_config_fields_are_recipe_settable(tiny_model_dir: str, tmp_path: Path):
+    recipe = quark_recipe(tmp_path, tiny_model_dir)
+    config = load_recipe(recipe, ["stages.quark.config.kl_coef=0.1", "stages.quark.config.weight_decay=0.01",
+                                  "stages.quark.config.split=eval"]).stage_configs["quark"]
+    assert (config.kl_coef, config.weight_decay, config.split, config.rounds) == (0.1, 0.01, "eval", 2)
+    with pytest.raises(RecipeError, match=r"top_quantil.*did you mean 'top_quantile'"):
+        load_recipe(recipe, ["stages.quark.config.top_quantil=0.5"])
+    with pytest.raises(RecipeError, match="top_quantile must be in"):
+        load_recipe(recipe, ["stages.quark.config.top_quantile=2"])
+
+
+# ------------------------------------------------------------------------------------------------ the loop
+
+
+def test_kept_set_is_exactly_the_top_quantile():
+    from alpacafarm_trl.quark import kept_count, top_quantile
+
+    assert [kept_count(n, 0.25) for n in (1, 3, 4, 8, 9)] == [1, 1, 1, 2, 3]
+    assert kept_count(10, 0.3) == 3 and kept_count(512, 0.2) == 103 and kept_count(5, 1.0) == 5
+    rewards = [0.1, 0.9, 0.5, 0.9, -2.0, 0.7, 0.5, 0.0]
+    assert top_quantile(rewards, 0.25) == [1, 3]
+    assert top_quantile(rewards, 0.5) == [1, 2, 3, 5]  # the tie at 0.5 goes to the earlier index
+
+
+def test_pool_files_keep_the_top_quantile_of_the_scorer(tmp_path: Path):
+    from alpacafarm_trl.quark import kept_count, run_rounds
+
+    def score(records, completions):  # distinct, known rewards: the length, tie-broken by the text's checksum
+        return [len(c) + sum(map(ord, c)) % 97 / 100 for c in completions]
+
+    trainer = tiny_trainer(tmp_path, top_quantile=0.3)
+    stats = run_rounds(trainer, INSTRUCTIONS, score, out_dir=tmp_path)
+    for stat in stats:
+        pool = read_pool(tmp_path / f"round_{stat['round']}" / "pool.jsonl")
+        assert len(pool) == 32 == stat["n_pool"]
+        assert [row["reward"] for row in pool] == score(None, [row["output"] for row in pool])
+        k = kept_count(len(pool), 0.3)
+        best = sorted(range(len(pool)), key=lambda i: -pool[i]["reward"])[:k]
+        assert {i for i, row in enumerate(pool) if row["kept"]} == set(best) and stat["n_kept"] == k == 10
+        kept = [row["reward"] for row in pool if row["kept"]]
+        assert stat["threshold"] == min(kept) > max(row["reward"] for row in pool if not row["kept"])
+        assert stat["reward_kept_mean"] == pytest.approx(sum(kept) / k)
+        assert stat["reward_mean"] == pytest.approx(sum(row["reward"] for row in pool) / len(pool))
+
+
+def test_loss_is_logged_parameters_change_and_kl_grows_from_zero(tmp_path: Path):
+    import torch
+
+    from alpacafarm.prompts import format_prompt
+    from alpacafarm_trl.quark import Rollout, run_rounds, training_example
+
+    trainer = tiny_trainer(tmp_path, rounds=3)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    stats = run_rounds(trainer, INSTRUCTIONS, e_share, out_dir=tmp_path / "a")
+    # The last round's kept samples, re-tokenized: the trained policy has drifted from the reference on them.
+    tokenizer = trainer.processing_class
+    examples = [training_example(Rollout(tokenizer(format_prompt(row["instruction"], row["input"] or None))["input_ids"],
+                                         tokenizer(row["output"])["input_ids"] + [tokenizer.eos_token_id], row["output"], True))
+                for row in read_pool(tmp_path / "a/round_3/pool.jsonl") if row["kept"]]
+    after = trainer.measure(examples)
+    assert after["tokens"] > 0 and after["kl"] > 1e-3
+
+    fresh = tiny_trainer(tmp_path / "fresh")  # policy == reference
+    start = fresh.measure(examples)
+    assert start["kl"] == pytest.approx(0.0, abs=1e-6) and start["nll"] > 0
+    batch = fresh.data_collator(examples[:4])
+    loss = fresh.compute_loss(fresh.model, batch)
+    with torch.no_grad():
+        nll, kl, mask, _ = fresh.token_terms(fresh.model, batch)
+    assert float(kl[mask].abs().max()) < 1e-6
+    assert float(loss) == pytest.approx(float(nll[mask].mean()), rel=1e-5)  # the KL term adds nothing yet
+
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert all(torch.equal(p, q) for p, q in zip(trainer.ref_model.parameters(), fresh.ref_model.parameters(), strict=True))
+    for stat in stats:
+        losses = [e["loss"] for e in stat["log_history"] if "loss" in e]
+        assert len(losses) == stat["steps"] == 2  # 8 of 32 rollouts kept, batch 8, 2 epochs
+        assert all("kl" in e and "nll" in e for e in stat["log_history"] if "loss" in e)
+        assert stat["train_loss"] > 0 and stat["kl"] >= 0
+    assert stats[0]["kl"] < stats[-1]["kl"]
+
+
+def test_learning_rate_decays_to_zero_over_all_rounds(tmp_path: Path):
+    from alpacafarm_trl.quark import run_rounds
+
+    trainer = tiny_trainer(tmp_path, rounds=3, lr_scheduler_type="linear")
+    stats = run_rounds(trainer, INSTRUCTIONS[:8], e_share, out_dir=tmp_path)
+    rates = [e["learning_rate"] for s in stats for e in s["log_history"] if "learning_rate" in e]
+    assert len(rates) == 3 * stats[0]["steps"] and rates[0] == pytest.approx(5e-3)
+    assert all(a > b for a, b in itertools.pairwise(rates))  # one schedule, not restarted each round
+    assert stats[-1]["learning_rate"] == 0.0
+
+
+def test_the_pool_is_rebuilt_every_round(tmp_path: Path):
+    from alpacafarm_trl.quark import run_rounds
+
+    trainer = tiny_trainer(tmp_path, rounds=3, prompts_per_round=4)
+    datasets, scored = [], []
+    train = trainer.train
+
+    def spy_train(*args, **kwargs):
+        datasets.append(list(trainer.train_dataset))
+        return train(*args, **kwargs)
+
+    def score(records, completions):
+        scored.append(list(completions))
+        return e_share(records, completions)
+
+    trainer.train = spy_train
+    run_rounds(trainer, INSTRUCTIONS, score, out_dir=tmp_path)
+    tokenizer = trainer.processing_class
+    pools = [read_pool(tmp_path / f"round_{r}/pool.jsonl") for r in (1, 2, 3)]
+    for pool, dataset, texts in zip(pools, datasets, scored, strict=True):
+        assert len(pool) == len(texts) == 16  # 4 prompts x 4 rollouts, never more: nothing accumulates
+        assert [row["output"] for row in pool] == texts
+        kept = [row for row in pool if row["kept"]]
+        assert len(dataset) == len(kept) == 4
+        trained = sorted(tokenizer.decode([t for t, label in zip(ex["input_ids"], ex["labels"], strict=True)
+                                           if label != -100], skip_special_tokens=True).strip() for ex in dataset)
+        assert trained == sorted(row["output"] for row in kept)
+    # Fresh rollouts on new prompts each round (4 of the 16 instructions at a time, cycling through a seeded order).
+    assert len({row["instruction"] for pool in pools for row in pool}) == 12
+    assert not {row["output"] for row in pools[0]} & {row["output"] for row in pools[1]}
+    assert trainer.train_dataset is None  # the last round's kept set is dropped too
+
+
+def test_mean_pool_reward_rises_across_rounds(tmp_path: Path):
+    from alpacafarm_trl.quark import run_rounds
+
+    trainer = tiny_trainer(tmp_path, rounds=6, prompts_per_round=16, top_quantile=0.25, max_new_tokens=12,
+                           lr_scheduler_type="constant")
+    stats = run_rounds(trainer, INSTRUCTIONS, e_share, out_dir=tmp_path)
+    rewards = [s["reward_mean"] for s in stats]
+    print("pool reward per round:", [round(r, 4) for r in rewards])
+    assert rewards[-1] > 1.4 * rewards[0]
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.03
+    assert all(s["reward_kept_mean"] > s["reward_mean"] for s in stats)
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def test_lora_policy_has_no_reference_copy(tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import torch
+
+    import alpacafarm.modeling as modeling
+    from alpacafarm.modeling import load_tokenizer
+    from alpacafarm_trl.quark import build_quark_trainer, load_policy_and_reference, run_rounds
+
+    loads = []
+    real = modeling.load_causal_lm
+    monkeypatch.setattr(modeling, "load_causal_lm", lambda *a, **k: loads.append(a) or real(*a, **k))
+    args = quark_args(tmp_path, learning_rate=5e-2)
+    policy, reference, from_adapters = load_policy_and_reference(ModelSpec(name=tiny_model_dir), tiny_model_dir, args)
+    assert reference is not None and len(loads) == 2 and not from_adapters  # full fine-tuning: a frozen copy
+
+    loads.clear()
+    spec = ModelSpec.model_validate({"name": tiny_model_dir, "lora": {"r": 4, "alpha": 8}})
+    policy, reference, _ = load_policy_and_reference(spec, tiny_model_dir, args)
+    assert reference is None and len(loads) == 1 and hasattr(policy, "disable_adapter")
+    trainer = build_quark_trainer(args, policy, load_tokenizer(spec, tiny_model_dir))
+    assert trainer.ref_model is None
+    base = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_" not in n}
+    examples = [{"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]}]
+    assert trainer.measure(examples)["kl"] == pytest.approx(0.0, abs=1e-7)  # lora_B starts at zero
+    run_rounds(trainer, INSTRUCTIONS[:8], e_share, out_dir=tmp_path)
+    assert trainer.measure(examples)["kl"] > 0  # the reference is the same network with the adapters off
+    assert all(torch.equal(p, base[n]) for n, p in policy.named_parameters() if "lora_" not in n)
+
+
+def test_sft_adapters_are_merged_into_the_policy_base(tiny_model_dir: str, tmp_path: Path):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from alpacafarm_trl.quark import load_policy_and_reference
+
+    sft = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    sft.save_pretrained(tmp_path / "sft")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        expected = sft(input_ids=ids).logits
+    spec = ModelSpec.model_validate({"name": tiny_model_dir, "lora": {"r": 4, "alpha": 8}})
+    policy, reference, from_adapters = load_policy_and_reference(spec, str(tmp_path / "sft"), quark_args(tmp_path))
+    assert from_adapters and reference is None
+    with torch.no_grad(), policy.disable_adapter():
+        assert torch.allclose(policy(input_ids=ids).logits, expected, atol=1e-5)  # reference = the SFT model
+
+
+# ------------------------------------------------------------------------------------------------ the pipeline
+
+
+def test_recipe_writes_model_metrics_and_pools_and_outputs_generate_from_it(tiny_model_dir: str, tmp_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    artifacts = run_recipe(quark_recipe(tmp_path, tiny_model_dir), tmp_path / "run")
+    stage = tmp_path / "run/stages/quark"
+    artifact = artifacts["quark"]
+    assert artifact.kind == "model" and Path(artifact.path) == stage / "model"
+    assert (stage / "model/model.safetensors").is_file() and (stage / "model/tokenizer.json").is_file()
+    AutoModelForCausalLM.from_pretrained(stage / "model")
+    metrics = json.loads((stage / "metrics.json").read_text())
+    assert metrics["rounds"] == 2 and metrics["reference"] == "frozen_copy" and metrics["kept_per_round"] == 4
+    assert [r["round"] for r in metrics["per_round"]] == [1, 2]
+    for key in ("reward_mean", "reward_kept_mean", "threshold", "train_loss", "kl"):
+        assert all(isinstance(r[key], float) for r in metrics["per_round"]), key
+    assert any("loss" in e and e["round"] == 2 for e in metrics["log_history"])
+    for r in (1, 2):
+        pool = read_pool(stage / f"round_{r}/pool.jsonl")
+        assert len(pool) == 8 and sum(row["kept"] for row in pool) == 4
+    outputs = [json.loads(line) for line in Path(artifacts["outputs"].path).read_text().splitlines()]
+    assert len(outputs) == 8 and all("output" in row for row in outputs)
+    manifest = json.loads((tmp_path / "run/stages/outputs/manifest.json").read_text())
+    assert manifest["inputs"]["sft_model"]["from"] == "quark"
+
+
+def test_recipe_with_lora_saves_adapters_that_generate_outputs_loads(tiny_model_dir: str, tmp_path: Path):
+    recipe = quark_recipe(tmp_path, tiny_model_dir, extra_model=", lora: {r: 4, alpha: 8}")
+    artifacts = run_recipe(recipe, tmp_path / "run", ("stages.quark.config.rounds=1",))
+    model_dir = Path(artifacts["quark"].path)
+    assert (model_dir / "adapter_config.json").is_file() and not (model_dir / "model.safetensors").exists()
+    assert artifacts["quark"].metadata["reference"] == "adapter_disabled"
+    assert artifacts["outputs"].metadata["n_outputs"] == 8
+
+
+def test_4bit_policy_trains_adapters_against_the_reward_model(tiny_model_dir: str, tmp_path: Path):
+    """QLoRA: a 4-bit base with LoRA adapters, scored by a reward model loaded the way the method loads it."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+
+    from alpacafarm.modeling import load_tokenizer, save_model
+    from alpacafarm_trl.quark import build_quark_trainer, load_policy_and_reference, run_rounds
+    from alpacafarm_trl.scoring import RewardScorer
+
+    spec = ModelSpec.model_validate({"name": tiny_model_dir, "quantization": "4bit", "lora": {"r": 4, "alpha": 8}})
+    args = quark_args(tmp_path, rounds=1, prompts_per_round=4, learning_rate=5e-2)
+    policy, reference, _ = load_policy_and_reference(spec, tiny_model_dir, args)
+    assert reference is None
+    trainer = build_quark_trainer(args, policy, load_tokenizer(spec, tiny_model_dir))
+    lora = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_B" in n}
+    scorer = RewardScorer.from_path(tiny_model_dir, spec)  # a (random-head) classifier on the tiny model
+    stats = run_rounds(trainer, INSTRUCTIONS[:4], lambda r, c: scorer.score_records(r, c), out_dir=tmp_path)
+    assert stats[0]["steps"] == 2 and stats[0]["kl"] >= 0 and stats[0]["n_kept"] == 4
+    assert any(not torch.equal(p, lora[n]) for n, p in policy.named_parameters() if "lora_B" in n)
+    save_model(trainer.model, trainer.processing_class, tmp_path / "model")
+    assert (tmp_path / "model/adapter_config.json").is_file()
+
+
+def test_quantization_without_lora_is_a_clear_error(tiny_model_dir: str, tmp_path: Path):
+    from alpacafarm.errors import UserError
+    from alpacafarm_trl.quark import load_policy_and_reference
+
+    spec = ModelSpec.model_validate({"name": tiny_model_dir, "quantization": "4bit"})
+    with pytest.raises(UserError, match="add lora"):
+        load_policy_and_reference(spec, tiny_model_dir, quark_args(tmp_path))
