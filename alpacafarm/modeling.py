@@ -92,11 +92,21 @@ def load_causal_lm(spec: ModelSpec, path: str | None = None) -> Any:
     return model
 
 
+def _cast_to_weight_dtype(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    dtype = module.weight.dtype
+    return tuple(a.to(dtype) if getattr(a, "is_floating_point", lambda: False)() else a for a in args)
+
+
 def load_sequence_classifier(spec: ModelSpec, path: str | None = None, num_labels: int = 1) -> Any:
     """A sequence-classification head on the model (a reward model when ``num_labels == 1``)."""
     from transformers import AutoModelForSequenceClassification
 
     model = _load(AutoModelForSequenceClassification, spec, path, num_labels=num_labels)
+    if spec.quantization is not None and hasattr(getattr(model, "score", None), "weight"):
+        # bitsandbytes' CPU kernels return bfloat16 activations whatever the compute dtype, while the freshly
+        # initialised (unquantized, trainable) score head stays in float32: feed it its own dtype. The hook
+        # survives peft's copy of the head into modules_to_save.
+        model.score.register_forward_pre_hook(_cast_to_weight_dtype)
     if model.config.pad_token_id is None:  # the head reads the last non-pad token, so it must know the pad id
         tokenizer = load_tokenizer(spec, path)
         model.config.pad_token_id = tokenizer.pad_token_id

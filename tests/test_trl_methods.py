@@ -280,3 +280,22 @@ def test_sft_and_reward_scoring_on_smollm2(tmp_path: Path):
     scorer = RewardScorer.from_path(artifacts["rm"].path, spec)
     scores = scorer.score_records([{"instruction": "Say hi."}] * 2, ["Hi!", "Hello there."], batch_size=2)
     assert len(scores) == 2 and all(isinstance(s, float) for s in scores)
+
+
+def test_reward_model_with_4bit_quantization(tiny_model_dir: str, tmp_path: Path):
+    """QLoRA reward model: 4-bit base, LoRA adapters and a trainable score head; it trains and scores."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("4-bit loading needs bitsandbytes (pip install 'alpacafarm[qlora]')")
+    prefs = write_records(tmp_path / "prefs.jsonl", preference_records(24))
+    recipe = write_recipe(tmp_path, (
+        "name: rm-4bit\n"
+        f"model: {{name: {tiny_model_dir}, quantization: 4bit, lora: {{r: 4, alpha: 8}}}}\n"
+        f"data:\n  preferences: {{path: {prefs}}}\n"
+        "stages:\n  - name: rm\n    method: reward_model\n"
+        "    config: {max_steps: 3, per_device_train_batch_size: 8, learning_rate: 1.0e-3, logging_steps: 1,"
+        " save_strategy: 'no', eval_fraction: 0.25}\n"
+    ))
+    artifact = run_recipe(recipe, tmp_path / "run")["rm"]
+    saved = json.loads((tmp_path / "run/stages/rm/metrics.json").read_text())
+    assert len([e for e in saved["log_history"] if "loss" in e]) == 3
+    assert 0.0 <= artifact.metadata["eval_accuracy"] <= 1.0
