@@ -3,6 +3,11 @@
 Backends are registered by plugins (``register_generation_backends``): ``transformers`` (this module, the
 default), ``openai`` (any OpenAI-compatible server: vLLM, llama.cpp, TGI) and ``vllm`` (in-process, with the
 ``vllm`` extra). Prompts are already formatted (see :mod:`alpacafarm.prompts`).
+
+A model folder may carry ``alpacafarm_generation.json`` (:class:`PromptConditioning`): fixed text that the model
+was trained to see around every prompt, such as the "good" control token of binary reward conditioning. The
+transformers backend reads it in :meth:`TransformersGenerator.from_spec` and applies it to every prompt, so any
+stage that generates from that folder is conditioned the same way without configuration.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from alpacafarm.errors import UserError
 from alpacafarm.method import stable_seed
 
 if TYPE_CHECKING:
@@ -35,6 +41,44 @@ class SamplingConfig(BaseModel):
     seed: int = 0
 
 
+#: The file in a model folder that holds its :class:`PromptConditioning`.
+CONDITIONING_FILE = "alpacafarm_generation.json"
+
+
+class PromptConditioning(BaseModel):
+    """Text a model expects around every formatted prompt, saved next to its weights by the stage that trained it.
+
+    ``prompt_prefix`` goes before the prompt (reward conditioning's control token: the paper prepends it to the
+    whole example), ``response_prefix`` after it (the response is generated as its continuation). Both are part
+    of the prompt, so they never appear in a completion.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_prefix: str = ""
+    response_prefix: str = ""
+
+    def apply(self, prompt: str) -> str:
+        """``prompt_prefix + prompt + response_prefix``: the text the model is conditioned on."""
+        return f"{self.prompt_prefix}{prompt}{self.response_prefix}"
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / CONDITIONING_FILE
+        path.write_text(self.model_dump_json(indent=2) + "\n", encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> PromptConditioning:
+        """The conditioning saved in a local model folder; none (empty prefixes) when there is no file."""
+        path = Path(directory) / CONDITIONING_FILE
+        if not path.is_file():
+            return cls()
+        try:
+            return cls.model_validate_json(path.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise UserError(f"{path}: not a valid generation conditioning file: {str(exc).splitlines()[0]}") from None
+
+
 class Generator:
     """Base class: subclasses implement :meth:`generate`."""
 
@@ -48,11 +92,13 @@ class TransformersGenerator(Generator):
     """Batched sampling with a transformers causal LM: left padding, ``num_return_sequences``, EOS stop.
 
     Prompts are sorted by length (longest first) so each batch pads little and memory peaks at the start; each
-    batch is seeded from ``sampling.seed`` and its position, so a run is reproducible.
+    batch is seeded from ``sampling.seed`` and its position, so a run is reproducible. ``conditioning`` is
+    applied to every prompt (see :class:`PromptConditioning`).
     """
 
-    def __init__(self, model: Any, tokenizer: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any, conditioning: PromptConditioning | None = None) -> None:
         self.model = model.eval()
+        self.conditioning = conditioning or PromptConditioning()
         #: non-padding tokens generated per completion by the last call (for throughput figures)
         self.last_token_counts: list[list[int]] = []
         self.tokenizer = tokenizer
@@ -62,14 +108,19 @@ class TransformersGenerator(Generator):
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, path: str | None = None) -> TransformersGenerator:
+        """Load the model block's model (or ``path``), with the conditioning its folder carries, if any."""
         from alpacafarm.modeling import load_causal_lm, load_tokenizer
+        from alpacafarm.models import resolve_model_path
 
-        return cls(load_causal_lm(spec, path), load_tokenizer(spec, path, padding_side="left"))
+        location = Path(resolve_model_path(path or spec.name))
+        conditioning = PromptConditioning.load(location) if location.is_dir() else None
+        return cls(load_causal_lm(spec, path), load_tokenizer(spec, path, padding_side="left"), conditioning)
 
     def generate(self, prompts: Sequence[str], sampling: SamplingConfig,
                  progress: GenerationProgress | None = None) -> list[list[str]]:
         import torch
 
+        prompts = [self.conditioning.apply(p) for p in prompts]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
         results: list[list[str]] = [[] for _ in prompts]
         counts: list[list[int]] = [[] for _ in prompts]

@@ -16,5 +16,11 @@ def register_methods(register):
              description="best-of-n sampling with the reward model; one run evaluates every n <= N on prefixes")
     register("expert_iteration", "alpacafarm_trl.expert_iteration:ExpertIteration",
              description="expert iteration: best-of-n on unlabeled instructions, then SFT on the best samples")
+    register("dpo", "alpacafarm_trl.dpo:DPO",
+             description="Direct Preference Optimization on pairwise preferences, reference = the SFT model")
+    register("binary_feedme", "alpacafarm_trl.feedme:BinaryFeedME",
+             description="binary FeedME: supervised fine-tuning on the preferred output of each pair")
+    register("binary_reward_conditioning", "alpacafarm_trl.conditioning:BinaryRewardConditioning",
+             description="SFT on both outputs behind good/bad control tokens; generation conditioned on good")
     register("quark", "alpacafarm_trl.quark:Quark",
              description="Quark (best quantile, fresh pool per round): top-reward rollouts, NLL + KL to the SFT model")

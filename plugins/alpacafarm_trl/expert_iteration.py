@@ -28,6 +28,7 @@ from alpacafarm.errors import UserError
 from alpacafarm.generation import SamplingConfig
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm_trl.best_of_n import mean, reward_scorer, sample_and_score, select
+from alpacafarm_trl.policy import save_policy
 from alpacafarm_trl.sft import SFTMethodConfig, build_sft_trainer
 from alpacafarm_trl.training import stage_training_args, train_summary
 
@@ -79,7 +80,6 @@ class ExpertIteration(Method):
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json, write_jsonl
-        from alpacafarm.modeling import save_model
 
         config: ExpertIterationConfig = self.config
         spec = context.recipe.model
@@ -117,7 +117,7 @@ class ExpertIteration(Method):
                                 context.stage, r, len(demonstrations), config.n, mean([w["reward"] for w in winners]),
                                 mean([s["reward"] for g in samples for s in g]))
             result = trainer.train()
-            save_model(trainer.model, trainer.processing_class, model_dir, merge_adapters=spec.merge_adapters)
+            save_policy(trainer, spec, start_from, model_dir, context.logger)
             shutil.rmtree(round_dir / "trainer", ignore_errors=True)  # checkpoints of a finished round
             summary = {"round": r, "n_instructions": len(records), "n": config.n,
                        "mean_sample_reward": round(mean([s["reward"] for g in samples for s in g]), 6),

@@ -86,22 +86,19 @@ def build_sft_trainer(config: SFTMethodConfig, spec: Any, model_path: str, recor
                       *, callbacks: list[Any] | None = None) -> Any:
     """A ready ``SFTTrainer`` for ``records`` with the model block's loading, LoRA and quantization.
 
-    ``config`` must already carry its final ``output_dir`` (see :func:`stage_training_args`). Shared by the
-    method and the overhead benchmark, so both measure the same trainer.
+    ``config`` must already carry its final ``output_dir`` (see :func:`stage_training_args`). The model in
+    ``model_path`` may be an adapter folder (a LoRA SFT stage): its adapters are merged first, so training
+    continues from it (see :mod:`alpacafarm_trl.policy`). Shared by the methods and the overhead benchmark.
     """
-    from datasets import Dataset
-    from trl import SFTTrainer
-
-    from alpacafarm.modeling import load_causal_lm, load_tokenizer, lora_config
+    from alpacafarm.modeling import load_tokenizer
+    from alpacafarm_trl.policy import build_sft_trainer_on_rows
 
     tokenizer = load_tokenizer(spec, model_path)
     rows = prompt_completion_rows(limit(records, config.max_examples), response_field=config.response_field,
                                   style=spec.prompt_format, tokenizer=tokenizer)
     if not rows:
         raise UserError("the SFT data is empty")
-    model = load_causal_lm(spec, model_path)
-    return SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                      peft_config=lora_config(spec), callbacks=callbacks)
+    return build_sft_trainer_on_rows(config, spec, model_path, rows, callbacks=callbacks)
 
 
 class SFT(Method):

@@ -1,0 +1,122 @@
+"""``binary_feedme``: supervised fine-tuning of the SFT model on the preferred output of every preference pair.
+
+Paper Section 3.4 and Appendix A.1: OpenAI's FeedME fine-tunes on outputs that labellers rated 7/7; its pairwise
+adaptation ("binary FeedME") continues supervised fine-tuning of the SFT model on the chosen response of each
+pair. Pairs without a ranking (ties, unparsed annotations) are dropped and counted. The paper gives no separate
+hyperparameters for it, so the defaults are those of the SFT step (:class:`~alpacafarm_trl.sft.SFTMethodConfig`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from alpacafarm.errors import UserError
+from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm_trl.policy import build_sft_trainer_on_rows, save_policy
+from alpacafarm_trl.reward_model import _winner
+from alpacafarm_trl.sft import SFTMethodConfig, prompt_completion_rows
+from alpacafarm_trl.training import limit, resume_checkpoint, stage_training_args, train_summary
+
+
+@dataclass
+class FeedMEConfig(SFTMethodConfig):
+    """Every ``trl.SFTConfig`` / ``TrainingArguments`` field with the SFT step's defaults (Appendix B).
+
+    ``train_split`` names the preferences file of a ``preference_data`` stage; ``max_examples`` counts usable
+    pairs (after ties and unparsed annotations are dropped); ``response_field`` is not used.
+    """
+
+    train_split: str = field(
+        default="preferences", metadata={"help": "file (or metadata key) of the preferences input"}
+    )
+
+
+def preferred_demonstrations(records: list[dict[str, Any]]) -> tuple[list[dict[str, str]], int]:
+    """Preference records → demonstration records (instruction, input, output = the preferred output), and drops.
+
+    ``preference`` 1 or 2 (or a weighted preference nearer one side) names the winner; ties and unparsed
+    annotations carry no ranking and are dropped (the second value counts them).
+    """
+    demonstrations, dropped = [], 0
+    for record in records:
+        missing = [k for k in ("instruction", "output_1", "output_2") if k not in record]
+        if missing:
+            raise UserError(
+                f"a preference record lacks {', '.join(missing)} (fields: {', '.join(sorted(record))})"
+            )
+        winner = _winner(record.get("preference"))
+        if winner is None:
+            dropped += 1
+            continue
+        demonstrations.append(
+            {
+                "instruction": record["instruction"],
+                "input": record.get("input") or "",
+                "output": record[f"output_{winner}"],
+            }
+        )
+    return demonstrations, dropped
+
+
+def build_feedme_trainer(
+    config: FeedMEConfig,
+    spec: Any,
+    model_path: str,
+    records: list[dict[str, Any]],
+    *,
+    callbacks: list[Any] | None = None,
+) -> tuple[Any, int]:
+    """A ready ``SFTTrainer`` on the preferred outputs of ``records``, and how many pairs had no preference."""
+    from alpacafarm.modeling import load_tokenizer
+
+    demonstrations, dropped = preferred_demonstrations(records)
+    rows = prompt_completion_rows(
+        limit(demonstrations, config.max_examples),
+        response_field="output",
+        style=spec.prompt_format,
+        tokenizer=load_tokenizer(spec, model_path),
+    )
+    return build_sft_trainer_on_rows(config, spec, model_path, rows, callbacks=callbacks), dropped
+
+
+class BinaryFeedME(Method):
+    """Fine-tunes the SFT model on the chosen output of each pair; writes ``model/`` and ``metrics.json``."""
+
+    config_class = FeedMEConfig
+    requires = ("sft_model", "preferences")
+    provides = "policy_model"
+    description = (
+        "binary FeedME: supervised fine-tuning of the SFT model on the preferred output of each pair"
+    )
+
+    def run(self, context: StageContext) -> Artifact:
+        from alpacafarm.data import write_json
+
+        spec = context.recipe.model
+        args = stage_training_args(self.config, context)
+        model_path = context.input("sft_model").path
+        trainer, dropped = build_feedme_trainer(
+            args, spec, model_path, context.records("preferences", args.train_split)
+        )
+        context.logger.info(
+            "stage %s: binary FeedME on %d preferred outputs (%d pairs without a preference)",
+            context.stage,
+            len(trainer.train_dataset),
+            dropped,
+        )
+        result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
+        model_dir = Path(context.stage_dir) / "model"
+        merged = save_policy(trainer, spec, model_path, model_dir, context.logger)
+        metrics = {
+            **train_summary(trainer, result),
+            "n_examples": len(trainer.train_dataset),
+            "n_dropped_no_preference": dropped,
+            "lora": spec.lora is not None,
+            "merged": merged,
+        }
+        write_json(
+            Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": trainer.state.log_history}
+        )
+        return Artifact("model", str(model_dir), metrics)

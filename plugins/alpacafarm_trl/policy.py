@@ -1,0 +1,71 @@
+"""The SFT model as the starting policy of a pairwise-feedback method (DPO, binary FeedME, reward conditioning).
+
+An SFT stage trained with LoRA and ``merge_adapters: false`` leaves an *adapter folder*. Loading such a folder
+with ``load_causal_lm`` attaches the adapters through transformers' peft integration, and a trainer given a
+``peft_config`` then replaces them with fresh (zero) adapters: training would silently start from the base
+model instead of the SFT model. :func:`load_sft_policy` merges the SFT adapters first, so new adapters sit on
+top of the SFT weights, and TRL's DPO reference (the model with its adapters disabled) is the SFT model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from alpacafarm.errors import UserError
+from alpacafarm_trl.scoring import is_adapter_folder
+
+
+def load_sft_policy(spec: Any, path: str) -> Any:
+    """The causal LM in ``path`` as plain weights: full weights as they are, peft adapters merged into their base."""
+    from alpacafarm.modeling import load_causal_lm
+
+    if not is_adapter_folder(path):
+        return load_causal_lm(spec, path)
+    from peft import PeftConfig, PeftModel
+
+    base = load_causal_lm(spec, PeftConfig.from_pretrained(path).base_model_name_or_path)
+    return PeftModel.from_pretrained(base, path).merge_and_unload()
+
+
+def build_sft_trainer_on_rows(
+    config: Any, spec: Any, model_path: str, rows: list[dict[str, str]], *, callbacks: list[Any] | None = None
+) -> Any:
+    """A ready TRL ``SFTTrainer`` on ``{"prompt", "completion"}`` rows, starting from the SFT model in ``model_path``.
+
+    Like :func:`alpacafarm_trl.sft.build_sft_trainer` (same loss on the completion only, same LoRA and
+    quantization from the model block), but on rows built by the caller and with :func:`load_sft_policy`.
+    """
+    from datasets import Dataset
+    from trl import SFTTrainer
+
+    from alpacafarm.modeling import load_tokenizer, lora_config
+
+    if not rows:
+        raise UserError("there is nothing to train on: no preference pair has a usable preference")
+    return SFTTrainer(
+        model=load_sft_policy(spec, model_path),
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=load_tokenizer(spec, model_path),
+        peft_config=lora_config(spec),
+        callbacks=callbacks,
+    )
+
+
+def save_policy(trainer: Any, spec: Any, model_path: str, directory: str | Path, logger: Any = None) -> bool:
+    """Save the trained policy (weights or adapters, and tokenizer) to ``directory``; returns whether it merged.
+
+    New adapters trained on top of a merged SFT adapter folder describe a model that no folder on disk holds
+    (their ``base_model_name_or_path`` is the pre-SFT base), so they are merged and saved as full weights.
+    """
+    from alpacafarm.modeling import save_model
+
+    stacked = spec.lora is not None and is_adapter_folder(model_path)
+    merge = bool(spec.lora is not None and (spec.merge_adapters or stacked))
+    if stacked and not spec.merge_adapters and logger is not None:
+        logger.info(
+            "the SFT model is an adapter folder: the new adapters are merged and saved as full weights"
+        )
+    save_model(trainer.model, trainer.processing_class, directory, merge_adapters=merge)
+    return merge
