@@ -16,6 +16,8 @@ def register_methods(register):
              description="best-of-n sampling with the reward model; one run evaluates every n <= N on prefixes")
     register("expert_iteration", "alpacafarm_trl.expert_iteration:ExpertIteration",
              description="expert iteration: best-of-n on unlabeled instructions, then SFT on the best samples")
+    register("ppo", "alpacafarm_trl.ppo:PPO",
+             description="PPO against the reward model with a per-token KL penalty to the SFT model (our trainer)")
     register("dpo", "alpacafarm_trl.dpo:DPO",
              description="Direct Preference Optimization on pairwise preferences, reference = the SFT model")
     register("binary_feedme", "alpacafarm_trl.feedme:BinaryFeedME",

@@ -1,0 +1,142 @@
+"""The arithmetic of PPO for language models, as pure functions on tensors (no models, no I/O).
+
+Conventions: per-token tensors are ``[batch, response_length]`` and right-padded; ``mask`` is 1 on the real
+response tokens (a contiguous run from position 0) and 0 on the padding after them. Token ``t``'s value is the
+critic's estimate before token ``t`` is emitted; token ``t``'s reward is the per-token KL penalty, plus the
+sequence's reward-model score on the last real token (the paper's Eq. 3 spread over tokens).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+#: Keeps whitening finite when every value in a batch is the same.
+WHITEN_EPS = 1e-8
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum()
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over the positions where ``mask`` is 1 (0 when there are none)."""
+    return masked_sum(values, mask) / mask.sum().clamp(min=1)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Population variance (ddof 0) over the positions where ``mask`` is 1."""
+    mean = masked_mean(values, mask)
+    return masked_mean((values - mean) ** 2, mask)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True) -> torch.Tensor:
+    """Standardise the masked entries to variance 1 (and mean 0 unless ``shift_mean=False``); padding becomes 0.
+
+    Statistics are taken over every masked entry of the whole tensor: called on a full rollout batch, this is
+    the paper's "normalize the advantage across the entire batch of rollouts" (Appendix B.1).
+    """
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + WHITEN_EPS)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log p(token)`` under ``logits`` (``[..., vocab]``), gathered at ``tokens`` (``[...]``), in float32."""
+    return torch.gather(logits.float().log_softmax(-1), -1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_of(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of the categorical distribution given by ``logits`` over the last dimension, in float32."""
+    logits = logits.float()
+    probs = logits.softmax(-1)
+    return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last real token (0 for an empty row)."""
+    return (mask.sum(-1).long() - 1).clamp(min=0)
+
+
+def kl_penalized_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                         mask: torch.Tensor, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards ``-kl_coef * (log p_policy - log p_ref)``, plus ``scores`` on each row's last real token.
+
+    Returns ``(rewards, kl)``, both ``[batch, length]`` and zero on padding; ``kl.sum(-1)`` is the sampled
+    estimate of each response's KL divergence from the reference (the ``k1`` estimator).
+    """
+    kl = (logprobs - ref_logprobs) * mask
+    rewards = -kl_coef * kl
+    has_tokens = (mask.sum(-1) > 0).to(rewards.dtype)
+    rewards = rewards.scatter_add(-1, last_token_index(mask).unsqueeze(-1), (scores.to(rewards.dtype) * has_tokens).unsqueeze(-1))
+    return rewards, kl
+
+
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0,
+                lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al., 2016) over right-padded responses.
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V`` = 0 after the last real token, and
+    ``A_t = delta_t + gamma * lam * A_{t+1}``. Returns ``(advantages, returns)`` with ``returns = A + V``, both
+    zero on padding. With ``gamma = lam = 1`` (the paper's setting) ``returns_t`` is the sum of the rewards from
+    ``t`` to the end and ``A_t = returns_t - V_t``.
+    """
+    rewards = rewards * mask
+    values = values * mask
+    length = rewards.shape[-1]
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[..., 0])
+    for t in reversed(range(length)):
+        next_value = values[..., t + 1] if t + 1 < length else torch.zeros_like(running)
+        delta = rewards[..., t] + gamma * next_value - values[..., t]
+        running = delta + gamma * lam * running
+        advantages[..., t] = running
+    advantages = advantages * mask
+    return advantages, (advantages + values) * mask
+
+
+class LossTerms(NamedTuple):
+    """A clipped loss: the reduced ``loss`` and the share of tokens on which clipping was binding."""
+
+    loss: torch.Tensor
+    clip_fraction: torch.Tensor
+
+
+def _reduce(per_token: torch.Tensor, mask: torch.Tensor, denominator: float | torch.Tensor | None) -> torch.Tensor:
+    if denominator is None:
+        return masked_mean(per_token, mask)
+    return masked_sum(per_token, mask) / denominator
+
+
+def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                        mask: torch.Tensor, cliprange: float, *, denominator: float | torch.Tensor | None = None) -> LossTerms:
+    """PPO's clipped surrogate: ``max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))`` averaged over tokens.
+
+    ``ratio = exp(logprobs - old_logprobs)``. The mean is over the masked tokens, or ``sum / denominator``
+    when a denominator is given (the token count of a whole mini-batch that is split into micro-batches).
+    ``clip_fraction`` counts the tokens where the clipped term was the larger one.
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
+    per_token = torch.maximum(unclipped, clipped)
+    return LossTerms(_reduce(per_token, mask, denominator), masked_mean((clipped > unclipped).float(), mask).detach())
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                       cliprange_value: float, *, denominator: float | torch.Tensor | None = None) -> LossTerms:
+    """``0.5 * max((V - R)^2, (V_clipped - R)^2)`` with ``V_clipped = V_old + clip(V - V_old, -eps, eps)``."""
+    clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    unclipped_error = (values - returns) ** 2
+    clipped_error = (clipped_values - returns) ** 2
+    per_token = 0.5 * torch.maximum(unclipped_error, clipped_error)
+    return LossTerms(_reduce(per_token, mask, denominator),
+                     masked_mean((clipped_error > unclipped_error).float(), mask).detach())
+
+
+def approx_policy_kl(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``0.5 * mean((log p_new - log p_old)^2)``: how far an update moved the policy from the rollout policy."""
+    return 0.5 * masked_mean((logprobs - old_logprobs) ** 2, mask)
