@@ -112,6 +112,7 @@ class TransformersGenerator(Generator):
         from alpacafarm.modeling import load_causal_lm, load_tokenizer
         from alpacafarm.models import resolve_model_path
 
+        spec = spec.for_inference()
         location = Path(resolve_model_path(path or spec.name))
         conditioning = PromptConditioning.load(location) if location.is_dir() else None
         return cls(load_causal_lm(spec, path), load_tokenizer(spec, path, padding_side="left"), conditioning)

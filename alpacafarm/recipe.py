@@ -47,12 +47,20 @@ class ModelSpec(_Strict):
     name: str
     revision: str | None = None
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    #: dtype for sampling and reward scoring only (training keeps ``dtype``): ``bfloat16`` about doubles CPU
+    #: generation speed on CPUs with AVX512-BF16/AMX, where training must stay in float32.
+    inference_dtype: Literal["float32", "float16", "bfloat16"] | None = None
     device: str = "auto"
     lora: LoraSpec | None = None
     quantization: Literal["4bit", "8bit"] | None = None
     merge_adapters: bool = False
     trust_remote_code: bool = False
     prompt_format: Literal["alpaca", "chat_template"] = "alpaca"
+
+
+    def for_inference(self) -> ModelSpec:
+        """This block as used to sample and score: ``dtype`` replaced by ``inference_dtype`` when one is set."""
+        return self if self.inference_dtype is None else self.model_copy(update={"dtype": self.inference_dtype})
 
 
 class DataSource(_Strict):

@@ -72,6 +72,9 @@ def did_you_mean(name: str, choices: list[str]) -> str:
     close = difflib.get_close_matches(name, choices, n=3, cutoff=0.6)
     if not close:
         return ""
+    # Only the near-best: 'split_instruction' suggests 'split_instructions', not also 'expert_iteration'.
+    best = difflib.SequenceMatcher(None, name, close[0]).ratio()
+    close = [c for c in close if difflib.SequenceMatcher(None, name, c).ratio() >= best - 0.05]
     return "; did you mean " + " or ".join(repr(c) for c in close) + "?"
 
 

@@ -226,3 +226,24 @@ def test_expert_iteration_trains_on_exactly_the_winners_of_each_round(loop_run: 
         assert (round_dir / "model" / "model.safetensors").is_file()
     # Round 2 sampled from round 1's model: its samples differ from round 1's.
     assert read_records(stage / "round_1/samples.jsonl") != read_records(stage / "round_2/samples.jsonl")
+
+
+def test_paired_difference_against_the_smallest_n_is_hand_computable(loop_run: dict[str, Any]):
+    from alpacafarm_evaluation.results import paired_difference
+
+    # Four instructions; b improves one from a loss to a win and one from a draw to a win.
+    base = {"a": 0.0, "b": 0.5, "c": 1.0, "d": 0.0}
+    other = {"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.0, "extra": 1.0}
+    delta, se = paired_difference(other, base)
+    diffs = [1.0, 0.5, 0.0, 0.0]
+    mean = sum(diffs) / 4
+    expected_se = (sum((d - mean) ** 2 for d in diffs) / 3 / 4) ** 0.5
+    assert delta == pytest.approx(mean * 100) and se == pytest.approx(expected_se * 100)
+    assert paired_difference({"x": 1.0}, base) == (None, None)
+
+    rows = json.loads((loop_run["run_dir"] / "stages/evaluate/results.json").read_text())["rows"]
+    sweep = [r for r in rows if r["n"] is not None]
+    assert sweep[0]["delta_vs_smallest_n"] == 0.0 and sweep[0]["paired_standard_error"] == 0.0
+    for row in sweep:  # the paired delta of a full overlap is the difference of the two win-rates
+        assert row["delta_vs_smallest_n"] == pytest.approx(row["win_rate"] - sweep[0]["win_rate"])
+    assert all(r["delta_vs_smallest_n"] is None for r in rows if r["n"] is None)

@@ -291,8 +291,8 @@ def test_evaluator_reads_folder_artifacts(tmp_path: Path):
         return StageContext("evaluate", tmp_path / "evaluate", tmp_path, 0, None, {"policy": artifact}, None, None)
 
     named = context(Artifact("policy", str(folder), {"outputs": "generations.jsonl"}))
-    assert len(WinRateEvaluator()._outputs(named)) == 2
-    with pytest.raises(UserError, match="training-backbone"):
-        WinRateEvaluator()._outputs(context(Artifact("model", str(folder))))
-    with pytest.raises(UserError, match="training-backbone"):
-        WinRateEvaluator()._outputs(context(Artifact("model", None)))
+    assert len(WinRateEvaluator()._outputs(named, "policy")) == 2
+    with pytest.raises(UserError, match="add a generate_outputs stage"):
+        WinRateEvaluator()._outputs(context(Artifact("model", str(folder))), "policy")
+    with pytest.raises(UserError, match="add a generate_outputs stage"):
+        WinRateEvaluator()._outputs(context(Artifact("model", None)), "policy")

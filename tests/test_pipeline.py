@@ -69,6 +69,17 @@ class CountingEvaluator(Method):
         return Artifact("evaluation", None, {"evaluated": context.input("policy").metadata.get("total")})
 
 
+class ListingEvaluator(Method):
+    """Records which inputs the pipeline wired: several policies, and ``total`` only when a stage provides it."""
+
+    requires = ("policy",)
+    optional = ("total",)
+    provides = "evaluation"
+
+    def run(self, context: StageContext) -> Artifact:
+        return Artifact("evaluation", None, {"inputs": sorted(context.inputs)})
+
+
 class PipelinePlugin:
     @alpacafarm.hookimpl
     def register_methods(self, register):
@@ -78,6 +89,7 @@ class PipelinePlugin:
     @alpacafarm.hookimpl
     def register_evaluators(self, register):
         register("counting", CountingEvaluator)
+        register("listing", ListingEvaluator)
 
 
 @pytest.fixture
@@ -263,3 +275,48 @@ def test_stages_build_the_recipes_annotators_with_validated_configs(tmp_path: Pa
     assert outcomes["evaluate"].status == "ran"  # its input changed
     outcomes = run(recipe, tmp_path / "run", "annotator.config.prefer=5", "evaluation.annotator.config.prefer=4")
     assert outcomes["label"].status == "skipped" and outcomes["evaluate"].status == "ran"
+
+
+# ------------------------------------------------------------------------------ optional stages, several policies
+
+
+def several_policies_recipe(tmp_path: Path, policy: str) -> Path:
+    path = tmp_path / "several.yaml"
+    path.write_text(
+        "name: several\n"
+        f"data:\n  instructions:\n    path: {tmp_path / 'instructions.jsonl'}\n"
+        "stages:\n"
+        "  - name: numbers\n    method: make_numbers\n"
+        "  - name: more_numbers\n    method: make_numbers\n    config: {scale: 2}\n"
+        "  - name: total\n    method: sum_numbers\n    enabled: false\n"
+        f"evaluation:\n  evaluator: listing\n  policy: {policy}\n"
+    )
+    return path
+
+
+def test_disabled_stages_are_validated_but_not_run_until_enabled(recipe_file: Path, tmp_path: Path):
+    recipe = several_policies_recipe(tmp_path, "[numbers, more_numbers, total]")
+    outcomes = run(recipe, tmp_path / "out")
+    assert list(outcomes) == ["numbers", "more_numbers", "evaluate"]
+    assert not (tmp_path / "out" / "stages" / "total").exists()
+    # The evaluation evaluates both enabled stages; `total` (disabled) is neither a policy nor the optional input.
+    assert outcomes["evaluate"].artifact.metadata["inputs"] == ["policy:more_numbers", "policy:numbers"]
+
+    enabled = run(recipe, tmp_path / "out", "stages.total.enabled=true")
+    assert statuses(enabled) == {"numbers": "skipped", "more_numbers": "skipped", "total": "ran", "evaluate": "ran"}
+    assert enabled["evaluate"].artifact.metadata["inputs"] == ["policy:more_numbers", "policy:numbers",
+                                                               "policy:total", "total"]
+    with pytest.raises(RecipeError, match="did you mean 'fail_marker'"):  # a disabled stage's config is checked
+        load_recipe(recipe, ["stages.total.config.fail_markr=x"])
+
+
+def test_a_single_policy_keeps_the_plain_input_name(recipe_file: Path, tmp_path: Path):
+    outcomes = run(several_policies_recipe(tmp_path, "more_numbers"), tmp_path / "out")
+    assert outcomes["evaluate"].artifact.metadata["inputs"] == ["policy"]
+
+
+def test_evaluated_stages_must_exist_and_not_all_be_disabled(recipe_file: Path, tmp_path: Path):
+    with pytest.raises(RecipeError, match=r"evaluation\.policy\[1\].*no stage named 'nubmers'.*did you mean 'numbers'"):
+        run(several_policies_recipe(tmp_path, "[numbers, nubmers]"), tmp_path / "out")
+    with pytest.raises(RecipeError, match="every evaluated stage is disabled"):
+        run(several_policies_recipe(tmp_path, "[total]"), tmp_path / "out")

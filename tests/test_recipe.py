@@ -94,7 +94,7 @@ def quickstart_copy(tmp_path):
 
 def test_set_overrides_are_coerced(quickstart_copy):
     loaded = load_recipe(quickstart_copy, [
-        "seed=3", "stages.split.config.eval_fraction=0.5", "stages.2.config.sampling.max_new_tokens=8",
+        "seed=3", "stages.split.config.eval_fraction=0.5", "stages.3.config.sampling.max_new_tokens=8",
         "model.trust_remote_code=true", "model.lora.target_modules=[q_proj, v_proj]", "model.lora.dropout=1e-5",
     ])
     recipe = loaded.recipe
@@ -116,7 +116,7 @@ def test_exponent_floats_are_floats_in_files_and_overrides(tmp_path):
 def test_bad_set_overrides(quickstart_copy):
     assert error_of(quickstart_copy, ["seed=abc"]).startswith("--set: seed: ")
     assert "no item 'nosuch'" in error_of(quickstart_copy, ["stages.nosuch.config.x=1"])
-    assert "no item 9" in error_of(quickstart_copy, ["stages.9.config.x=1"])
+    assert "no item 99" in error_of(quickstart_copy, ["stages.99.config.x=1"])
     assert "KEY=VALUE" in error_of(quickstart_copy, ["seed"])
     message = error_of(quickstart_copy, ["stages.split.config.eval_fractoin=0.5"])
     assert "stages[0].config.eval_fractoin" in message and "did you mean 'eval_fraction'" in message
@@ -313,6 +313,6 @@ def test_cli_set_error_and_quickstart_check(cli):
     quickstart = str(REPO_ROOT / "recipes" / "quickstart.yaml")
     code, out, err = cli("recipe", "check", quickstart)
     assert (code, err) == (0, "")
-    assert "ok:" in out and "'quickstart', 4 stage(s)" in out and "split: split_instructions" in out
+    assert "ok:" in out and "'quickstart', 8 stage(s)" in out and "split: split_instructions" in out
     code, _, err = cli("recipe", "check", quickstart, "--set", "stages.split.config.eval_fraction=2")
     assert code == 2 and err.startswith("error: --set: stages[0].config.eval_fraction:") and err.count("\n") == 1

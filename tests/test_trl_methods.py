@@ -299,3 +299,88 @@ def test_reward_model_with_4bit_quantization(tiny_model_dir: str, tmp_path: Path
     saved = json.loads((tmp_path / "run/stages/rm/metrics.json").read_text())
     assert len([e for e in saved["log_history"] if "loss" in e]) == 3
     assert 0.0 <= artifact.metadata["eval_accuracy"] <= 1.0
+
+
+def test_reward_model_trains_only_the_top_blocks_when_asked(tiny_model_dir: str, tmp_path: Path):
+    """trainable_layers: 1 — the top block, final norm and head train; embeddings and the lower block do not."""
+    prefs = write_records(tmp_path / "prefs.jsonl", preference_records(32))
+    recipe = write_recipe(tmp_path, (
+        "name: rm-top\n"
+        f"model: {{name: {tiny_model_dir}}}\n"
+        f"data:\n  preferences: {{path: {prefs}}}\n"
+        "stages:\n  - name: rm\n    method: reward_model\n"
+        "    config: {max_steps: 3, per_device_train_batch_size: 8, learning_rate: 1.0e-2, logging_steps: 1,"
+        " save_strategy: 'no', eval_fraction: 0.25, trainable_layers: 1}\n"
+    ))
+    artifact = run_recipe(recipe, tmp_path / "run")["rm"]
+    import torch
+
+    before, after = state_dict(tiny_model_dir), state_dict(artifact.path)
+    changed = {k for k in after if k in before and not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith(("model.layers.1.", "model.norm.")) for k in changed)
+    assert not any(k.startswith(("model.layers.0.", "model.embed_tokens.")) for k in changed)
+    assert "score.weight" in after  # the new head was trained and saved
+
+    from alpacafarm_trl.reward_model import RewardModelConfig
+    with pytest.raises(ValueError, match="trainable_layers"):
+        RewardModelConfig(output_dir=str(tmp_path), trainable_layers=-1)
+
+
+def test_inference_dtype_applies_to_sampling_and_scoring_only(tiny_model_dir: str, reward_run):
+    import torch
+
+    from alpacafarm.generation import TransformersGenerator
+    from alpacafarm.modeling import load_causal_lm
+    from alpacafarm_trl.scoring import RewardScorer
+
+    spec = ModelSpec(name=tiny_model_dir, dtype="float32", inference_dtype="bfloat16")
+    assert spec.for_inference().dtype == "bfloat16" and ModelSpec(name="x").for_inference().dtype == "auto"
+    assert TransformersGenerator.from_spec(spec).model.dtype == torch.bfloat16
+    assert load_causal_lm(spec).dtype == torch.float32  # what the trainers load
+    scorer = RewardScorer.from_path(reward_run["artifact"].path, spec)
+    assert scorer.model.dtype == torch.bfloat16
+    full = RewardScorer.from_path(reward_run["artifact"].path, reward_run["spec"])
+    texts = [r["instruction"] + " " + r["output_1"] for r in reward_run["records"][:8]]
+    assert scorer.score_texts(texts) == pytest.approx(full.score_texts(texts), abs=0.1)  # bfloat16 rounding only
+
+
+def test_head_only_reward_model_learns_with_a_frozen_backbone(tiny_model_dir: str, tmp_path: Path):
+    """trainable_layers: 0 — features once per distinct text, the head fitted on them; the backbone is untouched
+    and the saved classifier scores exactly what the head learned."""
+    import torch
+
+    records = preference_records(120)
+    # Every answer appears in two pairs (as pairing: all does): the features are computed once per text.
+    records += [{**r, "output_1": r["output_2"], "output_2": r["output_1"], "preference": 3 - r["preference"]}
+                for r in records[:40]]
+    prefs = write_records(tmp_path / "prefs.jsonl", records)
+    recipe = write_recipe(tmp_path, (
+        "name: rm-head\n"
+        f"model: {{name: {tiny_model_dir}}}\n"
+        f"data:\n  preferences: {{path: {prefs}}}\n"
+        "stages:\n  - name: rm\n    method: reward_model\n"
+        "    config: {trainable_layers: 0, learning_rate: 1.0e-2, num_train_epochs: 2, weight_decay: 0.01,"
+        " eval_fraction: 0.2}\n"
+    ))
+    artifact = run_recipe(recipe, tmp_path / "run")["rm"]
+    meta = artifact.metadata
+    assert meta["head_only"] and meta["steps"] == 200 and meta["n_train"] == 128 and meta["n_eval"] == 32
+    assert meta["n_distinct_texts"] < 2 * meta["n_train"]
+    assert meta["eval_accuracy"] > 0.9 and meta["train_accuracy"] > 0.9
+    saved = json.loads((tmp_path / "run/stages/rm/metrics.json").read_text())
+    losses = [e["loss"] for e in saved["log_history"]]
+    assert losses[-1] < losses[0] < 0.7  # log 2 = 0.693 at w = 0
+
+    before, after = state_dict(tiny_model_dir), state_dict(artifact.path)
+    assert all(torch.equal(before[k], after[k]) for k in before if k in after and k != "lm_head.weight")
+    from alpacafarm.modeling import load_tokenizer
+    from alpacafarm_trl.reward_head import last_token_features
+    from alpacafarm_trl.scoring import RewardScorer, load_classifier
+
+    spec = ModelSpec(name=tiny_model_dir)
+    scorer = RewardScorer.from_path(artifact.path, spec)
+    texts = [r["instruction"] + " " + r["output_1"] + scorer.tokenizer.eos_token for r in records[:6]]
+    features = last_token_features(load_classifier(spec, artifact.path), load_tokenizer(spec, artifact.path), texts,
+                                   batch_size=4, max_length=None)
+    expected = (features @ after["score.weight"].reshape(-1)).tolist()
+    assert scorer.score_texts(texts, batch_size=3) == pytest.approx(expected, abs=1e-4)

@@ -115,7 +115,7 @@ class WinRateEvaluator(Method):
         references = load_references(config.references, config.reference_field)
         single = len(systems) == 1
         annotator = context.make_annotator("evaluation")
-        evaluated: list[tuple[System, dict[str, Any], list[dict[str, Any]]]] = []
+        evaluated: list[tuple[System, dict[str, Any], list[dict[str, Any]], dict[str, float]]] = []
         try:
             for system in systems:
                 pairs, skipped = pair_outputs(system.outputs, references, config.max_instructions,
@@ -127,13 +127,14 @@ class WinRateEvaluator(Method):
                         skipped["n_extra_samples"])
                 out_dir = context.stage_dir if single else context.stage_dir / "systems" / system.name.replace("/", "__")
                 metrics = annotate_and_score(pairs, annotator, out_dir, skipped)
+                per_instruction = instruction_scores(out_dir / "annotations.json")
                 context.logger.info("%s: %s win-rate %.2f ± %.2f over %d pairs", context.stage, system.name,
                                     metrics["win_rate"] or 0.0, metrics["standard_error"] or 0.0, metrics["n_total"])
-                evaluated.append((system, metrics, pairs))
+                evaluated.append((system, metrics, pairs, per_instruction))
         finally:
             annotator.close()
-        rewards = proxy_rewards(context, [(s, pairs) for s, _, pairs in evaluated])
-        rows = results_rows([(s, m) for s, m, _ in evaluated], rewards)
+        rewards = proxy_rewards(context, [(s, pairs) for s, _, pairs, _ in evaluated])
+        rows = results_rows([(s, m, per) for s, m, _, per in evaluated], rewards)
         files = write_results(rows, context.stage_dir)
         judge = evaluated[0][1]["annotator"]
         reference = evaluated[0][1]["reference"]
@@ -142,13 +143,25 @@ class WinRateEvaluator(Method):
             title = f"win-rate of {metrics.get('generator')} vs {reference} (judge: {judge})"
             return Artifact("evaluation", str(context.stage_dir / "metrics.json"),
                             {**metrics, "table": metrics_table(metrics, title)})
-        table = {"title": f"win-rate vs {reference} (judge: {judge})",
-                 "columns": ["system", "n", "win-rate %", "± SE", "LC win-rate %", "avg length", "proxy reward"],
+        table = {"title": f"win-rate vs {reference} (judge: {judge}); all columns in results.csv",
+                 "columns": ["system", "n", "win-rate %", "± SE", "avg len", "proxy reward", "Δ vs n₀", "± paired SE"],
                  "rows": [[r["system"], r["n"] if r["n"] is not None else "-", _fmt(r["win_rate"]),
-                           _fmt(r["standard_error"]), _fmt(r["length_controlled_win_rate"]), _fmt(r["avg_length"], 0),
-                           _fmt(r["proxy_reward"], 3)] for r in rows]}
+                           _fmt(r["standard_error"]), _fmt(r["avg_length"], 0), _fmt(r["proxy_reward"], 3),
+                           _fmt(r["delta_vs_smallest_n"]), _fmt(r["paired_standard_error"])] for r in rows]}
         return Artifact("evaluation", files["json"], {"systems": rows, "annotator": judge, "reference": reference,
                                                       "results": files, "table": table})
+
+
+def instruction_scores(annotations_path: Path) -> dict[str, float]:
+    """Per-instruction score of the evaluated system (1 win, 0.5 draw, 0 loss) from its ``annotations.json``."""
+    import json
+
+    from alpacafarm_evaluation.metrics import scores
+
+    records = json.loads(annotations_path.read_text(encoding="utf-8"))
+    values = scores([r.get("preference") for r in records])
+    return {f"{r['instruction']}\x00{r.get('input') or ''}": v for r, v in zip(records, values, strict=True)
+            if v is not None}
 
 
 def _fmt(value: Any, digits: int = 2) -> str:

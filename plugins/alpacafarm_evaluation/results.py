@@ -19,7 +19,7 @@ from alpacafarm.data import write_json
 logger = logging.getLogger("alpacafarm")
 
 COLUMNS = ("system", "stage", "n", "win_rate", "standard_error", "length_controlled_win_rate", "n_wins", "n_wins_base",
-           "n_draws", "n_total", "avg_length", "proxy_reward")
+           "n_draws", "n_total", "avg_length", "proxy_reward", "delta_vs_smallest_n", "paired_standard_error")
 
 
 def proxy_rewards(context: Any, systems: Sequence[tuple[Any, list[dict[str, Any]]]]) -> list[float | None]:
@@ -45,12 +45,44 @@ def proxy_rewards(context: Any, systems: Sequence[tuple[Any, list[dict[str, Any]
     return values
 
 
-def results_rows(evaluated: Sequence[tuple[Any, dict[str, Any]]], rewards: Sequence[float | None]) -> list[dict[str, Any]]:
-    """One row per system, in the evaluation's order."""
+def paired_difference(scores: dict[str, float], baseline: dict[str, float]) -> tuple[float | None, float | None]:
+    """Mean per-instruction score difference (x 100) on the instructions both judged, and its paired SE.
+
+    Both systems answer the same instructions against the same references, so the difference of their
+    win-rates is best judged per instruction: its standard error is much smaller than either win-rate's.
+    """
+    import math
+
+    common = [k for k in scores if k in baseline]
+    if not common:
+        return None, None
+    diffs = [scores[k] - baseline[k] for k in common]
+    mean = sum(diffs) / len(diffs)
+    if len(diffs) < 2:
+        return mean * 100, None
+    variance = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return mean * 100, math.sqrt(variance / len(diffs)) * 100
+
+
+def results_rows(evaluated: Sequence[tuple[Any, dict[str, Any], dict[str, float]]],
+                 rewards: Sequence[float | None]) -> list[dict[str, Any]]:
+    """One row per system, in the evaluation's order; ``evaluated`` holds (system, metrics, per-instruction scores).
+
+    Systems with an ``n`` (a best-of-n sweep) also get their paired difference to the sweep's smallest n.
+    """
+    sweeps: dict[str, tuple[int, dict[str, float]]] = {}
+    for system, _, scores in evaluated:
+        n = system.info.get("n")
+        if n is not None and (system.stage not in sweeps or n < sweeps[system.stage][0]):
+            sweeps[system.stage] = (n, scores)
     rows = []
-    for (system, metrics), reward in zip(evaluated, rewards, strict=True):
+    for (system, metrics, scores), reward in zip(evaluated, rewards, strict=True):
+        delta = paired_se = None
+        if system.info.get("n") is not None:
+            delta, paired_se = paired_difference(scores, sweeps[system.stage][1])
         rows.append({"system": system.name, "stage": system.stage, "n": system.info.get("n"),
-                     **{k: metrics.get(k) for k in COLUMNS[3:-1]}, "proxy_reward": reward})
+                     **{k: metrics.get(k) for k in COLUMNS[3:-3]}, "proxy_reward": reward,
+                     "delta_vs_smallest_n": delta, "paired_standard_error": paired_se})
     return rows
 
 

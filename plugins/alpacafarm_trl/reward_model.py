@@ -39,6 +39,10 @@ class RewardModelConfig(RewardConfig):
     eval_fraction: float = field(default=0.1, metadata={"help": "share of the pairs held out for accuracy"})
     max_examples: int | None = field(default=None, metadata={"help": "use the first N usable pairs only"})
     score_batch_size: int = field(default=8, metadata={"help": "batch size when scoring the held-out pairs"})
+    trainable_layers: int | None = field(default=None, metadata={
+        "help": "train only the top N transformer blocks (and the final norm and score head); None: all. "
+                "A CPU saving: backward then stops N blocks below the head (about 2.5x faster with N=4 of 30). "
+                "0: the score head only, fitted on features computed once per distinct text (reward_head.py)"})
 
     learning_rate: float = 3e-6
     num_train_epochs: float = 1.0
@@ -51,6 +55,8 @@ class RewardModelConfig(RewardConfig):
             raise ValueError("eval_fraction must be in [0, 1)")
         if self.max_examples is not None and self.max_examples < 1:
             raise ValueError("max_examples must be at least 1")
+        if self.trainable_layers is not None and self.trainable_layers < 0:
+            raise ValueError("trainable_layers must be at least 0")
         apply_device_defaults(self)
         super().__post_init__()
 
@@ -108,6 +114,28 @@ def pairwise_accuracy(scorer: RewardScorer, pairs: list[dict[str, str]], batch_s
     return {"eval_accuracy": sum(wins) / len(wins), "eval_margin": sum(margins) / len(margins)}
 
 
+def freeze_below(model: Any, trainable_layers: int) -> int:
+    """Freeze every parameter except the top ``trainable_layers`` blocks, the final norm and the score head.
+
+    Returns the number of trainable parameters. The blocks are the backbone's ``layers`` (Llama, Mistral, Qwen,
+    SmolLM), ``h`` (GPT-2 style) or ``blocks`` list.
+    """
+    backbone = model.base_model
+    blocks = next((getattr(backbone, name) for name in ("layers", "h", "blocks") if hasattr(backbone, name)), None)
+    if blocks is None:
+        raise UserError(f"trainable_layers: cannot find the transformer blocks of {type(model).__name__}")
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    keep = [*(blocks[len(blocks) - trainable_layers:] if trainable_layers else []), model.score]
+    for name in ("norm", "ln_f", "final_layer_norm"):
+        if hasattr(backbone, name):
+            keep.append(getattr(backbone, name))
+    for module in keep:
+        for parameter in module.parameters():
+            parameter.requires_grad_(True)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def build_reward_trainer(config: RewardModelConfig, spec: Any, model_path: str, rows: list[dict[str, str]],
                          *, callbacks: list[Any] | None = None) -> Any:
     """A ready ``RewardTrainer`` on prompt/chosen/rejected ``rows``, the classifier initialised from ``model_path``.
@@ -122,6 +150,10 @@ def build_reward_trainer(config: RewardModelConfig, spec: Any, model_path: str, 
     tokenizer = load_tokenizer(spec, model_path)
     model = load_classifier(spec, model_path)
     model.config.pad_token_id = tokenizer.pad_token_id  # the head reads the last token that is not padding
+    if config.trainable_layers is not None:
+        if spec.lora is not None:
+            raise UserError("trainable_layers and a lora block both choose what trains: use one of them")
+        freeze_below(model, config.trainable_layers)
     return RewardTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                          peft_config=lora_config(spec, task_type="SEQ_CLS"), callbacks=callbacks)
 
@@ -145,6 +177,8 @@ class RewardModel(Method):
         rows, dropped = preference_rows(records, style=spec.prompt_format, tokenizer=load_tokenizer(spec, model_path))
         rows = limit(rows, args.max_examples)
         train_rows, eval_rows = split_pairs(rows, args.eval_fraction, context.seed)
+        if args.trainable_layers == 0:
+            return self._run_head_only(context, args, model_path, rows, train_rows, eval_rows, dropped)
         trainer = build_reward_trainer(args, spec, model_path, train_rows)
         context.logger.info("stage %s: reward model on %d pairs (%d held out, %d without a preference)",
                             context.stage, len(trainer.train_dataset), len(eval_rows), dropped)
@@ -160,4 +194,31 @@ class RewardModel(Method):
             scorer = RewardScorer(trainer.model, trainer.processing_class, prompt_format=spec.prompt_format)
             metrics.update({k: round(v, 6) for k, v in pairwise_accuracy(scorer, eval_rows, args.score_batch_size).items()})
         write_json(Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": trainer.state.log_history})
+        return Artifact("model", str(model_dir), metrics)
+
+    def _run_head_only(self, context: StageContext, args: RewardModelConfig, model_path: str, rows: list[dict[str, str]],
+                       train_rows: list[dict[str, str]], eval_rows: list[dict[str, str]], dropped: int) -> Artifact:
+        """``trainable_layers: 0``: features once per distinct text, then the head (see ``reward_head``)."""
+        from alpacafarm.data import write_json
+        from alpacafarm.modeling import save_model
+        from alpacafarm_trl.reward_head import train_head_only
+
+        spec = context.recipe.model
+        if spec.lora is not None or spec.quantization is not None:
+            raise UserError("trainable_layers: 0 trains the score head only; remove the lora/quantization block "
+                            "or set trainable_layers to null")
+        context.logger.info("stage %s: head-only reward model on %d pairs (%d held out, %d without a preference)",
+                            context.stage, len(train_rows), len(eval_rows), dropped)
+        with context.progress("reward model: features", None) as advance:
+            model, tokenizer, fitted = train_head_only(args, spec, model_path, train_rows, seed=context.seed,
+                                                       progress=advance)
+        model_dir = Path(context.stage_dir) / "model"
+        save_model(model, tokenizer, model_dir)
+        history = fitted.pop("log_history")
+        metrics: dict[str, Any] = {**fitted, "head_only": True, "n_pairs": len(rows), "n_train": len(train_rows),
+                                   "n_eval": len(eval_rows), "n_dropped_no_preference": dropped}
+        if eval_rows:
+            scorer = RewardScorer.from_path(str(model_dir), spec, max_length=args.max_length)
+            metrics.update({k: round(v, 6) for k, v in pairwise_accuracy(scorer, eval_rows, args.score_batch_size).items()})
+        write_json(Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": history})
         return Artifact("model", str(model_dir), metrics)

@@ -58,9 +58,11 @@ class RewardScorer:
 
     @classmethod
     def from_path(cls, path: str, spec: Any, *, max_length: int | None = None) -> RewardScorer:
-        """Load a reward model folder (a ``reward_model`` stage's ``model/``) with the recipe's model block."""
+        """Load a reward model folder (a ``reward_model`` stage's ``model/``) with the recipe's model block
+        (in its ``inference_dtype``, if it sets one)."""
         from alpacafarm.modeling import load_tokenizer
 
+        spec = spec.for_inference()
         return cls(load_classifier(spec, path), load_tokenizer(spec, path), prompt_format=spec.prompt_format,
                    max_length=max_length)
 

@@ -1,0 +1,118 @@
+"""Head-only reward model (``trainable_layers: 0``): the Bradley-Terry loss on a frozen SFT backbone's features.
+
+With the backbone frozen, the reward of a text is ``w · h(text)``, where ``h`` is the backbone's final hidden
+state at the last real token — exactly what the sequence classifier's ``score`` head reads. ``h`` does not
+change during training, so it is computed once per *distinct* text (in the model block's ``inference_dtype``)
+instead of once per pair side per epoch as ``RewardTrainer`` would; with several pairs per sampled answer
+(``preference_data`` with ``k`` > 2 and ``pairing: all``) that is most of the cost of a CPU reward model.
+The head is then fitted full-batch with Adam on standardised features (L2 penalty ``weight_decay``) and
+written back as the classifier's ``score`` weight (the standardisation folded in), so the saved folder is an
+ordinary sequence classifier that :class:`~alpacafarm_trl.scoring.RewardScorer` and PPO load unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from alpacafarm_trl.scoring import with_eos
+
+#: Full-batch optimiser steps per epoch (the head has one weight per hidden unit; 100 steps converge).
+STEPS_PER_EPOCH = 100
+
+
+def last_token_features(model: Any, tokenizer: Any, texts: Sequence[str], *, batch_size: int, max_length: int | None,
+                        progress: Any = None) -> Any:
+    """The backbone's final hidden state where the classifier reads it, as a float32 ``[len(texts), hidden]``.
+
+    That is the rightmost token that is not the pad token (transformers' rule for sequence classifiers; with
+    a tokenizer whose pad token is its EOS, the last token before the trailing EOS).
+    """
+    import torch
+
+    tokenizer.padding_side = "right"
+    backbone = model.base_model
+    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+    rows: list[Any] = [None] * len(texts)
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id
+    with torch.inference_mode():
+        for start in range(0, len(order), batch_size):
+            chunk = order[start:start + batch_size]
+            batch = tokenizer([texts[i] for i in chunk], padding=True, return_tensors="pt",
+                              truncation=max_length is not None, max_length=max_length).to(device)
+            hidden = backbone(**batch).last_hidden_state
+            not_pad = (batch["input_ids"] != pad_id).int() * batch["attention_mask"]
+            positions = torch.arange(not_pad.shape[1], device=device)
+            last = (positions * not_pad).argmax(dim=-1)
+            picked = hidden[torch.arange(len(chunk), device=device), last].float().cpu()
+            for row, i in enumerate(chunk):
+                rows[i] = picked[row]
+            if progress is not None:
+                progress(len(chunk))
+    return torch.stack(rows)
+
+
+def fit_head(features: Any, chosen: Sequence[int], rejected: Sequence[int], *, learning_rate: float, steps: int,
+             weight_decay: float, seed: int, log_every: int = 10) -> tuple[Any, list[dict[str, float]]]:
+    """Bradley-Terry head on ``features``: maximise log sigmoid(w . (f[c] - f[r])) over the pairs; returns ``w`` (for raw
+    features) and the loss/accuracy log."""
+    import torch
+
+    torch.manual_seed(seed)
+    mean, std = features.mean(0), features.std(0).clamp_min(1e-6)
+    x = (features - mean) / std
+    diff = x[list(chosen)] - x[list(rejected)]
+    w = torch.zeros(features.shape[1], requires_grad=True)
+    optimizer = torch.optim.Adam([w], lr=learning_rate)
+    history = []
+    for step in range(1, steps + 1):
+        optimizer.zero_grad()
+        margin = diff @ w
+        loss = -torch.nn.functional.logsigmoid(margin).mean() + weight_decay * (w @ w)
+        loss.backward()
+        optimizer.step()
+        if step % log_every == 0 or step == steps:
+            history.append({"step": step, "loss": round(float(loss.detach()), 6),
+                            "accuracy": round(float((margin > 0).float().mean()), 6)})
+    # score(f) = w · (f - mean) / std = (w / std) · f + const; a constant never changes a comparison.
+    return (w.detach() / std), history
+
+
+def train_head_only(config: Any, spec: Any, model_path: str, rows: list[dict[str, str]], *, seed: int,
+                    progress: Any = None) -> tuple[Any, Any, dict[str, Any]]:
+    """Fit the score head of a classifier on ``model_path`` from prompt/chosen/rejected ``rows``.
+
+    Returns the classifier (training dtype, ``score`` set), its tokenizer, and metrics with ``log_history``.
+    """
+    import torch
+
+    from alpacafarm.modeling import load_tokenizer
+    from alpacafarm_trl.scoring import load_classifier
+
+    tokenizer = load_tokenizer(spec, model_path)
+    eos = tokenizer.eos_token
+    texts: dict[str, int] = {}
+    pairs = []
+    for row in rows:
+        ids = []
+        for side in ("chosen", "rejected"):
+            text = with_eos(row["prompt"] + row[side], eos)
+            ids.append(texts.setdefault(text, len(texts)))
+        pairs.append(ids)
+    inference = load_classifier(spec.for_inference(), model_path)
+    features = last_token_features(inference, tokenizer, list(texts), batch_size=config.score_batch_size,
+                                   max_length=config.max_length, progress=progress)
+    del inference
+    steps = config.max_steps if config.max_steps and config.max_steps > 0 else \
+        max(1, round(config.num_train_epochs * STEPS_PER_EPOCH))
+    weight, history = fit_head(features, [c for c, _ in pairs], [r for _, r in pairs],
+                               learning_rate=config.learning_rate, steps=steps, weight_decay=config.weight_decay,
+                               seed=seed)
+    model = load_classifier(spec, model_path)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    with torch.no_grad():
+        model.score.weight.copy_(weight.to(model.score.weight.dtype).reshape_as(model.score.weight))
+    metrics = {"train_loss": history[-1]["loss"], "train_accuracy": history[-1]["accuracy"], "steps": steps,
+               "n_distinct_texts": len(texts), "log_history": history}
+    return model, tokenizer, metrics
