@@ -98,7 +98,7 @@ def test_offline_alias_converts_once_and_loads():
     assert model.config.model_type == "llama" and 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_quickstart_runs_then_skips(tmp_path: Path):
     out = tmp_path / "quickstart"
     first = run_cli("run", "recipes/quickstart.yaml", "--output-dir", str(out))
