@@ -24,15 +24,14 @@ The control tokens are plain-text markers, not new vocabulary entries, so that:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from alpacafarm.generation import PromptConditioning
 from alpacafarm.method import Artifact, Method, StageContext
-from alpacafarm_trl.policy import build_sft_trainer_on_rows, save_policy
+from alpacafarm_trl.policy import build_sft_trainer_on_rows, train_and_save_policy
 from alpacafarm_trl.reward_model import preference_rows
 from alpacafarm_trl.sft import SFTMethodConfig
-from alpacafarm_trl.training import limit, resume_checkpoint, stage_training_args, train_summary
+from alpacafarm_trl.training import limit, stage_training_args
 
 GOOD_TOKEN = "<good>"
 BAD_TOKEN = "<bad>"
@@ -127,7 +126,6 @@ class BinaryRewardConditioning(Method):
     )
 
     def run(self, context: StageContext) -> Artifact:
-        from alpacafarm.data import write_json
 
         spec = context.recipe.model
         args = stage_training_args(self.config, context)
@@ -140,22 +138,10 @@ class BinaryRewardConditioning(Method):
             len(trainer.train_dataset),
             dropped,
         )
-        result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
-        model_dir = Path(context.stage_dir) / "model"
-        merged = save_policy(trainer, spec, model_path, model_dir, context.logger)
         conditioning = control_conditioning(args.good_token)
-        conditioning.save(model_dir)
-        metrics = {
-            **train_summary(trainer, result),
-            "n_examples": len(trainer.train_dataset),
-            "n_dropped_no_preference": dropped,
-            "good_token": args.good_token,
-            "bad_token": args.bad_token,
-            "prompt_prefix": conditioning.prompt_prefix,
-            "lora": spec.lora is not None,
-            "merged": merged,
-        }
-        write_json(
-            Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": trainer.state.log_history}
+        return train_and_save_policy(
+            context, trainer, spec, model_path, dropped,
+            extra={"good_token": args.good_token, "bad_token": args.bad_token,
+                   "prompt_prefix": conditioning.prompt_prefix},
+            before_metrics=conditioning.save,
         )
-        return Artifact("model", str(model_dir), metrics)

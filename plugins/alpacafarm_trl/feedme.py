@@ -9,15 +9,14 @@ hyperparameters for it, so the defaults are those of the SFT step (:class:`~alpa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
-from alpacafarm_trl.policy import build_sft_trainer_on_rows, save_policy
+from alpacafarm_trl.policy import build_sft_trainer_on_rows, train_and_save_policy
 from alpacafarm_trl.reward_model import _winner
 from alpacafarm_trl.sft import SFTMethodConfig, prompt_completion_rows
-from alpacafarm_trl.training import limit, resume_checkpoint, stage_training_args, train_summary
+from alpacafarm_trl.training import limit, stage_training_args
 
 
 @dataclass
@@ -92,7 +91,6 @@ class BinaryFeedME(Method):
     )
 
     def run(self, context: StageContext) -> Artifact:
-        from alpacafarm.data import write_json
 
         spec = context.recipe.model
         args = stage_training_args(self.config, context)
@@ -106,17 +104,4 @@ class BinaryFeedME(Method):
             len(trainer.train_dataset),
             dropped,
         )
-        result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
-        model_dir = Path(context.stage_dir) / "model"
-        merged = save_policy(trainer, spec, model_path, model_dir, context.logger)
-        metrics = {
-            **train_summary(trainer, result),
-            "n_examples": len(trainer.train_dataset),
-            "n_dropped_no_preference": dropped,
-            "lora": spec.lora is not None,
-            "merged": merged,
-        }
-        write_json(
-            Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": trainer.state.log_history}
-        )
-        return Artifact("model", str(model_dir), metrics)
+        return train_and_save_policy(context, trainer, spec, model_path, dropped)

@@ -69,3 +69,25 @@ def save_policy(trainer: Any, spec: Any, model_path: str, directory: str | Path,
         )
     save_model(trainer.model, trainer.processing_class, directory, merge_adapters=merge)
     return merge
+
+
+def train_and_save_policy(context: Any, trainer: Any, spec: Any, model_path: str, dropped: int,
+                          extra: dict[str, Any] | None = None, before_metrics: Any = None) -> Any:
+    """Train ``trainer`` (resuming an interrupted attempt), save the policy to ``model/``, write ``metrics.json``.
+
+    The common ending of the SFT-style pairwise methods (binary FeedME, reward conditioning). ``before_metrics``
+    is called with the model folder after saving (e.g. to add the conditioning file).
+    """
+    from alpacafarm.data import write_json
+    from alpacafarm.method import Artifact
+    from alpacafarm_trl.training import resume_checkpoint, train_summary
+
+    result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
+    model_dir = Path(context.stage_dir) / "model"
+    merged = save_policy(trainer, spec, model_path, model_dir, context.logger)
+    if before_metrics is not None:
+        before_metrics(model_dir)
+    metrics = {**train_summary(trainer, result), "n_examples": len(trainer.train_dataset),
+               "n_dropped_no_preference": dropped, **(extra or {}), "lora": spec.lora is not None, "merged": merged}
+    write_json(Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": trainer.state.log_history})
+    return Artifact("model", str(model_dir), metrics)
