@@ -1,0 +1,400 @@
+"""The model layouts of :mod:`alpacafarm_trl.ppo`: who holds the policy, the value model, the reference and the reward.
+
+Without LoRA (:class:`SeparateModels`): a trainable policy, a frozen reference copy and a value model built on the
+reward model's backbone and head. With ``lora:`` (and optionally 4-bit) in the model block
+(:class:`SharedBaseModels`, built by :func:`build_shared_models`): ONE base carries ``policy``, ``value`` and
+``reward`` adapters, and the reference is the base with its adapters disabled. The trainer only talks to the
+:class:`PolicyAndValue` interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from alpacafarm.errors import UserError
+
+if TYPE_CHECKING:
+    from alpacafarm_trl.ppo import Batch
+
+POLICY, VALUE, REWARD = "policy", "value", "reward"
+TRAINED_ADAPTERS = [POLICY, VALUE]
+
+# --------------------------------------------------------------------------------------------------- models
+
+
+def _enable_checkpointing(model: Any) -> None:
+    """Activation checkpointing, non-reentrant (works with frozen embeddings and LoRA)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    kwargs = {"use_reentrant": False}
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers before the rename
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def disable_dropout(module: nn.Module) -> None:
+    """Zero every dropout: the PPO ratio must compare the same function before and after an update."""
+    for sub in module.modules():
+        if isinstance(sub, nn.Dropout):
+            sub.p = 0.0
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "attention_dropout"):
+        config.attention_dropout = 0.0
+
+
+def classifier_head(classifier: Any) -> nn.Linear:
+    """The one-output linear head of a sequence classifier (``score`` in most LLMs, ``classifier`` in BERTs)."""
+    for name in ("score", "classifier"):
+        head = getattr(classifier, name, None)
+        if isinstance(head, nn.Linear) and head.out_features == 1:
+            return head
+    raise UserError(f"{type(classifier).__name__} has no one-output linear head ('score' or 'classifier'), so the "
+                    "value model cannot be initialised from this reward model")
+
+
+def _accepts_logits_to_keep(model: Any) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+def _response_logits(model: Any, batch: Batch, keep: bool) -> torch.Tensor:
+    """Logits predicting each response token (positions ``P-1 .. P+R-2``), ``[b, R, vocab]``."""
+    n = batch.response_ids.shape[1]
+    kwargs = {"logits_to_keep": n + 1} if keep else {}
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                   use_cache=False, **kwargs).logits
+    return logits[:, -(n + 1):-1]
+
+
+class PolicyAndValue:
+    """What the trainer needs from its models: policy/reference logits, values, generation, trainable weights."""
+
+    device: torch.device
+    #: the module that generates (the policy model, or the shared peft model)
+    policy_module: Any
+
+    def generate(self, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def policy_logits(self, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def reference_logits(self, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def values(self, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def value_scope(self) -> contextlib.AbstractContextManager:
+        """Wraps a value forward *and its backward* (the shared layout switches to the value adapter)."""
+        return contextlib.nullcontext()
+
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        """Every trained tensor by a stable name (what a checkpoint stores)."""
+        raise NotImplementedError
+
+    def modules(self) -> list[nn.Module]:
+        """Every distinct top-level module held (for mode switches and memory accounting)."""
+        raise NotImplementedError
+
+    def policy_export(self) -> Any:
+        """What :func:`alpacafarm.modeling.save_model` saves as the trained policy."""
+        raise NotImplementedError
+
+    def set_training(self, training: bool) -> None:
+        for module in self.modules():
+            module.train(training)
+
+
+class ValueModel(nn.Module):
+    """A backbone and a one-output head giving a value for every position (the critic)."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Linear) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+
+    @classmethod
+    def from_classifier(cls, classifier: Any) -> ValueModel:
+        """The critic initialised from a reward model: its backbone, and its score head read at every token."""
+        return cls(getattr(classifier, classifier.base_model_prefix), classifier_head(classifier))
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        n = batch.response_ids.shape[1]
+        hidden = self.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                               position_ids=batch.position_ids, use_cache=False).last_hidden_state
+        hidden = hidden[:, -(n + 1):-1]
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+
+
+class SeparateModels(PolicyAndValue):
+    """Full fine-tuning: a trainable policy, a frozen reference copy and a value model (four models with the RM)."""
+
+    def __init__(self, policy: Any, reference: Any, value: ValueModel) -> None:
+        self.policy, self.reference, self.value = policy, reference, value
+        self.policy_module = policy
+        self.reference.requires_grad_(False)
+        for module in (policy, reference, value):
+            disable_dropout(module)
+        self.device = policy.get_input_embeddings().weight.device
+        self._keep = _accepts_logits_to_keep(policy)
+
+    def generate(self, **kwargs: Any) -> torch.Tensor:
+        return self.policy.generate(**kwargs)
+
+    def policy_logits(self, batch: Batch) -> torch.Tensor:
+        return _response_logits(self.policy, batch, self._keep)
+
+    def reference_logits(self, batch: Batch) -> torch.Tensor:
+        return _response_logits(self.reference, batch, self._keep)
+
+    def values(self, batch: Batch) -> torch.Tensor:
+        return self.value(batch)
+
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        params = {f"policy.{n}": p for n, p in self.policy.named_parameters() if p.requires_grad}
+        params.update({f"value.{n}": p for n, p in self.value.named_parameters() if p.requires_grad})
+        return params
+
+    def modules(self) -> list[nn.Module]:
+        return [self.policy, self.reference, self.value]
+
+    def policy_export(self) -> Any:
+        return self.policy
+
+
+class SharedBaseModels(PolicyAndValue):
+    """LoRA/QLoRA: one base model with ``policy``, ``value`` (+ value head) and frozen ``reward`` adapters.
+
+    The reference policy is the base with every adapter disabled, so no second copy of the weights exists.
+    """
+
+    def __init__(self, peft_model: Any, value_head: nn.Linear, *, base_name: str, reward_head: nn.Linear | None = None) -> None:
+        self.peft_model = self.policy_module = peft_model
+        self.value_head = value_head
+        self.reward_head = reward_head
+        self.base_name = base_name
+        causal_lm = peft_model.get_base_model()
+        self.backbone = getattr(causal_lm, causal_lm.base_model_prefix)
+        self.config = causal_lm.config
+        disable_dropout(peft_model)
+        if reward_head is not None:
+            reward_head.requires_grad_(False)
+        self.device = causal_lm.get_input_embeddings().weight.device
+        self._keep = _accepts_logits_to_keep(peft_model)
+        lora = [(n, p) for n, p in peft_model.named_parameters() if "lora_" in n]
+        self._trained = [p for n, p in lora if any(f".{a}." in n for a in TRAINED_ADAPTERS)]
+        self._frozen = [p for n, p in lora if not any(f".{a}." in n for a in TRAINED_ADAPTERS)]
+        self._active: str | None = None
+        self._activate(POLICY)
+
+    def _activate(self, name: str) -> None:
+        if name == self._active:
+            return
+        self.peft_model.set_adapter(name)
+        # set_adapter makes the active adapter trainable and freezes the others: restore what trains.
+        for param in self._trained:
+            param.requires_grad_(True)
+        for param in self._frozen:
+            param.requires_grad_(False)
+        self._active = name
+
+    @contextlib.contextmanager
+    def adapter(self, name: str) -> Iterator[None]:
+        """Run the shared model with adapter ``name`` active; the previously active one is restored afterwards.
+
+        Keep a backward pass inside the block: activation checkpointing recomputes the forward during
+        backward, with whichever adapter is active then.
+        """
+        previous = self._active
+        self._activate(name)
+        try:
+            yield
+        finally:
+            self._activate(previous or POLICY)
+
+    def value_scope(self) -> contextlib.AbstractContextManager:
+        return self.adapter(VALUE)
+
+    def generate(self, **kwargs: Any) -> torch.Tensor:
+        return self.peft_model.generate(**kwargs)
+
+    def policy_logits(self, batch: Batch) -> torch.Tensor:
+        return _response_logits(self.peft_model, batch, self._keep)
+
+    def reference_logits(self, batch: Batch) -> torch.Tensor:
+        with self.peft_model.disable_adapter():
+            return _response_logits(self.peft_model, batch, self._keep)
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=False).last_hidden_state
+
+    def values(self, batch: Batch) -> torch.Tensor:
+        n = batch.response_ids.shape[1]
+        with self.adapter(VALUE):
+            hidden = self.hidden_states(batch.input_ids, batch.attention_mask, batch.position_ids)[:, -(n + 1):-1]
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        params = {f"model.{n}": p for n, p in self.peft_model.named_parameters()
+                  if "lora_" in n and any(f".{a}." in n for a in TRAINED_ADAPTERS)}
+        params.update({f"value_head.{n}": p for n, p in self.value_head.named_parameters()})
+        return params
+
+    def modules(self) -> list[nn.Module]:
+        return [m for m in (self.peft_model, self.value_head, self.reward_head) if m is not None]
+
+    def policy_export(self) -> PolicyAdapterExport:
+        return PolicyAdapterExport(self)
+
+    def reward_classifier(self) -> SharedRewardClassifier:
+        if self.reward_head is None:
+            raise ValueError("this shared model has no reward adapter")
+        return SharedRewardClassifier(self, self.reward_head)
+
+
+class SharedRewardClassifier(nn.Module):
+    """The reward model as a sequence classifier over the shared base (``reward`` adapter + reward head).
+
+    Pools like transformers' classifiers (the rightmost token that is not padding), so scores equal those of
+    the reward model folder loaded on its own; :class:`~alpacafarm_trl.scoring.RewardScorer` can drive it.
+    """
+
+    def __init__(self, models: SharedBaseModels, head: nn.Linear) -> None:
+        super().__init__()
+        self._models = [models]  # a list: not a registered submodule (the base is not this module's to move)
+        self.head = head
+        self.config = models.config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: Any) -> SimpleNamespace:
+        models = self._models[0]
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        with models.adapter(REWARD):
+            hidden = models.hidden_states(input_ids, attention_mask)
+        logits = self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
+        if self.config.pad_token_id is None:
+            last = torch.full((input_ids.shape[0],), input_ids.shape[1] - 1, device=input_ids.device)
+        else:
+            not_pad = (input_ids != self.config.pad_token_id).to(torch.int64)
+            last = (torch.arange(input_ids.shape[1], device=input_ids.device) * not_pad).argmax(-1)
+        pooled = logits[torch.arange(input_ids.shape[0], device=logits.device), last.to(logits.device)]
+        return SimpleNamespace(logits=pooled.unsqueeze(-1))
+
+
+class PolicyAdapterExport:
+    """The ``policy`` adapter of a shared model, saved as a plain top-level LoRA folder (like a LoRA SFT stage's).
+
+    peft would save a non-default adapter in a sub-folder; this writes ``adapter_model.safetensors`` and
+    ``adapter_config.json`` (naming the shared base) at the top, so ``load_causal_lm(spec, folder)`` and
+    ``generate_outputs`` load it directly. ``merge_and_unload()`` returns the base with the policy merged in
+    (it drops the other adapters: call it only when training is over).
+    """
+
+    def __init__(self, models: SharedBaseModels) -> None:
+        self.models = models
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = get_peft_model_state_dict(self.models.peft_model, adapter_name=POLICY)
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(directory / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        config = copy.deepcopy(self.models.peft_model.peft_config[POLICY])
+        config.base_model_name_or_path = self.models.base_name
+        config.inference_mode = True
+        config.save_pretrained(str(directory))
+
+    def merge_and_unload(self) -> Any:
+        peft_model = self.models.peft_model
+        for name in (VALUE, REWARD):
+            if name in peft_model.peft_config:
+                peft_model.delete_adapter(name)
+        return peft_model.merge_and_unload()
+
+
+def build_shared_models(spec: Any, sft_path: str, reward_path: str, *, gradient_checkpointing: bool,
+                        logger: Any = None) -> SharedBaseModels:
+    """One base (the SFT model, quantized if asked) with ``policy``, ``value`` and ``reward`` adapters.
+
+    The value and reward adapters and heads start as the reward model: its LoRA weights when it is an adapter
+    folder (a LoRA reward stage on this base), else fresh adapters and its head only (the reward is then scored
+    by the separately loaded reward model, see :func:`build_ppo_trainer`).
+    """
+    from peft import (
+        PeftConfig,
+        PeftModel,
+        get_peft_model,
+        prepare_model_for_kbit_training,
+        set_peft_model_state_dict,
+    )
+    from peft.utils import load_peft_weights
+
+    from alpacafarm.modeling import load_causal_lm, lora_config
+    from alpacafarm.models import resolve_model_path
+    from alpacafarm_trl.scoring import is_adapter_folder, load_classifier
+
+    if is_adapter_folder(sft_path):  # an un-merged LoRA SFT stage: merge it, so "adapters off" means the SFT model
+        sft_config = PeftConfig.from_pretrained(sft_path)
+        base = load_causal_lm(spec, sft_config.base_model_name_or_path)
+        base = PeftModel.from_pretrained(base, sft_path).merge_and_unload()
+        base_name = sft_config.base_model_name_or_path
+    else:
+        base = load_causal_lm(spec, sft_path)
+        base_name = str(resolve_model_path(sft_path))
+    if spec.quantization is not None:
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=bool(gradient_checkpointing),
+                                               gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif gradient_checkpointing:
+        _enable_checkpointing(base)
+    peft_model = get_peft_model(base, lora_config(spec), adapter_name=POLICY)
+    device = base.get_input_embeddings().weight.device
+    hidden = base.config.hidden_size
+
+    if is_adapter_folder(reward_path):
+        rm_config = PeftConfig.from_pretrained(reward_path)
+        state = load_peft_weights(reward_path, device="cpu")
+        head_state = {k.rsplit(".", 1)[-1]: v for k, v in state.items() if k.split(".")[-2] in ("score", "classifier")}
+        adapter_state = {k: v for k, v in state.items() if "lora_" in k}
+        adapter_config = copy.deepcopy(rm_config)
+        adapter_config.modules_to_save = None
+        adapter_config.task_type = "CAUSAL_LM"
+        adapter_config.inference_mode = False
+        for name in (VALUE, REWARD):
+            peft_model.add_adapter(name, copy.deepcopy(adapter_config))
+            result = set_peft_model_state_dict(peft_model, adapter_state, adapter_name=name)
+            unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+            if unexpected:
+                raise UserError(f"the reward model's adapters do not fit the SFT model ({unexpected[0]} ...)")
+        if "weight" not in head_state:
+            raise UserError(f"the reward adapters in {reward_path} carry no score head")
+        source_head = nn.Linear(hidden, 1, bias="bias" in head_state)
+        source_head.load_state_dict(head_state)
+        shared_reward = True
+    else:  # a full-weights reward model: only its head can seed the critic
+        classifier = load_classifier(spec, reward_path)
+        source_head = copy.deepcopy(classifier_head(classifier)).float().cpu()
+        del classifier
+        peft_model.add_adapter(VALUE, lora_config(spec))
+        shared_reward = False
+        if logger is not None:
+            logger.info("the reward model is not a LoRA folder: the value adapter starts fresh (value head from the RM)")
+    value_head = copy.deepcopy(source_head).float().to(device)
+    value_head.requires_grad_(True)
+    reward_head = copy.deepcopy(source_head).float().to(device) if shared_reward else None
+    return SharedBaseModels(peft_model, value_head, base_name=base_name, reward_head=reward_head)
+
