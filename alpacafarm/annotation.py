@@ -8,7 +8,6 @@ never sent anywhere (:func:`identical_tie`).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,17 +16,6 @@ from alpacafarm.types import Annotation, Pair
 
 #: ``progress(n_done, cost_usd)`` is called as annotations complete (drives progress bars).
 ProgressCallback = Callable[[int, float], None]
-
-
-def stable_hash(*parts: object) -> int:
-    """A 64-bit integer from the parts' text; the same in every process and on every machine (unlike ``hash()``)."""
-    digest = hashlib.sha256("\x1f".join(str(p) for p in parts).encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big")
-
-
-def stable_uniform(*parts: object) -> float:
-    """A number in [0, 1) drawn deterministically from the parts."""
-    return stable_hash(*parts) / 2**64
 
 
 def identical_tie(pair: Pair, annotator: str) -> Annotation | None:

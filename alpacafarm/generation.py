@@ -1,13 +1,13 @@
 """Sampling completions: ``generate(prompts, sampling) -> completions`` behind one interface.
 
-Backends are registered by plugins (``register_generation_backends``): ``transformers`` (this module, the
-default), ``openai`` (any OpenAI-compatible server: vLLM, llama.cpp, TGI) and ``vllm`` (in-process, with the
-``vllm`` extra). Prompts are already formatted (see :mod:`alpacafarm.prompts`).
+Backends are registered by plugins (``register_generation_backends``) and built by the registry
+(``registry.create("generation_backend", name, config, spec=..., model_path=...)``; a stage asks its context:
+``context.generator(...)``): ``transformers`` (this module, the default), ``openai`` (any OpenAI-compatible
+server: vLLM, llama.cpp, TGI) and ``vllm`` (in-process, with the ``vllm`` extra).
 
-A model folder may carry ``alpacafarm_generation.json`` (:class:`PromptConditioning`): fixed text that the model
-was trained to see around every prompt, such as the "good" control token of binary reward conditioning. The
-transformers backend reads it in :meth:`TransformersGenerator.from_spec` and applies it to every prompt, so any
-stage that generates from that folder is conditioned the same way without configuration.
+Every backend carries a :class:`~alpacafarm.prompts.PromptFormat` for the model it samples from (style,
+tokenizer, and the conditioning the model folder carries); :func:`generate_records` formats prompts with it, so
+a reward-conditioned model is conditioned whatever the backend.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from alpacafarm.errors import UserError
-from alpacafarm.method import stable_seed
+from alpacafarm.prompts import PromptFormat
 
 if TYPE_CHECKING:
     from alpacafarm.recipe import ModelSpec
@@ -41,126 +40,72 @@ class SamplingConfig(BaseModel):
     seed: int = 0
 
 
-#: The file in a model folder that holds its :class:`PromptConditioning`.
-CONDITIONING_FILE = "alpacafarm_generation.json"
+class Generator:
+    """Base class of generation backends: subclasses implement :meth:`generate` on formatted prompts.
 
-
-class PromptConditioning(BaseModel):
-    """Text a model expects around every formatted prompt, saved next to its weights by the stage that trained it.
-
-    ``prompt_prefix`` goes before the prompt (reward conditioning's control token: the paper prepends it to the
-    whole example), ``response_prefix`` after it (the response is generated as its continuation). Both are part
-    of the prompt, so they never appear in a completion.
+    ``prompt_format`` says how instruction records become prompts for this backend's model (see
+    :func:`generate_records`); a backend sets it from the model block and the model folder it samples from.
     """
 
-    model_config = ConfigDict(extra="forbid")
-
-    prompt_prefix: str = ""
-    response_prefix: str = ""
-
-    def apply(self, prompt: str) -> str:
-        """``prompt_prefix + prompt + response_prefix``: the text the model is conditioned on."""
-        return f"{self.prompt_prefix}{prompt}{self.response_prefix}"
-
-    def save(self, directory: str | Path) -> Path:
-        path = Path(directory) / CONDITIONING_FILE
-        path.write_text(self.model_dump_json(indent=2) + "\n", encoding="utf-8")
-        return path
-
-    @classmethod
-    def load(cls, directory: str | Path) -> PromptConditioning:
-        """The conditioning saved in a local model folder; none (empty prefixes) when there is no file."""
-        path = Path(directory) / CONDITIONING_FILE
-        if not path.is_file():
-            return cls()
-        try:
-            return cls.model_validate_json(path.read_text(encoding="utf-8"))
-        except ValueError as exc:
-            raise UserError(f"{path}: not a valid generation conditioning file: {str(exc).splitlines()[0]}") from None
-
-
-class Generator:
-    """Base class: subclasses implement :meth:`generate`."""
+    prompt_format: PromptFormat = PromptFormat()
+    #: non-padding tokens generated per completion by the last call (for throughput figures), if known
+    last_token_counts: list[list[int]] = []
 
     def generate(self, prompts: Sequence[str], sampling: SamplingConfig,
                  progress: GenerationProgress | None = None) -> list[list[str]]:
-        """``sampling.n`` completions for each prompt, in the prompts' order."""
+        """``sampling.n`` completions for each formatted prompt, in the prompts' order."""
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the model or client (the default holds nothing that needs it)."""
 
 
 class TransformersGenerator(Generator):
-    """Batched sampling with a transformers causal LM: left padding, ``num_return_sequences``, EOS stop.
+    """Batched sampling with a transformers causal LM through :func:`alpacafarm.sampling.sample`."""
 
-    Prompts are sorted by length (longest first) so each batch pads little and memory peaks at the start; each
-    batch is seeded from ``sampling.seed`` and its position, so a run is reproducible. ``conditioning`` is
-    applied to every prompt (see :class:`PromptConditioning`).
-    """
-
-    def __init__(self, model: Any, tokenizer: Any, conditioning: PromptConditioning | None = None) -> None:
+    def __init__(self, model: Any, tokenizer: Any, prompt_format: PromptFormat | None = None) -> None:
         self.model = model.eval()
-        self.conditioning = conditioning or PromptConditioning()
-        #: non-padding tokens generated per completion by the last call (for throughput figures)
-        self.last_token_counts: list[list[int]] = []
         self.tokenizer = tokenizer
-        self.tokenizer.padding_side = "left"  # generation appends on the right: prompts must end aligned
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.prompt_format = prompt_format or PromptFormat(tokenizer=tokenizer)
+        self.last_token_counts = []
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, path: str | None = None) -> TransformersGenerator:
-        """Load the model block's model (or ``path``), with the conditioning its folder carries, if any."""
+        """Load the model block's model (or ``path``) in its inference dtype, with its folder's conditioning."""
         from alpacafarm.modeling import load_causal_lm, load_tokenizer
         from alpacafarm.models import resolve_model_path
 
         spec = spec.for_inference()
-        location = Path(resolve_model_path(path or spec.name))
-        conditioning = PromptConditioning.load(location) if location.is_dir() else None
-        return cls(load_causal_lm(spec, path), load_tokenizer(spec, path, padding_side="left"), conditioning)
+        tokenizer = load_tokenizer(spec, path, padding_side="left")
+        prompt_format = PromptFormat.for_model(spec.prompt_format, resolve_model_path(path or spec.name), tokenizer)
+        return cls(load_causal_lm(spec, path), tokenizer, prompt_format)
 
     def generate(self, prompts: Sequence[str], sampling: SamplingConfig,
                  progress: GenerationProgress | None = None) -> list[list[str]]:
-        import torch
+        from alpacafarm.sampling import sample, tokenize_prompts
 
-        prompts = [self.conditioning.apply(p) for p in prompts]
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
-        results: list[list[str]] = [[] for _ in prompts]
-        counts: list[list[int]] = [[] for _ in prompts]
-        greedy = sampling.temperature == 0
-        bos = self.tokenizer.bos_token
-        for start in range(0, len(order), sampling.batch_size):
-            indices = order[start:start + sampling.batch_size]
-            texts = [prompts[i] for i in indices]
-            # Chat templates already carry special tokens; adding a second BOS would shift the distribution.
-            add_special = not (bos and all(t.startswith(bos) for t in texts))
-            batch = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=add_special)
-            batch = batch.to(self.model.device)
-            torch.manual_seed(stable_seed(sampling.seed, start))
-            kwargs: dict[str, Any] = {"max_new_tokens": sampling.max_new_tokens, "num_return_sequences": sampling.n,
-                                      "pad_token_id": self.tokenizer.pad_token_id, "do_sample": not greedy}
-            if not greedy:
-                kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
-            with torch.no_grad():
-                output = self.model.generate(**batch, **kwargs)
-            new_tokens = output[:, batch["input_ids"].shape[1]:]
-            decoded = self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-            lengths = (new_tokens != self.tokenizer.pad_token_id).sum(dim=1).tolist()
-            for row, index in enumerate(indices):
-                results[index] = [text.strip() for text in decoded[row * sampling.n:(row + 1) * sampling.n]]
-                counts[index] = lengths[row * sampling.n:(row + 1) * sampling.n]
-            if progress:
-                progress(len(indices))
-        self.last_token_counts = counts
-        return results
+        samples = sample(self.model, self.tokenizer, tokenize_prompts(self.tokenizer, prompts), n=sampling.n,
+                         temperature=sampling.temperature, top_p=sampling.top_p,
+                         max_new_tokens=sampling.max_new_tokens, batch_size=sampling.batch_size,
+                         seed=sampling.seed, progress=progress)
+        self.last_token_counts = [[len(s.response_ids) for s in group] for group in samples]
+        return [[s.text for s in group] for group in samples]
+
+
+def transformers_backend(config: None, spec: ModelSpec, model_path: str) -> TransformersGenerator:
+    """The ``transformers`` backend (the default): takes no options."""
+    return TransformersGenerator.from_spec(spec, model_path)
 
 
 def generate_records(generator: Generator, records: Sequence[dict[str, Any]], sampling: SamplingConfig, *,
-                     prompt_format: str = "alpaca", tokenizer: Any = None,
                      progress: GenerationProgress | None = None) -> list[dict[str, Any]]:
-    """Completions for instruction records, as records: one per (instruction, sample), with ``sample_index``."""
-    from alpacafarm.prompts import format_prompt
+    """Completions for instruction records, as records: one per (instruction, sample), with ``sample_index``.
 
-    prompts = [format_prompt(r["instruction"], r.get("input"), style=prompt_format, tokenizer=tokenizer) for r in records]
-    outputs = generator.generate(prompts, sampling, progress)
+    Prompts are written by the generator's :class:`~alpacafarm.prompts.PromptFormat` (conditioning included).
+    """
+    outputs = generator.generate(generator.prompt_format.records(records), sampling, progress)
     return [{**{k: v for k, v in record.items() if k != "output"}, "output": text, "sample_index": j}
             for record, samples in zip(records, outputs, strict=True) for j, text in enumerate(samples)]
 

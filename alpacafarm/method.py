@@ -7,7 +7,6 @@ of earlier stages, data sources or the recipe's model, and gives them a :class:`
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,8 +16,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from alpacafarm.annotation import Annotator
+    from alpacafarm.generation import Generator
     from alpacafarm.recipe import PluginRef, Recipe
     from alpacafarm.registry import Registry
+    from alpacafarm.rewards import RewardScorer
 
 
 @dataclass
@@ -46,12 +48,6 @@ class Artifact:
         return cls(data["kind"], path, dict(data.get("metadata") or {}))
 
 
-def stable_seed(*parts: object) -> int:
-    """A 31-bit seed from the parts' text; identical across processes and machines (unlike ``hash()``)."""
-    digest = hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
-
-
 @dataclass
 class StageContext:
     """Everything a running stage may use. Its files go under ``stage_dir``."""
@@ -65,6 +61,8 @@ class StageContext:
     recipe: Recipe
     registry: Registry
     resuming: bool = False
+    #: the recipe's annotator config objects by role (``feedback``, ``evaluation``), validated when it loaded
+    annotator_configs: dict[str, Any] = field(default_factory=dict)
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("alpacafarm"))
 
     def input(self, name: str) -> Artifact:
@@ -103,14 +101,27 @@ class StageContext:
             raise RecipeError(f"stage {self.stage!r} needs an annotator: set 'annotator:' in the recipe")
         return ref
 
-    def make_annotator(self, role: str = "feedback") -> Any:
-        """Build the recipe's annotator for ``role`` from the registry."""
-        from alpacafarm.recipe import validate_plugin_ref
-        from alpacafarm.yamlsource import SourcedDocument
+    def make_annotator(self, role: str = "feedback") -> Annotator:
+        """Build the recipe's annotator for ``role`` through the registry, from the config validated at load time."""
+        ref = self.annotator_ref(role)
+        config = self.annotator_configs.get(role, ref.config)
+        return self.registry.create("annotator", ref.name, config)
 
-        ref = self.annotator_ref(role)  # already validated when the recipe loaded; this builds the config object
-        config = validate_plugin_ref(self.registry, "annotator", ref, SourcedDocument(None), ("annotator",))
-        return self.registry.get("annotator", ref.name)(config)
+    def generator(self, backend: str = "transformers", backend_config: Any = None, *,
+                  model_input: str = "sft_model") -> Generator:
+        """The generation backend ``backend`` for the model of input ``model_input`` (the recipe's model block
+        says how to load it and how to write its prompts)."""
+        return self.registry.create("generation_backend", backend, backend_config, spec=self.recipe.model,
+                                    model_path=self.input(model_input).path)
+
+    def reward_function(self, *, batch_size: int = 8, max_length: int | None = None,
+                        model_input: str = "reward_model") -> RewardScorer:
+        """The reward model of input ``model_input`` as a :data:`~alpacafarm.rewards.RewardFunction` (any folder
+        layout; sampled and scored in the model block's ``inference_dtype``)."""
+        from alpacafarm.rewards import RewardScorer
+
+        return RewardScorer.from_path(self.input(model_input).path, self.recipe.model, max_length=max_length,
+                                      batch_size=batch_size)
 
     @contextmanager
     def progress(self, description: str, total: int | None) -> Iterator[Any]:
@@ -136,7 +147,6 @@ class Method:
     #: evaluator's ``reward_model`` (a proxy-reward column when the recipe trained one).
     optional: ClassVar[tuple[str, ...]] = ()
     provides: ClassVar[str] = "policy"
-    description: ClassVar[str] = ""
     #: ``"feedback"`` or ``"evaluation"`` when the method calls ``context.make_annotator(role)``: the recipe's
     #: annotator for that role is then part of the stage's fingerprint (changing the judge re-runs the stage).
     annotator_role: ClassVar[str | None] = None

@@ -113,6 +113,55 @@ def load_sequence_classifier(spec: ModelSpec, path: str | None = None, num_label
     return model
 
 
+def is_adapter_folder(path: str | Path) -> bool:
+    """A folder holding peft adapters (``adapter_config.json``) rather than full weights."""
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+def _merged(load: Any, spec: ModelSpec, path: str, *, classifier: bool = False) -> Any:
+    """``load(spec, path)`` for full weights; for an adapter folder, its base (itself merged the same way, so an
+    adapter trained on an adapter-trained base resolves the whole chain) with the adapters merged in."""
+    if not is_adapter_folder(path):
+        return load(spec, path)
+    from peft import PeftConfig, PeftModel
+
+    config = PeftConfig.from_pretrained(path)
+    if classifier and config.task_type != "SEQ_CLS":
+        # Causal-LM adapters (an SFT stage) would wrap the classifier in a generation wrapper it cannot serve;
+        # the plain wrapper applies the same layer adapters (module names agree below the task head).
+        config.task_type = None
+    base = _merged(load, spec, resolve_model_path(config.base_model_name_or_path), classifier=classifier)
+    return PeftModel.from_pretrained(base, path, config=config).merge_and_unload()
+
+
+def load_merged_causal_lm(spec: ModelSpec, path: str) -> Any:
+    """The causal LM in ``path`` as plain weights: full weights as they are, peft adapters merged into their base.
+
+    The one rule for starting from a trained policy: a trainer given a ``peft_config`` on a model whose adapters
+    were attached would replace them with fresh ones and silently start from the base model instead.
+    """
+    return _merged(load_causal_lm, spec, path)
+
+
+def load_classifier(spec: ModelSpec, path: str) -> Any:
+    """A one-output sequence classifier from ``path``: full weights, or peft adapters merged into their base.
+
+    An adapter folder (an un-merged LoRA SFT or reward model) names its base model; the classifier is built on
+    that base and the adapters (and a saved ``score`` head, if any) are merged in, so callers get plain weights.
+    """
+    return _merged(load_sequence_classifier, spec, path, classifier=True)
+
+
+def enable_activation_checkpointing(model: Any) -> None:
+    """Activation checkpointing, non-reentrant (works with frozen embeddings and LoRA)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    kwargs = {"use_reentrant": False}
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers before the rename
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def save_model(model: Any, tokenizer: Any, directory: str | Path, *, merge_adapters: bool = False) -> str:
     """Save weights (or adapters) and tokenizer; with ``merge_adapters`` a peft model is merged first."""
     directory = Path(directory)

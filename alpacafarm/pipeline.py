@@ -34,7 +34,8 @@ from typing import Any
 
 from alpacafarm.data import source_fingerprint, write_json
 from alpacafarm.errors import UserError
-from alpacafarm.method import Artifact, Method, StageContext, stable_seed
+from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.seeding import stable_seed
 from alpacafarm.recipe import LoadedRecipe
 from alpacafarm.registry import Registry, did_you_mean
 

@@ -122,3 +122,14 @@ def write_records(path: str | Path, records: list[dict[str, Any]]) -> Path:
     else:
         path.write_text(json.dumps(records), encoding="utf-8")
     return path
+
+
+def run_recipe(recipe: str | Path, run_dir: str | Path, overrides: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
+    """Run a recipe in-process through the pipeline, as ``alpacafarm run`` does; returns {stage name: artifact}."""
+    from alpacafarm.pipeline import Pipeline
+    from alpacafarm.plugins import get_registry
+    from alpacafarm.recipe import load_recipe
+
+    registry = get_registry()
+    outcomes = Pipeline(load_recipe(recipe, list(overrides), registry), registry, run_dir).run()
+    return {o.name: o.artifact for o in outcomes}

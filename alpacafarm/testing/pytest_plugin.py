@@ -49,6 +49,19 @@ def register_test_plugin() -> Iterator[Callable[[Any, str], None]]:
             unregister_plugin(name)
 
 
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models train many times slower with two threads when another process competes for the two cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A saved tiny random-init causal LM + tokenizer folder, shared by the session (read-only)."""

@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from alpacafarm.annotation import Annotator, ProgressCallback, identical_tie, stable_hash, stable_uniform
+from alpacafarm.annotation import Annotator, ProgressCallback, identical_tie
+from alpacafarm.seeding import stable_hash, stable_uniform
 from alpacafarm.types import Annotation, Pair, flip
 from alpacafarm_annotators.config import PoolConfig
 

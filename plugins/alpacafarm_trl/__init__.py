@@ -1,4 +1,4 @@
-"""Built-in plugin: the methods that wrap TRL trainers (SFT, reward model) and reward-model scoring.
+"""Built-in plugin: the learning methods (TRL trainers, and our own PPO, Quark, best-of-n, expert iteration).
 
 Targets are lazy strings: TRL takes seconds to import, so it is loaded only when a recipe names one of these.
 """
@@ -24,5 +24,9 @@ def register_methods(register):
              description="binary FeedME: supervised fine-tuning on the preferred output of each pair")
     register("binary_reward_conditioning", "alpacafarm_trl.conditioning:BinaryRewardConditioning",
              description="SFT on both outputs behind good/bad control tokens; generation conditioned on good")
+    register("grpo", "alpacafarm_trl.grpo:GRPO",
+             description="GRPO (TRL GRPOTrainer): group-relative advantages, reward from the reward model and/or rules")
+    register("rloo", "alpacafarm_trl.rloo:RLOO",
+             description="RLOO (TRL RLOOTrainer): leave-one-out baselines, reward from the reward model and/or rules")
     register("quark", "alpacafarm_trl.quark:Quark",
              description="Quark (best quantile, fresh pool per round): top-reward rollouts, NLL + KL to the SFT model")

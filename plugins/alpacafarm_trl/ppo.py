@@ -38,7 +38,8 @@ import torch
 from transformers import TrainerCallback, TrainingArguments
 
 from alpacafarm.errors import UserError
-from alpacafarm.method import Artifact, Method, StageContext, stable_seed
+from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.seeding import stable_seed
 from alpacafarm.prompts import format_prompt
 from alpacafarm_trl import ppo_core
 from alpacafarm_trl.ppo_models import (

@@ -37,7 +37,8 @@ from typing import Any
 from transformers import Trainer, TrainingArguments
 
 from alpacafarm.errors import UserError
-from alpacafarm.method import Artifact, Method, StageContext, stable_seed
+from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.seeding import stable_seed
 from alpacafarm.prompts import format_prompt
 from alpacafarm_trl.training import apply_device_defaults, stage_training_args
 

@@ -1,8 +1,6 @@
-"""What the TRL-backed methods share: device-aware config defaults, per-stage trainer arguments, resume.
+"""What the TRL-backed methods share at run time: per-stage trainer arguments, resume, training summaries.
 
-TRL's configs default to ``bf16=True`` and gradient checkpointing on. Both are wrong on a CPU (bf16 makes
-``TrainingArguments`` refuse to build there; checkpointing only slows a small model down), so the config
-classes of this plugin leave them unset (``None`` = automatic) and resolve them here for the machine at hand.
+Config defaults for the machine live in :mod:`alpacafarm_trl.base_config`.
 """
 
 from __future__ import annotations
@@ -16,29 +14,6 @@ logger = logging.getLogger("alpacafarm")
 
 #: TrainingArguments' own default seed; a config still holding it gets the stage's seed instead.
 DEFAULT_TRAINER_SEED = 42
-
-
-def apply_device_defaults(config: Any) -> None:
-    """Resolve ``bf16`` and gradient checkpointing for this machine; call before ``TrainingArguments.__post_init__``.
-
-    ``bf16: None`` (the default) means bfloat16 only on a GPU that supports it. An explicit ``bf16: true``
-    where no such GPU exists is turned off with a note (so a GPU recipe still loads and checks on a laptop).
-    Gradient checkpointing left unset is on with CUDA (memory is what matters there) and off elsewhere.
-    """
-    import torch
-
-    cuda = torch.cuda.is_available()
-    bf16_ok = cuda and torch.cuda.is_bf16_supported()
-    notes: list[str] = []
-    if config.bf16 is None:
-        config.bf16 = bf16_ok and not config.fp16
-    elif config.bf16 and not bf16_ok:
-        notes.append("bf16: true needs a GPU with bfloat16 support; this machine has none, so training runs in float32")
-        config.bf16 = False
-    if config.gradient_checkpointing is None and config.activation_checkpointing is None:
-        # Set the new name directly: setting the deprecated alias makes transformers warn on every config.
-        config.activation_checkpointing = cuda
-    object.__setattr__(config, "device_notes", notes)
 
 
 def stage_training_args(config: Any, context: Any, **overrides: Any) -> Any:

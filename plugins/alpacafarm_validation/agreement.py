@@ -45,7 +45,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from alpacafarm.errors import UserError
-from alpacafarm.method import stable_seed
+from alpacafarm.seeding import stable_seed
 
 TIE = 1.5
 KEY_FIELDS = ("instruction", "output_1", "output_2")

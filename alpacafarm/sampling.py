@@ -1,0 +1,101 @@
+"""The one batched, seeded sampler over a transformers causal LM.
+
+Generation (the transformers backend), best-of-n, expert iteration, PPO rollouts and Quark pools all sample
+through :func:`sample`: prompts left-padded (generation appends on the right), longest first so each batch pads
+little and memory peaks at the start, every batch seeded from ``seed`` and its position (a run is
+reproducible), each response cut after its first stop token (which is kept: a trained policy must learn to
+stop). Decoding settings are given explicitly: nothing is inherited from a checkpoint's ``generation_config``
+but its stop tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from alpacafarm.seeding import stable_seed
+
+
+@dataclass
+class Sample:
+    """One sampled response: the exact token ids the model produced (a training example) and its text."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    text: str
+    finished: bool  # ended with a stop token (not cut at max_new_tokens)
+
+
+def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Token ids that end a response: the tokenizer's EOS and those of the model's generation config."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return sorted(i for i in ids if i is not None)
+
+
+def tokenize_prompts(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
+    """Token ids of formatted prompts; chat templates already carry their special tokens (no second BOS)."""
+    if not prompts:
+        return []
+    bos = tokenizer.bos_token
+    add_special = not (bos and all(p.startswith(bos) for p in prompts))
+    return [list(ids) for ids in tokenizer(list(prompts), add_special_tokens=add_special)["input_ids"]]
+
+
+def left_pad(queries: Sequence[Sequence[int]], pad_id: int, device: Any = "cpu") -> tuple[Any, Any]:
+    """Prompts left-padded to one width: ``(input_ids, attention_mask)``."""
+    import torch
+
+    width = max(len(q) for q in queries)
+    ids = torch.full((len(queries), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, query in enumerate(queries):
+        ids[row, width - len(query):] = torch.tensor(query, dtype=torch.long)
+        mask[row, width - len(query):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def sample(model: Any, tokenizer: Any, queries: Sequence[Sequence[int]], *, n: int = 1, temperature: float = 1.0,
+           top_p: float = 1.0, max_new_tokens: int = 256, batch_size: int = 8, seed: int = 0,
+           stop_ids: Sequence[int] | None = None, generate: Callable[..., Any] | None = None,
+           progress: Callable[[int], None] | None = None) -> list[list[Sample]]:
+    """``n`` responses per tokenized prompt, in the prompts' order; ``temperature: 0`` is greedy decoding.
+
+    ``generate`` replaces ``model.generate`` (a layout that switches adapters before generating); ``model`` then
+    only supplies the device and the stop tokens. ``progress(k)`` is called after each batch of ``k`` prompts.
+    """
+    import torch
+    from transformers import GenerationConfig
+
+    if not queries:
+        return []
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stops = list(stop_ids) if stop_ids is not None else stop_token_ids(model, tokenizer)
+    greedy = temperature == 0
+    config = GenerationConfig(do_sample=not greedy, max_new_tokens=max_new_tokens, num_return_sequences=n,
+                              pad_token_id=pad_id, eos_token_id=stops or None,
+                              bos_token_id=tokenizer.bos_token_id)
+    if not greedy:
+        config.temperature, config.top_p, config.top_k = temperature, top_p, 0
+    device = next(model.parameters()).device
+    generate = generate or model.generate
+    order = sorted(range(len(queries)), key=lambda i: len(queries[i]), reverse=True)
+    results: list[list[Sample]] = [[] for _ in queries]
+    for start in range(0, len(order), batch_size):
+        indices = order[start:start + batch_size]
+        input_ids, attention_mask = left_pad([queries[i] for i in indices], pad_id, device)
+        torch.manual_seed(stable_seed(seed, start))
+        with torch.no_grad():
+            output = generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        new = output[:, input_ids.shape[1]:].tolist()
+        for row, index in enumerate(indices):
+            for tokens in new[row * n:(row + 1) * n]:
+                end = next((k for k, token in enumerate(tokens) if token in stops), None)
+                response = tokens if end is None else tokens[:end + 1]
+                text = tokenizer.decode(response, skip_special_tokens=True).strip()
+                results[index].append(Sample(list(queries[index]), response, text, end is not None))
+        if progress is not None:
+            progress(len(indices))
+    return results
