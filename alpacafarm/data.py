@@ -119,7 +119,7 @@ def source_fingerprint(source: DataSource) -> str:
 def _builtin_path(name: str) -> Path:
     path = BUILTIN_DIR / f"{name}.jsonl"
     if not path.is_file():
-        from alpacafarm.registry import did_you_mean
+        from alpacafarm.errors import did_you_mean
 
         known = builtin_datasets()
         raise UserError(f"unknown builtin dataset {name!r}{did_you_mean(name, known)} (known: {', '.join(known)})")

@@ -94,11 +94,6 @@ class TransformersGenerator(Generator):
         return [[s.text for s in group] for group in samples]
 
 
-def transformers_backend(config: None, spec: ModelSpec, model_path: str) -> TransformersGenerator:
-    """The ``transformers`` backend (the default): takes no options."""
-    return TransformersGenerator.from_spec(spec, model_path)
-
-
 def generate_records(generator: Generator, records: Sequence[dict[str, Any]], sampling: SamplingConfig, *,
                      progress: GenerationProgress | None = None) -> list[dict[str, Any]]:
     """Completions for instruction records, as records: one per (instruction, sample), with ``sample_index``.

@@ -112,7 +112,8 @@ class StageContext:
         """The generation backend ``backend`` for the model of input ``model_input`` (the recipe's model block
         says how to load it and how to write its prompts)."""
         return self.registry.create("generation_backend", backend, backend_config, spec=self.recipe.model,
-                                    model_path=self.input(model_input).path)
+                                    model_path=self.input(model_input).path,
+                                    path=("stages", self.stage, "config", "backend_config"))
 
     def reward_function(self, *, batch_size: int = 8, max_length: int | None = None,
                         model_input: str = "reward_model") -> RewardScorer:

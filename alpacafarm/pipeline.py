@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from alpacafarm.data import source_fingerprint, write_json
-from alpacafarm.errors import UserError
+from alpacafarm.errors import UserError, did_you_mean
 from alpacafarm.method import Artifact, Method, StageContext
-from alpacafarm.seeding import stable_seed
 from alpacafarm.recipe import LoadedRecipe
-from alpacafarm.registry import Registry, did_you_mean
+from alpacafarm.registry import Registry
+from alpacafarm.seeding import stable_seed
 
 BASE_MODEL = "base_model"
 EVALUATION_STAGE = "evaluate"
@@ -56,6 +56,7 @@ class PlannedStage:
     method: str
     method_cls: type[Method]
     plugin: str
+    kind: str  # "method" or "evaluator": the registry kind that builds it
     config: Any
     raw_config: dict[str, Any]
     inputs: dict[str, str] = field(default_factory=dict)
@@ -117,8 +118,8 @@ def plan(loaded: LoadedRecipe, registry: Registry) -> list[PlannedStage]:
         entry = registry.entry("method", spec.method)
         method_cls = entry.load()
         inputs = wire(i, spec.name, spec.method, method_cls.requires, getattr(method_cls, "optional", ()), spec.inputs)
-        planned.append(PlannedStage(spec.name, spec.method, method_cls, entry.plugin, loaded.stage_configs.get(spec.name),
-                                    dict(spec.config), inputs))
+        planned.append(PlannedStage(spec.name, spec.method, method_cls, entry.plugin, "method",
+                                    loaded.stage_configs[spec.name], dict(spec.config), inputs))
         providers[method_cls.provides] = spec.name
 
     if recipe.evaluation is not None:
@@ -126,18 +127,14 @@ def plan(loaded: LoadedRecipe, registry: Registry) -> list[PlannedStage]:
         entry = registry.entry("evaluator", evaluation.evaluator)
         evaluator_cls = entry.load()
         policies = policy_stages(recipe, [p.name for p in planned], doc)
-        from alpacafarm.recipe import validate_plugin_config
-
-        config = validate_plugin_config(getattr(evaluator_cls, "config_class", None), evaluation.config, doc,
-                                        ("evaluation", "config"))
         inputs = wire(len(planned), EVALUATION_STAGE, evaluation.evaluator,
                       tuple(r for r in evaluator_cls.requires if r != "policy"), getattr(evaluator_cls, "optional", ()), {})
         if isinstance(evaluation.policy, list):  # several systems: one input per evaluated stage
             inputs.update({f"policy:{name}": name for name in policies})
         else:
             inputs["policy"] = policies[0]
-        planned.append(PlannedStage(EVALUATION_STAGE, evaluation.evaluator, evaluator_cls, entry.plugin, config,
-                                    dict(evaluation.config), inputs))
+        planned.append(PlannedStage(EVALUATION_STAGE, evaluation.evaluator, evaluator_cls, entry.plugin, "evaluator",
+                                    loaded.stage_configs[EVALUATION_STAGE], dict(evaluation.config), inputs))
     return planned
 
 
@@ -295,9 +292,9 @@ class Pipeline:
             console().print(f"[bold]▶ {stage.name}[/bold] ({stage.method}){' — resuming' if resuming else ''}")
             logger.info("stage %s started (method %s, resuming=%s)", stage.name, stage.method, resuming)
             context = StageContext(stage.name, stage_dir, self.run_dir, seed, stage.config, inputs, self.recipe,
-                                   self.registry, resuming)
+                                   self.registry, resuming, dict(self.loaded.annotator_configs))
             started = time.perf_counter()
-            artifact = stage.method_cls(stage.config).run(context)
+            artifact = self.registry.create(stage.kind, stage.method, stage.config).run(context)
             if not isinstance(artifact, Artifact):
                 raise TypeError(f"method {stage.method!r} returned {type(artifact).__name__}, not an Artifact")
             seconds = time.perf_counter() - started

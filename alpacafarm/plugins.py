@@ -103,7 +103,8 @@ def load_plugins() -> LoadedPlugins:
 
     registry = Registry()
     by_name = {info.name: info for info in infos}
-    for kind, hook_name in KINDS.items():
+    for kind, spec in KINDS.items():
+        hook_name = spec.hook
         for impl in getattr(manager.hook, hook_name).get_hookimpls():
             plugin_name = impl.plugin_name
 
@@ -128,7 +129,7 @@ def _register(manager: pluggy.PluginManager, plugin: Any, name: str) -> None:
         manager.check_pending()
     except pluggy.PluginValidationError as exc:
         manager.unregister(name=name)
-        raise PluginError(f"{exc}; valid hooks: {', '.join(KINDS.values())}") from exc
+        raise PluginError(f"{exc}; valid hooks: {', '.join(k.hook for k in KINDS.values())}") from exc
 
 
 def get_plugins() -> LoadedPlugins:

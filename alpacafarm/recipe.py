@@ -2,29 +2,21 @@
 
 A recipe is YAML (safe-loaded) validated against strict pydantic models: unknown keys and wrong types are
 errors naming the YAML path and line. Plugin-specific blocks (a stage's ``config``, an annotator's ``config``)
-are validated by the plugin's own config class (see :func:`validate_plugin_config`).
+are validated by the plugin's own config class (see :mod:`alpacafarm.plugin_config`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    TypeAdapter,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from alpacafarm.errors import RecipeError, UnknownNameError
-from alpacafarm.registry import Registry, did_you_mean
+from alpacafarm.errors import UnknownNameError
+from alpacafarm.plugin_config import pydantic_error
+from alpacafarm.registry import Registry
 from alpacafarm.yamlsource import Path_, SourcedDocument, apply_override, load_with_includes
 
 
@@ -157,119 +149,17 @@ class LoadedRecipe:
     recipe: Recipe
     source: SourcedDocument
     path: Path
+    #: validated config objects: of each stage by name (the evaluation's as ``evaluate``) ...
     stage_configs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: ... and of the annotator of each role (``feedback``, ``evaluation``)
+    annotator_configs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def resolved(self) -> dict[str, Any]:
         """The recipe after includes and overrides, as plain data (written into the run directory)."""
         return self.recipe.model_dump(mode="json")
 
 
-# --------------------------------------------------------------------------------------------- validation
-
-
-def _unwrap_model(annotation: Any) -> Any:
-    """The pydantic model class inside ``X | None``, ``list[X]`` or ``dict[str, X]`` (for key suggestions)."""
-    for arg in typing.get_args(annotation) or ():
-        inner = _unwrap_model(arg)
-        if inner is not None:
-            return inner
-    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-
-
-def _known_keys(root: type[BaseModel], loc: tuple) -> list[str]:
-    model: Any = root
-    for part in loc:
-        if isinstance(part, int) or model is None:
-            continue
-        field = model.model_fields.get(part)
-        model = _unwrap_model(field.annotation) if field is not None else None
-    return sorted(model.model_fields) if model is not None else []
-
-
-def _data_path(loc: tuple, data: Any) -> Path_:
-    """Drop pydantic's union/validator tags from an error location, keeping the real path into ``data``."""
-    path: list[str | int] = []
-    node = data
-    for part in loc:
-        if (isinstance(node, dict) and part in node) or (isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)):
-            path.append(part)
-            node = node[part]
-    return tuple(path)
-
-
-def _pydantic_error(exc: ValidationError, doc: SourcedDocument, root_path: Path_, data: Any, root: Any) -> RecipeError:
-    # An unknown key explains a "missing" one next to it (a misspelling), so it is reported first.
-    errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
-    first = errors[0]
-    loc = tuple(first["loc"])
-    path = (*root_path, *_data_path(loc, data))
-    if first["type"] == "extra_forbidden":
-        key = loc[-1]
-        known = _known_keys(root, loc[:-1]) if isinstance(root, type) and issubclass(root, BaseModel) else []
-        message = f"unknown key {key!r}{did_you_mean(str(key), known)}"
-        if known:
-            message += f" (allowed: {', '.join(known)})"
-    else:
-        message = first["msg"]
-        if first["type"] == "missing":
-            path = (*root_path, *_data_path(loc[:-1], data))
-            message = f"missing required key {loc[-1]!r}"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return doc.error(path, message)
-
-
-def validate_plugin_config(config_class: Any, data: dict[str, Any], doc: SourcedDocument, path: Path_) -> Any:
-    """Validate a plugin's config block with the plugin's own config class and return the config object.
-
-    ``config_class`` may be a pydantic model, a dataclass (TRL's and transformers' configs are dataclasses;
-    each field is type-checked and coerced, and ``__post_init__`` errors are reported at ``path``), or
-    ``None`` (the plugin takes no config: the block must be empty).
-    """
-    if not isinstance(data, dict):
-        raise doc.error(path, f"must be a mapping, got {type(data).__name__}")
-    if config_class is None:
-        if data:
-            raise doc.error((*path, next(iter(data))), "unknown key: this plugin takes no config")
-        return None
-    if isinstance(config_class, type) and issubclass(config_class, BaseModel):
-        try:
-            return config_class.model_validate(data)
-        except ValidationError as exc:
-            raise _pydantic_error(exc, doc, path, data, config_class) from None
-    if dataclasses.is_dataclass(config_class):
-        return _validate_dataclass(config_class, data, doc, path)
-    raise RecipeError(f"{config_class!r} is not a pydantic model or dataclass; plugins must declare one")
-
-
-def _validate_dataclass(cls: type, data: dict[str, Any], doc: SourcedDocument, path: Path_) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    for key in data:
-        if key not in fields:
-            raise doc.error((*path, key), f"unknown key {key!r}{did_you_mean(key, list(fields))} for {cls.__name__}")
-    try:
-        hints = typing.get_type_hints(cls)
-    except Exception:  # unresolvable forward references: fall back to the constructor's own checks
-        hints = {}
-    values = {}
-    for key, value in data.items():
-        hint = hints.get(key)
-        if hint is None:
-            values[key] = value
-            continue
-        try:
-            adapter = TypeAdapter(hint)
-        except Exception:  # a type pydantic cannot describe: pass the value through unchanged
-            values[key] = value
-            continue
-        try:
-            values[key] = adapter.validate_python(value)
-        except ValidationError as exc:
-            raise doc.error((*path, key), f"{exc.errors()[0]['msg']} (got {value!r})") from None
-    try:
-        return cls(**values)
-    except (TypeError, ValueError) as exc:
-        raise doc.error(path, f"{cls.__name__}: {exc}") from None
+# --------------------------------------------------------------------------------------------- loading
 
 
 def _check_name(registry: Registry, kind: str, name: str, doc: SourcedDocument, path: Path_) -> Any:
@@ -289,27 +179,19 @@ def _failed_plugins_hint() -> str:
     return " — note: plugin(s) failed to load: " + "; ".join(f"{f.name} ({f.error})" for f in failures)
 
 
-def validate_plugin_ref(registry: Registry, kind: str, ref: PluginRef, doc: SourcedDocument, path: Path_) -> Any:
-    """Check that ``ref.name`` is registered; validate ``ref.config`` with the target's ``config_class``.
-
-    A target without a ``config_class`` receives its config block as a plain dict.
-    """
-    entry = _check_name(registry, kind, ref.name, doc, (*path, "name"))
-    config_class = getattr(entry.load(), "config_class", None)
-    if config_class is None:
-        return dict(ref.config)
-    return validate_plugin_config(config_class, ref.config, doc, (*path, "config"))
-
-
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), registry: Registry | None = None) -> LoadedRecipe:
-    """Load, merge includes, apply ``--set`` overrides, validate the schema and every plugin config block."""
+    """Load, merge includes, apply ``--set`` overrides, validate the schema and every plugin config block.
+
+    Each plugin block is validated here, once, while its YAML positions are known; the config objects are kept
+    in the :class:`LoadedRecipe` and handed to ``Registry.create`` when the stage runs.
+    """
     doc = load_with_includes(Path(path))
     for text in overrides:
         apply_override(doc, text)
     try:
         recipe = Recipe.model_validate(doc.data)
     except ValidationError as exc:
-        raise _pydantic_error(exc, doc, (), doc.data, Recipe) from None
+        raise pydantic_error(exc, doc, (), doc.data, Recipe) from None
     loaded = LoadedRecipe(recipe, doc, Path(path))
     seen: set[str] = set()
     for i, stage in enumerate(recipe.stages):
@@ -323,9 +205,8 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), r
         registry = get_registry()
     for i, stage in enumerate(recipe.stages):
         method_cls = _check_name(registry, "method", stage.method, doc, ("stages", i, "method")).load()
-        loaded.stage_configs[stage.name] = validate_plugin_config(
-            getattr(method_cls, "config_class", None), stage.config, doc, ("stages", i, "config")
-        )
+        loaded.stage_configs[stage.name] = registry.config("method", stage.method, stage.config, source=doc,
+                                                           path=("stages", i, "config"))
         accepted = (*getattr(method_cls, "requires", ()), *getattr(method_cls, "optional", ()))
         for requirement in stage.inputs:
             if requirement not in accepted:
@@ -333,12 +214,21 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), r
                     ("stages", i, "inputs", requirement),
                     f"method {stage.method!r} has no input {requirement!r} (inputs: {', '.join(accepted) or 'none'})",
                 )
-    if recipe.annotator is not None:
-        validate_plugin_ref(registry, "annotator", recipe.annotator, doc, ("annotator",))
+    roles = [("feedback", recipe.annotator, ("annotator",))]
     if recipe.evaluation is not None:
-        _check_name(registry, "evaluator", recipe.evaluation.evaluator, doc, ("evaluation", "evaluator"))
-        if recipe.evaluation.annotator is not None:
-            validate_plugin_ref(registry, "annotator", recipe.evaluation.annotator, doc, ("evaluation", "annotator"))
+        evaluation = recipe.evaluation
+        _check_name(registry, "evaluator", evaluation.evaluator, doc, ("evaluation", "evaluator"))
+        loaded.stage_configs["evaluate"] = registry.config("evaluator", evaluation.evaluator, evaluation.config,
+                                                           source=doc, path=("evaluation", "config"))
+        if evaluation.annotator is not None:
+            roles.append(("evaluation", evaluation.annotator, ("evaluation", "annotator")))
+    for role, ref, at in roles:
+        if ref is not None:
+            _check_name(registry, "annotator", ref.name, doc, (*at, "name"))
+            loaded.annotator_configs[role] = registry.config("annotator", ref.name, ref.config, source=doc,
+                                                             path=(*at, "config"))
+    if "evaluation" not in loaded.annotator_configs and "feedback" in loaded.annotator_configs:
+        loaded.annotator_configs["evaluation"] = loaded.annotator_configs["feedback"]  # Recipe.annotator_for's rule
     for name, source in recipe.data.items():
         if source.path and not Path(source.path).is_file():
             raise doc.error(("data", name, "path"), f"file not found: {source.path}")

@@ -1,26 +1,41 @@
-"""A lazy, typed registry of everything plugins provide.
+"""A lazy registry of everything plugins provide, typed per kind, and the one place that builds plugin objects.
 
 Names map to objects or to ``"module:attr"`` strings that are imported on first use. The registry is filled
 by :func:`alpacafarm.plugins.get_registry` from the plugin hooks; nothing registers into it at import time.
+:meth:`Registry.create` validates a config block with the target's ``config_class`` (once: an already
+validated config object passes through), builds the object and checks it is of the kind's base class.
 """
 
 from __future__ import annotations
 
-import difflib
 import importlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
-from alpacafarm.errors import PluginError, UnknownNameError
+from alpacafarm.errors import PluginError, UnknownNameError, did_you_mean
 
-#: The kinds of things a plugin can register, keyed by kind, valued by the hook that registers them.
-KINDS: dict[str, str] = {
-    "method": "register_methods",
-    "annotator": "register_annotators",
-    "evaluator": "register_evaluators",
-    "validator": "register_validators",
-    "generation_backend": "register_generation_backends",
-    "command": "register_commands",
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of registered thing: its hook, the base class what it builds must be, the runtime arguments."""
+
+    hook: str
+    #: ``"module:attr"`` of the base class every built object is an instance of (None: not built, e.g. commands)
+    base: str | None
+    #: keyword arguments :meth:`Registry.create` may pass besides the config, to targets whose signature names them
+    runtime: tuple[str, ...] = ()
+
+
+#: The kinds of things a plugin can register, by kind name. What a target must be is documented in hookspecs.
+KINDS: dict[str, Kind] = {
+    "method": Kind("register_methods", "alpacafarm.method:Method"),
+    "annotator": Kind("register_annotators", "alpacafarm.annotation:Annotator", ("registry", "cache", "budget")),
+    "evaluator": Kind("register_evaluators", "alpacafarm.method:Method"),
+    "validator": Kind("register_validators", "alpacafarm.validation:Validator"),
+    "generation_backend": Kind("register_generation_backends", "alpacafarm.generation:Generator",
+                               ("spec", "model_path")),
+    "command": Kind("register_commands", None),
 }
 
 
@@ -65,17 +80,6 @@ def import_target(spec: str, what: str = "target") -> Any:
         except AttributeError as exc:
             raise PluginError(f"{what}: {module_name!r} has no attribute {attr_path!r}") from exc
     return obj
-
-
-def did_you_mean(name: str, choices: list[str]) -> str:
-    """A suffix such as ``"; did you mean 'offline'?"`` (empty when nothing is close)."""
-    close = difflib.get_close_matches(name, choices, n=3, cutoff=0.6)
-    if not close:
-        return ""
-    # Only the near-best: 'split_instruction' suggests 'split_instructions', not also 'expert_iteration'.
-    best = difflib.SequenceMatcher(None, name, close[0]).ratio()
-    close = [c for c in close if difflib.SequenceMatcher(None, name, c).ratio() >= best - 0.05]
-    return "; did you mean " + " or ".join(repr(c) for c in close) + "?"
 
 
 class Registry:
@@ -129,6 +133,42 @@ class Registry:
         """The loaded object registered as ``name`` (imports a lazy target)."""
         return self.entry(kind, name).load()
 
+    def config(self, kind: str, name: str, data: Any = None, *, source: Any = None, path: tuple = ()) -> Any:
+        """``data`` validated by the config class of ``name``'s target (see :mod:`alpacafarm.plugin_config`).
+
+        Errors name ``source``'s file and line for ``path`` (a :class:`~alpacafarm.yamlsource.SourcedDocument`).
+        """
+        from alpacafarm.plugin_config import validate_plugin_config
+
+        target = self.get(kind, name)
+        return validate_plugin_config(getattr(target, "config_class", None), data, source, path)
+
+    def create(self, kind: str, name: str, config: Any = None, *, source: Any = None, path: tuple = (),
+               **runtime: Any) -> Any:
+        """Build the object registered as ``name``: ``target(config, **runtime)``, checked against the kind's base.
+
+        ``config`` is a config block (validated here) or a config object validated before (passed through).
+        ``runtime`` holds the kind's runtime arguments (:data:`KINDS`); a target receives those its signature
+        names, so a plugin may accept fewer (as pluggy hook implementations may).
+        """
+        spec = KINDS[kind]
+        entry = self.entry(kind, name)
+        if spec.base is None:
+            raise PluginError(f"{kind} targets are not built from a config")
+        unknown = set(runtime) - set(spec.runtime)
+        if unknown:
+            raise TypeError(f"create({kind!r}): unexpected runtime arguments {sorted(unknown)}")
+        if "registry" in spec.runtime:
+            runtime.setdefault("registry", self)  # what a target builds from the registry comes from this one
+        target = entry.load()
+        config = self.config(kind, name, config, source=source, path=path)
+        built = target(config, **_accepted(target, runtime))
+        base = import_target(spec.base, what=f"base class of kind {kind!r}")
+        if not isinstance(built, base):
+            raise PluginError(f"{kind} {name!r} of plugin {entry.plugin!r} built a {type(built).__name__}, "
+                              f"not a {base.__module__}.{base.__name__}")
+        return built
+
     def by_plugin(self) -> dict[str, dict[str, list[str]]]:
         """``{plugin: {kind: [names]}}`` for listings."""
         out: dict[str, dict[str, list[str]]] = {}
@@ -139,3 +179,14 @@ class Registry:
             for names in kinds.values():
                 names.sort()
         return out
+
+
+def _accepted(target: Any, offered: dict[str, Any]) -> dict[str, Any]:
+    """The ``offered`` keyword arguments that ``target``'s signature takes (all of them with ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: offer nothing
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(offered)
+    return {k: v for k, v in offered.items() if k in parameters}

@@ -12,16 +12,7 @@ from alpacafarm.data import read_records
 from alpacafarm.recipe import load_recipe
 from alpacafarm_trl.best_of_n import BestOfNConfig, best_index, powers_of_two, select
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models run much faster on one thread when other processes share the two cores."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ----------------------------------------------------------------------------------------------- selection
@@ -162,7 +153,7 @@ def test_the_loop_writes_the_results_table_and_the_curve(loop_run: dict[str, Any
 
 def test_best_of_n_keeps_the_argmax_of_the_reward_model_on_every_prefix(loop_run: dict[str, Any]):
     from alpacafarm.recipe import ModelSpec
-    from alpacafarm_trl.scoring import RewardScorer
+    from alpacafarm.rewards import RewardScorer
 
     stage = loop_run["run_dir"] / "stages" / "best_of_n"
     samples = read_records(stage / "samples.jsonl")
@@ -192,7 +183,7 @@ def test_prefix_evaluation_equals_a_separate_run(loop_run: dict[str, Any], tmp_p
     from alpacafarm_evaluation.pairing import annotate_and_score, load_references, pair_outputs
 
     outputs = read_records(loop_run["run_dir"] / "stages" / "best_of_n" / "best_of_2.jsonl")
-    annotator = get_registry().get("annotator", "offline")({})
+    annotator = get_registry().create("annotator", "offline")
     try:
         pairs, skipped = pair_outputs(outputs, load_references(), None, "best_of_2", generator="best_of_2")
         separate = annotate_and_score(pairs, annotator, tmp_path / "separate", skipped)

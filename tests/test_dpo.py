@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 from alpacafarm.recipe import ModelSpec, load_recipe
-from alpacafarm.testing import write_records
+from alpacafarm.testing import run_recipe, write_records
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["rivers", "baking", "chess", "planets", "gardens", "trains", "music", "history", "oceans", "poetry"]
@@ -40,26 +42,6 @@ UNRANKED = [
     {"instruction": "tie", "input": "", "output_1": "a", "output_2": "b", "preference": 0},
     {"instruction": "unparsed", "input": "", "output_1": "a", "output_2": "b", "preference": None},
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models train many times slower with two threads when another process competes for the two cores."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def run_recipe(recipe: Path, run_dir: Path, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Run a recipe in-process through the pipeline; returns {stage name: artifact}."""
-    from alpacafarm.pipeline import Pipeline
-    from alpacafarm.plugins import get_registry
-
-    outcomes = Pipeline(load_recipe(recipe, list(overrides)), get_registry(), run_dir).run()
-    return {o.name: o.artifact for o in outcomes}
 
 
 def dpo_recipe(
@@ -106,7 +88,7 @@ def margins(model: Any, tokenizer: Any, rows: list[dict[str, str]]) -> list[floa
 
 def training_rows(model_dir: str, records: list[dict[str, Any]]) -> list[dict[str, str]]:
     from alpacafarm.modeling import load_tokenizer
-    from alpacafarm_trl.reward_model import preference_rows
+    from alpacafarm_trl.pairs import preference_rows
 
     spec = ModelSpec(name=model_dir)
     return preference_rows(records, style=spec.prompt_format, tokenizer=load_tokenizer(spec, model_dir))[0]

@@ -7,18 +7,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_dpo import UNRANKED, completion_logps, margins, preference_records, run_recipe, training_rows
+from test_dpo import UNRANKED, completion_logps, margins, preference_records, training_rows
 
 from alpacafarm.errors import UserError
-from alpacafarm.generation import (
-    CONDITIONING_FILE,
-    PromptConditioning,
-    SamplingConfig,
-    TransformersGenerator,
-    generate_records,
-)
+from alpacafarm.generation import SamplingConfig, TransformersGenerator, generate_records
+from alpacafarm.prompts import CONDITIONING_FILE, PromptConditioning, PromptFormat
 from alpacafarm.recipe import ModelSpec, load_recipe
-from alpacafarm.testing import tiny_causal_lm, tiny_tokenizer, write_records
+from alpacafarm.testing import run_recipe, tiny_causal_lm, tiny_tokenizer, write_records
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 #: Weighted (AlpacaEval-style) preferences and the unranked ones: 1.2 → output_1, 1.9 → output_2, 1.5 → a tie.
@@ -45,16 +42,6 @@ NEW_INSTRUCTIONS = [
     {"instruction": f"Tell me something about {topic} (#{900 + i}).", "input": ""}
     for i, topic in enumerate(["rivers", "chess", "music", "oceans"])
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def write_recipe(tmp_path: Path, model: str, records: list[dict[str, Any]], stages: str) -> Path:
@@ -265,15 +252,12 @@ def test_generation_from_the_saved_model_is_conditioned_on_the_good_token(
     # The same model without its conditioning file's prefix, but with the bad token: the other style.
     spec, path = ModelSpec(name=tiny_model_dir), conditioning_run["artifacts"]["rc"].path
     generator = TransformersGenerator.from_spec(spec, path)
-    assert generator.conditioning == PromptConditioning(prompt_prefix="<good>\n")
+    assert generator.prompt_format.conditioning == PromptConditioning(prompt_prefix="<good>\n")
     greedy = SamplingConfig(temperature=0, max_new_tokens=12)
-    rows = generate_records(generator, NEW_INSTRUCTIONS, greedy, prompt_format=spec.prompt_format)
+    rows = generate_records(generator, NEW_INSTRUCTIONS, greedy)
     assert [r["output"] for r in rows] == outputs
-    generator.conditioning = PromptConditioning(prompt_prefix="<bad>\n")
-    bad = [
-        r["output"]
-        for r in generate_records(generator, NEW_INSTRUCTIONS, greedy, prompt_format=spec.prompt_format)
-    ]
+    generator.prompt_format = PromptFormat(spec.prompt_format, generator.tokenizer, PromptConditioning("<bad>\n"))
+    bad = [r["output"] for r in generate_records(generator, NEW_INSTRUCTIONS, greedy)]
     assert all(o.startswith("No. I refuse") for o in bad), bad
 
 
@@ -286,11 +270,14 @@ def test_prompt_conditioning_is_applied_to_every_prompt_and_never_returned(tmp_p
     prompts = ["Give three tips for staying healthy.", "Hi"]
     greedy = SamplingConfig(temperature=0, max_new_tokens=6)
     conditioning = PromptConditioning(prompt_prefix="<good>\n", response_prefix="Sure:")
-    conditioned = TransformersGenerator(model, tokenizer, conditioning).generate(prompts, greedy)
-    by_hand = TransformersGenerator(model, tokenizer).generate([f"<good>\n{p}Sure:" for p in prompts], greedy)
-    assert conditioned == by_hand
-    plain = TransformersGenerator(model, tokenizer).generate(prompts, greedy)
-    assert conditioned != plain
+    records = [{"instruction": p} for p in prompts]
+    conditioned_format = PromptFormat("alpaca", tokenizer, conditioning)
+    conditioned = generate_records(TransformersGenerator(model, tokenizer, conditioned_format), records, greedy)
+    by_hand = TransformersGenerator(model, tokenizer).generate(
+        [f"<good>\n{PromptFormat()(p)}Sure:" for p in prompts], greedy)
+    assert [r["output"] for r in conditioned] == [samples[0] for samples in by_hand]
+    plain = generate_records(TransformersGenerator(model, tokenizer), records, greedy)
+    assert [r["output"] for r in conditioned] != [r["output"] for r in plain]
 
     assert PromptConditioning.load(tmp_path) == PromptConditioning()  # a folder without the file
     conditioning.save(tmp_path)

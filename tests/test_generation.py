@@ -11,7 +11,7 @@ from conftest import run_cli
 from alpacafarm.generation import SamplingConfig, TransformersGenerator, generate_records
 from alpacafarm.testing import tiny_causal_lm, tiny_tokenizer
 from alpacafarm.testing.openai_server import FakeOpenAIServer, request_text
-from alpacafarm_generation.backends import OpenAIGenerator
+from alpacafarm_generation.backends import OpenAIBackendConfig, OpenAIGenerator
 
 PROMPTS = ["Give three tips for staying healthy.", "Hi", "Describe the water cycle in simple words for a child."]
 
@@ -61,7 +61,7 @@ def test_openai_compatible_backend_against_a_local_server():
         return f"echo: {request_text(body)[-12:]}"
 
     with FakeOpenAIServer(responder) as server:
-        backend = OpenAIGenerator({"base_url": server.base_url, "model": "served-model", "max_concurrency": 2})
+        backend = OpenAIGenerator(OpenAIBackendConfig(base_url=server.base_url, model="served-model", max_concurrency=2))
         outputs = backend.generate(PROMPTS, SamplingConfig(n=3, max_new_tokens=8, temperature=0.5))
         assert [len(o) for o in outputs] == [3, 3, 3]
         assert outputs[1] == ["echo: Hi"] * 3

@@ -44,7 +44,7 @@ def test_offline_never_uses_an_output_as_its_own_reference(offline, sample_pairs
 
 
 def test_offline_pool_preset_adds_the_papers_noise(sample_pairs):
-    pool = get_registry().get("annotator", "offline_ann")({})
+    pool = get_registry().create("annotator", "offline_ann")
     pairs = [Pair(f"{p.instruction} (variant {k})", p.output_1, p.output_2, p.input) for k in range(4)
              for p in sample_pairs[:4]]  # instructions unknown to the references: reference-free judging
     annotations = pool.annotate(pairs)

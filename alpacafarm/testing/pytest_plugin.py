@@ -49,9 +49,11 @@ def register_test_plugin() -> Iterator[Callable[[Any, str], None]]:
             unregister_plugin(name)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
-    """Tiny models train many times slower with two threads when another process competes for the two cores."""
+    """Tiny models train many times slower with two threads when another process competes for the two cores.
+
+    Module-scoped, so module fixtures that train can use it: ``pytestmark = pytest.mark.usefixtures(...)``."""
     import torch
 
     before = torch.get_num_threads()

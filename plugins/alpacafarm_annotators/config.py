@@ -16,11 +16,6 @@ from alpacafarm_annotators import CONFIG_DIR
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 
-#: Retired API models the paper used, mapped to themselves by default; a recipe's ``model_map`` or the CLI's
-#: ``--model-map OLD=NEW`` points them at a model that still exists (or at a local server's model).
-RETIRED_MODELS = ("gpt-4-0314", "gpt-3.5-turbo-0301", "text-davinci-003")
-
-
 class Price(BaseModel):
     """USD per million tokens."""
 

@@ -41,8 +41,8 @@ class LocalJudgeConfig(BaseModel):
 class LocalJudge(Annotator):
     config_class = LocalJudgeConfig
 
-    def __init__(self, config: LocalJudgeConfig | dict[str, Any], *, model: Any = None, tokenizer: Any = None) -> None:
-        self.config = config if isinstance(config, LocalJudgeConfig) else LocalJudgeConfig.model_validate(config)
+    def __init__(self, config: LocalJudgeConfig, *, model: Any = None, tokenizer: Any = None) -> None:
+        self.config = config
         self.name = f"local_judge:{self.config.model}"
         self._model, self._tokenizer = model, tokenizer
 

@@ -27,10 +27,10 @@ class OfflineAnnotatorConfig(BaseModel):
 class OfflineAnnotator(Annotator):
     config_class = OfflineAnnotatorConfig
 
-    def __init__(self, config: OfflineAnnotatorConfig | dict | None = None) -> None:
+    def __init__(self, config: OfflineAnnotatorConfig) -> None:
         from alpacafarm_annotators.offline_judge import OfflineJudge
 
-        self.config = config if isinstance(config, OfflineAnnotatorConfig) else OfflineAnnotatorConfig.model_validate(config or {})
+        self.config = config
         self.name = "offline"
         self.judge = OfflineJudge(batch_size=self.config.batch_size)
         self._references: dict[tuple[str, str], str] | None = None

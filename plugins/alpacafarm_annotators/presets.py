@@ -1,15 +1,16 @@
 """Factories for the annotators defined as data in ``configs/*.yaml`` (the 13-annotator pool, presets).
 
 ``alpacafarm_annotators.presets:<name>`` resolves (lazily, through the module ``__getattr__``) to a factory whose
-``config_class`` validates a recipe's overrides; calling it merges the overrides over the file and builds the
-annotator. Pool members may be any registered annotator (e.g. ``offline``), built through the registry.
+``config_class`` validates a recipe's overrides; ``Registry.create`` calls it with the validated overrides and
+it merges them over the file and builds the annotator. Pool members may be any registered annotator (e.g.
+``offline``), built through the registry the pool was built from.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, create_model
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from alpacafarm.annotation import Annotator
 from alpacafarm.annotation_cache import AnnotationCache
@@ -20,6 +21,9 @@ from alpacafarm_annotators.config import (
     builtin_annotator_names,
     load_config_file,
 )
+
+if TYPE_CHECKING:
+    from alpacafarm.registry import Registry
 
 
 def _overrides_model(base: type[BaseModel]) -> type[BaseModel]:
@@ -33,7 +37,7 @@ PoolOverrides = _overrides_model(PoolConfig)
 
 
 class AnnotatorFactory:
-    """Builds the annotator named ``name`` from its config file and a recipe's overrides."""
+    """Builds the annotator named ``name`` from its config file and a recipe's overrides (``config_class``)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -41,42 +45,54 @@ class AnnotatorFactory:
         self.kind = self.data.get("kind", "prompted")
         self.config_class = PoolOverrides if self.kind == "pool" else PromptedOverrides
 
-    def config(self, overrides: BaseModel | dict[str, Any] | None = None) -> PromptedAnnotatorConfig | PoolConfig:
-        if isinstance(overrides, BaseModel):
-            overrides = overrides.model_dump(exclude_unset=True)
-        merged = {**self.data, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    def config(self, overrides: BaseModel | None = None) -> PromptedAnnotatorConfig | PoolConfig:
+        """The file's config with the validated overrides applied."""
+        given = overrides.model_dump(exclude_unset=True) if overrides is not None else {}
+        merged = {**self.data, **{k: v for k, v in given.items() if v is not None}}
         model = PoolConfig if self.kind == "pool" else PromptedAnnotatorConfig
         try:
             return model.model_validate(merged)
-        except Exception as exc:
+        except ValidationError as exc:
             raise UserError(f"annotator {self.name!r}: invalid config: {str(exc).splitlines()[0]}") from None
 
-    def __call__(self, overrides: BaseModel | dict[str, Any] | None = None, *, cache: AnnotationCache | None = None,
+    def cli_config(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Command-line options → this annotator's overrides: a pool applies them to every member."""
+        options = dict(options)
+        seed = options.pop("seed", None)
+        if self.kind == "pool":
+            block: dict[str, Any] = {"overrides": options} if options else {}
+            if seed is not None:
+                block["seed"] = seed
+            return block
+        if seed is not None:
+            raise UserError(f"--seed applies to pools; {self.name!r} is a single annotator")
+        return options
+
+    def __call__(self, overrides: BaseModel | None = None, *, registry: Registry, cache: AnnotationCache | None = None,
                  budget: Any = None) -> Annotator:
         from alpacafarm_annotators.prompted import PromptedAnnotator
 
         config = self.config(overrides)
         if isinstance(config, PromptedAnnotatorConfig):
             return PromptedAnnotator(config, self.name, cache=cache, budget=budget)
-        return build_pool(config, self.name, cache=cache)
+        return build_pool(config, self.name, registry, cache=cache)
 
 
-def build_pool(config: PoolConfig, name: str, *, cache: AnnotationCache | None = None) -> Annotator:
-    """A pool whose prompted members share one cache and one budget (``overrides.max_cost_usd``)."""
-    from alpacafarm.plugins import get_registry
+def build_pool(config: PoolConfig, name: str, registry: Registry, *, cache: AnnotationCache | None = None) -> Annotator:
+    """A pool whose members come from ``registry``; prompted members share one cache and one budget
+    (``overrides.max_cost_usd``) and take the pool's ``overrides``."""
     from alpacafarm_annotators.pool import AnnotatorPool
     from alpacafarm_annotators.requests import Budget
 
-    registry = get_registry()
     budget = Budget(config.overrides.get("max_cost_usd"))
     shared_cache = cache if cache is not None else (AnnotationCache() if config.overrides.get("cache", True) else None)
     members: dict[str, Annotator] = {}
-    for member in dict.fromkeys(config.annotators):
-        factory = registry.get("annotator", member)
-        if isinstance(factory, AnnotatorFactory) and factory.kind == "prompted":
-            members[member] = factory(config.overrides, cache=shared_cache, budget=budget)
-        else:
-            members[member] = factory({})
+    for member in config.annotators:
+        target = registry.get("annotator", member)
+        prompted = isinstance(target, AnnotatorFactory) and target.kind == "prompted"
+        members[member] = registry.create("annotator", member, config.overrides if prompted else None,
+                                          path=("annotators", member), registry=registry, cache=shared_cache,
+                                          budget=budget)
     return AnnotatorPool(config, members, name)
 
 

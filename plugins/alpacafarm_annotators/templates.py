@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from alpacafarm.registry import did_you_mean
+from alpacafarm.errors import did_you_mean
 from alpacafarm.types import Pair
 from alpacafarm_annotators.config import TEMPLATE_DIR
 

@@ -50,14 +50,12 @@ class PreferenceData(Method):
 
     def run(self, context: StageContext) -> Artifact:
         config: PreferenceDataConfig = self.config
-        spec = context.recipe.model
         records = context.records("instruction_splits", config.split)[: config.max_instructions]
-        generator = context.registry.get("generation_backend", config.backend)(
-            config.backend_config, spec, context.input("sft_model").path)
+        generator = context.generator(config.backend, config.backend_config)
         sampling = config.sampling.model_copy(update={"n": config.k, "seed": config.sampling.seed + context.seed})
         with context.progress("sampling", len(records)) as advance:
-            rows = generate_records(generator, records, sampling, prompt_format=spec.prompt_format,
-                                    tokenizer=getattr(generator, "tokenizer", None), progress=advance)
+            rows = generate_records(generator, records, sampling, progress=advance)
+        generator.close()
         del generator  # free the policy before the annotator (a local judge may need the memory)
 
         by_instruction: dict[int, list[str]] = {}

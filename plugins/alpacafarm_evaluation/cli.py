@@ -13,10 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from alpacafarm.annotation import add_annotator_options
 from alpacafarm.errors import UserError
-
-METRIC_KEYS = ("win_rate", "standard_error", "length_controlled_win_rate", "n_wins", "n_wins_base", "n_draws",
-               "n_total", "n_unparsed", "avg_length", "discrete_win_rate")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -39,14 +37,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="with --model: how instructions become prompts")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="with --model: answer length cap")
     parser.add_argument("--temperature", type=float, default=0.0, help="with --model: 0 = greedy")
-    # Options passed through to the annotator, as in ``alpacafarm annotate``.
-    parser.add_argument("--base-url", help="OpenAI-compatible endpoint for API annotators")
-    parser.add_argument("--model-map", action="append", default=[], metavar="OLD=NEW", help="send model OLD as NEW")
-    parser.add_argument("--max-cost-usd", type=float, help="stop before spending more than this")
-    parser.add_argument("--seed", type=int, help="pool seed (assignment, order, noise)")
-    parser.add_argument("--no-cache", action="store_true", help="neither read nor write the annotation cache")
-    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
-                        help="any annotator config field, e.g. --set max_concurrency=4")
+    parser.add_argument("--backend", default="transformers", help="with --model: the generation backend")
+    parser.add_argument("--backend-config", metavar="YAML", default="{}",
+                        help="with --model: the backend's options as a YAML mapping, e.g. '{base_url: ...}'")
+    add_annotator_options(parser)  # the same annotator options as ``alpacafarm annotate``
     args = parser.parse_args(argv)
     if args.max_instructions is not None and args.max_instructions < 1:
         parser.error("--max-instructions must be at least 1")
@@ -87,29 +81,17 @@ def evaluate_annotations(path_text: str) -> dict[str, Any]:
         raise UserError(f"{path_text}: {exc}") from None
 
 
-def build_annotator(name: str, args: argparse.Namespace) -> Any:
-    """The annotator ``name`` built exactly as ``alpacafarm annotate`` builds it (same pass-through options)."""
-    from alpacafarm.plugins import get_registry
-
-    registry = get_registry()
-    try:
-        from alpacafarm_annotators.cli import build_annotator as build
-    except ImportError:  # the annotators plugin is not installed: call the registered factory with defaults
-        factory = registry.get("annotator", name)
-        config_class = getattr(factory, "config_class", None)
-        return factory(config_class.model_validate({}) if config_class else {})
-    return build(name, args)
-
-
 def evaluate_outputs(args: argparse.Namespace) -> dict[str, Any]:
     """Pair, annotate and score an outputs file; returns the metrics (paths of the written files included)."""
     from alpacafarm_evaluation.pairing import annotate_and_score, load_references, pair_outputs
 
     if not args.annotator:
         raise UserError("--outputs needs --annotator NAME (e.g. --annotator offline)")
+    from alpacafarm.annotation import annotator_from_options
     from alpacafarm.plugins import get_registry
 
-    get_registry().entry("annotator", args.annotator)  # fail on an unknown name before reading anything
+    registry = get_registry()
+    registry.entry("annotator", args.annotator)  # fail on an unknown name before reading anything
     outputs = _read(args.outputs, "outputs")
     references = load_references(args.references, args.reference_field)
     pairs, skipped = pair_outputs(outputs, references, args.max_instructions, args.outputs,
@@ -120,7 +102,7 @@ def evaluate_outputs(args: argparse.Namespace) -> dict[str, Any]:
         console().print(f"[yellow]skipped {skipped['n_unmatched']} of {len(outputs)} outputs without a reference "
                         f"instruction and {skipped['n_extra_samples']} extra samples of paired instructions[/yellow]")
     out_dir = Path(args.output_dir) if args.output_dir else Path(args.outputs).resolve().parent / args.annotator
-    annotator = build_annotator(args.annotator, args)
+    annotator = annotator_from_options(registry, args.annotator, args)
     try:
         metrics = annotate_and_score(pairs, annotator, out_dir, {**skipped, "outputs": str(args.outputs)})
     finally:
@@ -132,12 +114,10 @@ def evaluate_outputs(args: argparse.Namespace) -> dict[str, Any]:
 
 def generate_model_outputs(args: argparse.Namespace) -> str:
     """Sample ``args.model``'s answers to the reference instructions; returns the outputs file it wrote."""
-    from alpacafarm.generation import (
-        SamplingConfig,
-        TransformersGenerator,
-        generate_records,
-        write_completions,
-    )
+    import yaml
+
+    from alpacafarm.generation import SamplingConfig, generate_records, write_completions
+    from alpacafarm.plugins import get_registry
     from alpacafarm.recipe import ModelSpec
     from alpacafarm_evaluation.pairing import load_references
 
@@ -147,13 +127,18 @@ def generate_model_outputs(args: argparse.Namespace) -> str:
     records = [{"instruction": r["instruction"], "input": r["input"], "dataset": r["dataset"]}
                for r in references.records[: args.max_instructions]]
     spec = ModelSpec(name=args.model, prompt_format=args.prompt_format)
-    generator = TransformersGenerator.from_spec(spec)
+    try:
+        backend_config = yaml.safe_load(args.backend_config)
+    except yaml.YAMLError as exc:
+        raise UserError(f"--backend-config is not YAML: {str(exc).splitlines()[0]}") from None
+    generator = get_registry().create("generation_backend", args.backend, backend_config or None, spec=spec,
+                                      model_path=args.model, path=("--backend-config",))
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     from alpacafarm.console import progress_bar
 
     with progress_bar(f"generating ({args.model})", len(records)) as advance:
-        rows = generate_records(generator, records, sampling, prompt_format=args.prompt_format,
-                                tokenizer=generator.tokenizer, progress=advance)
+        rows = generate_records(generator, records, sampling, progress=advance)
+    generator.close()
     name = Path(args.model).name or args.model
     out_dir = Path(args.output_dir) if args.output_dir else Path("runs") / "evaluate" / name
     path = out_dir / "outputs.jsonl"

@@ -59,7 +59,6 @@ class WinRateEvaluator(Method):
     optional = ("reward_model",)
     provides = "evaluation"
     annotator_role = "evaluation"
-    description = "win-rate of a system's outputs against reference outputs, with standard error"
 
     def _outputs(self, context: StageContext, key: str) -> list[dict[str, Any]]:
         """The records of a policy artifact's outputs file."""
@@ -110,7 +109,7 @@ class WinRateEvaluator(Method):
         from alpacafarm_evaluation.pairing import annotate_and_score, load_references, pair_outputs
         from alpacafarm_evaluation.results import proxy_rewards, results_rows, write_results
 
-        config = self.config if isinstance(self.config, WinRateConfig) else WinRateConfig.model_validate(self.config or {})
+        config: WinRateConfig = self.config
         systems = self.systems(context)
         references = load_references(config.references, config.reference_field)
         single = len(systems) == 1

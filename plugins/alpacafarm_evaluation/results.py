@@ -32,14 +32,12 @@ def proxy_rewards(context: Any, systems: Sequence[tuple[Any, list[dict[str, Any]
     missing = [i for i, v in enumerate(values) if v is None]
     if not missing or "reward_model" not in context.inputs:
         return values
-    from alpacafarm_trl.scoring import RewardScorer
-
-    scorer = RewardScorer.from_path(context.input("reward_model").path, context.recipe.model)
+    reward = context.reward_function()
     with context.progress("proxy reward", len(missing)) as advance:
         for i in missing:
             pairs = systems[i][1]
             records = [{"instruction": p["instruction"], "input": p["input"]} for p in pairs]
-            scores = scorer.score_records(records, [p["output_2"] for p in pairs])
+            scores = reward(records, [p["output_2"] for p in pairs])
             values[i] = round(sum(scores) / len(scores), 6) if scores else None
             advance(1)
     return values

@@ -1,4 +1,9 @@
-"""Generation backends. Each is a callable ``(config: dict, spec: ModelSpec, model_path: str) -> Generator``."""
+"""Generation backends, built by ``Registry.create("generation_backend", name, config, spec=..., model_path=...)``.
+
+Each sets the :class:`~alpacafarm.prompts.PromptFormat` of the model it samples from, so prompt conditioning
+saved in a model folder (reward conditioning's control token) reaches the transformers, OpenAI-compatible and
+vLLM backends alike.
+"""
 
 from __future__ import annotations
 
@@ -8,31 +13,54 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from alpacafarm.errors import MissingPackageError, UserError
+from pydantic import BaseModel, ConfigDict, Field
+
+from alpacafarm.errors import MissingPackageError
 from alpacafarm.generation import GenerationProgress, Generator, SamplingConfig, TransformersGenerator
+from alpacafarm.models import resolve_model_path
+from alpacafarm.prompts import PromptFormat
 
 
-def transformers_backend(config: dict[str, Any], spec: Any, model_path: str) -> Generator:
-    if config:
-        raise UserError(f"the transformers backend takes no options (got {', '.join(config)})")
+def transformers_backend(config: None, spec: Any, model_path: str) -> Generator:
+    """The default backend: batched sampling in this process (takes no options)."""
     return TransformersGenerator.from_spec(spec, model_path)
 
 
+def _prompt_format(spec: Any, model_path: str | None) -> PromptFormat:
+    """The model's prompt format for a backend that does not load the model here: a chat template needs the
+    tokenizer, loaded from the model folder (or hub ID)."""
+    tokenizer = None
+    if spec.prompt_format == "chat_template":
+        from alpacafarm.modeling import load_tokenizer
+
+        tokenizer = load_tokenizer(spec, model_path)
+    location = resolve_model_path(model_path) if model_path else None
+    return PromptFormat.for_model(spec.prompt_format, location, tokenizer)
+
+
+class OpenAIBackendConfig(BaseModel):
+    """Where the OpenAI-compatible server is and how hard to drive it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_url: str = Field(description="the server's /v1 URL, e.g. http://127.0.0.1:8000/v1")
+    model: str | None = Field(None, description="model name the server serves; default: the model path")
+    api_key_env: str = Field("OPENAI_API_KEY", description="environment variable holding the key (local: any)")
+    max_concurrency: int = Field(16, ge=1)
+    timeout_s: float = Field(300.0, gt=0)
+
+
 class OpenAIGenerator(Generator):
-    """Completions from an OpenAI-compatible server that serves the model (``vllm serve``, ``llama-server``, TGI).
+    """Completions from an OpenAI-compatible server that serves the model (``vllm serve``, ``llama-server``, TGI)."""
 
-    Config: ``base_url`` (required), ``model`` (default: the model path), ``api_key_env``, ``max_concurrency``.
-    """
+    config_class = OpenAIBackendConfig
 
-    def __init__(self, config: dict[str, Any], spec: Any = None, model_path: str | None = None) -> None:
-        unknown = set(config) - {"base_url", "model", "api_key_env", "max_concurrency", "timeout_s"}
-        if unknown or "base_url" not in config:
-            raise UserError(f"openai backend: needs base_url; unknown options: {', '.join(sorted(unknown)) or 'none'}")
-        self.base_url = config["base_url"]
-        self.model = config.get("model") or model_path
-        self.api_key = os.environ.get(config.get("api_key_env") or "OPENAI_API_KEY") or "not-needed"
-        self.max_concurrency = int(config.get("max_concurrency", 16))
-        self.timeout_s = float(config.get("timeout_s", 300))
+    def __init__(self, config: OpenAIBackendConfig, spec: Any = None, model_path: str | None = None) -> None:
+        self.config = config
+        self.model = config.model or model_path
+        self.api_key = os.environ.get(config.api_key_env) or "not-needed"
+        if spec is not None:
+            self.prompt_format = _prompt_format(spec, model_path)
 
     def generate(self, prompts: Sequence[str], sampling: SamplingConfig,
                  progress: GenerationProgress | None = None) -> list[list[str]]:
@@ -42,8 +70,9 @@ class OpenAIGenerator(Generator):
                         progress: GenerationProgress | None) -> list[list[str]]:
         import openai
 
-        client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=6, timeout=self.timeout_s)
-        semaphore = asyncio.Semaphore(self.max_concurrency)
+        client = openai.AsyncOpenAI(base_url=self.config.base_url, api_key=self.api_key, max_retries=6,
+                                    timeout=self.config.timeout_s)
+        semaphore = asyncio.Semaphore(self.config.max_concurrency)
 
         async def one(index: int, prompt: str) -> list[str]:
             async with semaphore:
@@ -60,11 +89,22 @@ class OpenAIGenerator(Generator):
             await client.close()
 
 
+class VLLMBackendConfig(BaseModel):
+    """Options passed to ``vllm.LLM`` (any of its keyword arguments; these are the common ones)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    max_model_len: int | None = Field(None, ge=1)
+
+
 class VLLMGenerator(Generator):
     """vLLM in the same process (GPU). Sampling is seeded per request."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, prompt_format: PromptFormat | None = None) -> None:
         self.llm = llm
+        self.prompt_format = prompt_format or PromptFormat()
 
     def generate(self, prompts: Sequence[str], sampling: SamplingConfig,
                  progress: GenerationProgress | None = None) -> list[list[str]]:
@@ -78,11 +118,13 @@ class VLLMGenerator(Generator):
         return [[o.text.strip() for o in out.outputs] for out in outputs]
 
 
-def vllm_backend(config: dict[str, Any], spec: Any, model_path: str) -> Generator:
+def vllm_backend(config: VLLMBackendConfig, spec: Any, model_path: str) -> Generator:
     if importlib.util.find_spec("vllm") is None:
         raise MissingPackageError("the vllm backend needs vLLM: pip install 'alpacafarm[vllm]'")
     from vllm import LLM
 
-    from alpacafarm.models import resolve_model_path
+    llm = LLM(model=resolve_model_path(model_path), seed=0, **config.model_dump(exclude_none=True))
+    return VLLMGenerator(llm, _prompt_format(spec, model_path))
 
-    return VLLMGenerator(LLM(model=resolve_model_path(model_path), seed=0, **config))
+
+vllm_backend.config_class = VLLMBackendConfig  # type: ignore[attr-defined]

@@ -18,7 +18,7 @@ class GenerateOutputsConfig(BaseModel):
     max_instructions: int | None = Field(None, ge=1)
     sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=0.7, max_new_tokens=128))
     backend: str = "transformers"
-    backend_config: dict[str, Any] = Field(default_factory=dict)
+    backend_config: dict[str, Any] = Field(default_factory=dict, description="the backend's own options")
 
 
 class GenerateOutputs(Method):
@@ -30,20 +30,16 @@ class GenerateOutputs(Method):
 
     def run(self, context: StageContext) -> Artifact:
         config: GenerateOutputsConfig = self.config
-        spec = context.recipe.model
-        model_path = context.input("sft_model").path
         records = context.records("instruction_splits", config.split)[: config.max_instructions]
-        generator = context.registry.get("generation_backend", config.backend)(config.backend_config, spec, model_path)
-        tokenizer = getattr(generator, "tokenizer", None)
+        generator = context.generator(config.backend, config.backend_config)
         sampling = config.sampling.model_copy(update={"seed": config.sampling.seed + context.seed})
         started = time.perf_counter()
         with context.progress(f"generating ({config.backend})", len(records)) as advance:
-            rows = generate_records(generator, records, sampling, prompt_format=spec.prompt_format,
-                                    tokenizer=tokenizer, progress=advance)
+            rows = generate_records(generator, records, sampling, progress=advance)
         seconds = time.perf_counter() - started
         path = context.stage_dir / "outputs.jsonl"
         write_completions(path, rows)
-        tokens = sum(map(sum, getattr(generator, "last_token_counts", []) or [[0]]))
+        tokens = sum(map(sum, generator.last_token_counts or [[0]]))
         return Artifact("outputs", str(path), {"n_instructions": len(records), "n_outputs": len(rows),
                                                "seconds": round(seconds, 2),
                                                "tokens_per_second": round(tokens / seconds, 1) if tokens else None})

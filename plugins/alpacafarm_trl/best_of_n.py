@@ -25,11 +25,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from alpacafarm.data import write_jsonl
-from alpacafarm.generation import SamplingConfig, generate_records
+from alpacafarm.generation import Generator, SamplingConfig, generate_records
 from alpacafarm.method import Artifact, Method, StageContext
-
-#: ``scores(records, completions) -> rewards``: the reward model, or any scorer in tests.
-Scorer = Callable[[Sequence[dict[str, Any]], Sequence[str]], list[float]]
+from alpacafarm.rewards import RewardFunction
 
 
 def powers_of_two(n_max: int) -> list[int]:
@@ -76,12 +74,12 @@ def best_index(rewards: Sequence[float], n: int) -> int:
     return max(range(len(window)), key=lambda i: (window[i], -i))
 
 
-def sample_and_score(generator: Any, scorer: Scorer, records: Sequence[dict[str, Any]], sampling: SamplingConfig, *,
-                     prompt_format: str, progress: Callable[[int], None] | None = None) -> list[list[dict[str, Any]]]:
+def sample_and_score(generator: Generator, reward: RewardFunction, records: Sequence[dict[str, Any]],
+                     sampling: SamplingConfig, *, progress: Callable[[int], None] | None = None
+                     ) -> list[list[dict[str, Any]]]:
     """``sampling.n`` samples per record, each with its ``reward``; one list of samples per record, in order."""
-    rows = generate_records(generator, list(records), sampling, prompt_format=prompt_format,
-                            tokenizer=getattr(generator, "tokenizer", None), progress=progress)
-    rewards = scorer(rows, [row["output"] for row in rows])
+    rows = generate_records(generator, list(records), sampling, progress=progress)
+    rewards = reward(rows, [row["output"] for row in rows])
     grouped: list[list[dict[str, Any]]] = [[] for _ in records]
     for i, (row, reward) in enumerate(zip(rows, rewards, strict=True)):
         grouped[i // sampling.n].append({**row, "reward": float(reward)})
@@ -101,34 +99,22 @@ def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def reward_scorer(context: StageContext, batch_size: int) -> tuple[Any, Scorer]:
-    """The ``reward_model`` input loaded for scoring, and a scorer function over it."""
-    from alpacafarm_trl.scoring import RewardScorer
-
-    scorer = RewardScorer.from_path(context.input("reward_model").path, context.recipe.model)
-    return scorer, lambda records, completions: scorer.score_records(records, completions, batch_size=batch_size)
-
-
 class BestOfN(Method):
     """Best-of-n outputs for every n in the sweep, from one set of samples; proxy reward per n in the metadata."""
 
     config_class = BestOfNConfig
     requires = ("sft_model", "reward_model", "instruction_splits")
     provides = "policy_outputs"
-    description = "best-of-n sampling with the reward model; one run evaluates every n <= N on prefixes"
 
     def run(self, context: StageContext) -> Artifact:
         config: BestOfNConfig = self.config
-        spec = context.recipe.model
         records = context.records("instruction_splits", config.split)[: config.max_instructions]
         sampling = config.sampling.model_copy(update={"n": config.n, "seed": config.sampling.seed + context.seed})
-        generator = context.registry.get("generation_backend", config.backend)(
-            config.backend_config, spec, context.input("sft_model").path)
-        _, scorer = reward_scorer(context, config.score_batch_size)
+        generator = context.generator(config.backend, config.backend_config)
+        reward = context.reward_function(batch_size=config.score_batch_size)
         started = time.perf_counter()
         with context.progress(f"best-of-{config.n}: sampling", len(records)) as advance:
-            samples = sample_and_score(generator, scorer, records, sampling, prompt_format=spec.prompt_format,
-                                       progress=advance)
+            samples = sample_and_score(generator, reward, records, sampling, progress=advance)
         seconds = time.perf_counter() - started
         write_jsonl(context.stage_dir / "samples.jsonl", [s for group in samples for s in group])
         systems: dict[str, dict[str, Any]] = {}

@@ -6,7 +6,7 @@ of the preference data; at test time the model is sampled conditioned on the pos
 
 Here the token starts the whole training text, before the formatted prompt (``<good>\\n`` + prompt + response),
 and only the response is trained on, as in SFT. The stage writes ``alpacafarm_generation.json`` into its
-model folder (see :class:`alpacafarm.generation.PromptConditioning`) with the positive token as
+model folder (see :class:`alpacafarm.prompts.PromptConditioning`) with the positive token as
 ``prompt_prefix``: every later stage that generates from the folder (``generate_outputs`` with
 ``inputs: {sft_model: <this stage>}``, best-of-n, ...) is then conditioned on it, and since it is part of the
 prompt it never appears in an output.
@@ -16,7 +16,7 @@ The control tokens are plain-text markers, not new vocabulary entries, so that:
 - they need no new embedding rows (with LoRA/QLoRA new embeddings would stay untrained), and work with every
   tokenizer;
 - they tokenize the same way at training and at generation time: both build the text with the same
-  :meth:`~alpacafarm.generation.PromptConditioning.apply`, the marker starts the text (nothing before it can
+  :meth:`~alpacafarm.prompts.PromptConditioning.apply`, the marker starts the text (nothing before it can
   merge into it) and it ends in a newline, which byte-level BPE pre-tokenizers keep apart from the next word
   and SentencePiece encodes as its own byte piece, so the marker's tokens do not depend on what follows.
 """
@@ -26,10 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from alpacafarm.generation import PromptConditioning
 from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.prompts import PromptConditioning
+from alpacafarm_trl.pairs import preference_rows
 from alpacafarm_trl.policy import build_sft_trainer_on_rows, train_and_save_policy
-from alpacafarm_trl.reward_model import preference_rows
 from alpacafarm_trl.sft import SFTMethodConfig
 from alpacafarm_trl.training import limit, stage_training_args
 
@@ -121,9 +121,6 @@ class BinaryRewardConditioning(Method):
     config_class = RewardConditioningConfig
     requires = ("sft_model", "preferences")
     provides = "policy_model"
-    description = (
-        "binary reward conditioning: SFT on both outputs behind good/bad control tokens; generates with good"
-    )
 
     def run(self, context: StageContext) -> Artifact:
 

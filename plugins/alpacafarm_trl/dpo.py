@@ -22,22 +22,18 @@ from trl import DPOConfig
 
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
-from alpacafarm_trl.policy import load_sft_policy, save_policy
-from alpacafarm_trl.reward_model import preference_rows, split_pairs
-from alpacafarm_trl.training import (
-    apply_device_defaults,
-    limit,
-    resume_checkpoint,
-    stage_training_args,
-    train_summary,
-)
+from alpacafarm.modeling import load_merged_causal_lm
+from alpacafarm_trl.base_config import TrainingDefaults
+from alpacafarm_trl.pairs import preference_rows, split_pairs
+from alpacafarm_trl.policy import save_policy
+from alpacafarm_trl.training import limit, resume_checkpoint, stage_training_args, train_summary
 
 #: Implicit-reward statistics TRL logs; their last logged values go into the stage's metrics.
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 
 
 @dataclass
-class DPOMethodConfig(DPOConfig):
+class DPOMethodConfig(TrainingDefaults, DPOConfig):
     """Every ``trl.DPOConfig`` / ``TrainingArguments`` field, plus how many pairs to use and hold out.
 
     Defaults are those of AlpacaFarm's released DPO script: ``beta`` 0.1, ``learning_rate`` 1e-6, 2 epochs,
@@ -58,15 +54,12 @@ class DPOMethodConfig(DPOConfig):
     lr_scheduler_type: str = "cosine"
     warmup_steps: float = 0.03
     max_length: int | None = 512
-    bf16: bool | None = None
-    gradient_checkpointing: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_examples is not None and self.max_examples < 1:
             raise ValueError("max_examples must be at least 1")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError("eval_fraction must be in [0, 1)")
-        apply_device_defaults(self)
         super().__post_init__()
 
 
@@ -95,9 +88,9 @@ def build_dpo_trainer(
     peft_config = lora_config(spec)
     ref_model = None
     if peft_config is None and not config.precompute_ref_log_probs:
-        ref_model = load_sft_policy(spec, model_path)
+        ref_model = load_merged_causal_lm(spec, model_path)
     return DPOTrainer(
-        model=load_sft_policy(spec, model_path),
+        model=load_merged_causal_lm(spec, model_path),
         ref_model=ref_model,
         args=config,
         train_dataset=Dataset.from_list(rows),
@@ -124,9 +117,6 @@ class DPO(Method):
     config_class = DPOMethodConfig
     requires = ("sft_model", "preferences")
     provides = "policy_model"
-    description = (
-        "Direct Preference Optimization on pairwise preferences, reference = the SFT model (TRL DPOTrainer)"
-    )
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json

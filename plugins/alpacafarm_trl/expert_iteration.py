@@ -27,7 +27,7 @@ from typing import Any
 from alpacafarm.errors import UserError
 from alpacafarm.generation import SamplingConfig
 from alpacafarm.method import Artifact, Method, StageContext
-from alpacafarm_trl.best_of_n import mean, reward_scorer, sample_and_score, select
+from alpacafarm_trl.best_of_n import mean, sample_and_score, select
 from alpacafarm_trl.policy import save_policy
 from alpacafarm_trl.sft import SFTMethodConfig, build_sft_trainer
 from alpacafarm_trl.training import stage_training_args, train_summary
@@ -51,6 +51,7 @@ class ExpertIterationConfig(SFTMethodConfig):
     init: str = field(default="previous", metadata={"help": "'previous': round r fine-tunes round r-1's model; "
                                                             "'sft': every round fine-tunes the SFT model"})
     backend: str = field(default="transformers", metadata={"help": "generation backend for the sampling"})
+    backend_config: dict[str, Any] = field(default_factory=dict, metadata={"help": "the backend's own options"})
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.n < 1:
@@ -76,7 +77,6 @@ class ExpertIteration(Method):
     config_class = ExpertIterationConfig
     requires = ("sft_model", "reward_model", "instruction_splits")
     provides = "policy_model"
-    description = "expert iteration: best-of-n on unlabeled instructions, then SFT on the best samples"
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json, write_jsonl
@@ -87,7 +87,7 @@ class ExpertIteration(Method):
         records = context.records("instruction_splits", config.split)[: config.max_instructions]
         if not records:
             raise UserError(f"expert_iteration: the {config.split!r} split has no instructions")
-        scorer_model, scorer = reward_scorer(context, config.score_batch_size)
+        reward = context.reward_function(batch_size=config.score_batch_size)
         policy_path, rounds = sft_path, []
         for r in range(1, config.rounds + 1):
             round_dir = Path(context.stage_dir) / f"round_{r}"
@@ -99,10 +99,12 @@ class ExpertIteration(Method):
                 continue
             shutil.rmtree(round_dir, ignore_errors=True)
             round_dir.mkdir(parents=True)
-            generator = context.registry.get("generation_backend", config.backend)({}, spec, policy_path)
+            generator = context.registry.create("generation_backend", config.backend, config.backend_config,
+                                                spec=spec, model_path=policy_path)
             with context.progress(f"round {r}: best-of-{config.n} sampling", len(records)) as advance:
-                samples = sample_and_score(generator, scorer, records, config.sampling(context.seed + r),
-                                           prompt_format=spec.prompt_format, progress=advance)
+                samples = sample_and_score(generator, reward, records, config.sampling(context.seed + r),
+                                           progress=advance)
+            generator.close()
             del generator
             winners = select(samples, config.n)
             write_jsonl(round_dir / "samples.jsonl", [s for group in samples for s in group])
@@ -129,7 +131,7 @@ class ExpertIteration(Method):
             rounds.append(summary)
             policy_path = str(model_dir)
             del trainer
-        del scorer_model
+        del reward
         write_json(Path(context.stage_dir) / "metrics.json", {"rounds": rounds})
         return Artifact("model", policy_path, {"rounds": len(rounds), "final_round": rounds[-1],
                                                "round_dirs": [f"round_{i}" for i in range(1, len(rounds) + 1)]})

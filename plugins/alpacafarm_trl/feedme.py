@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm_trl.pairs import preferred_demonstrations
 from alpacafarm_trl.policy import build_sft_trainer_on_rows, train_and_save_policy
-from alpacafarm_trl.reward_model import _winner
 from alpacafarm_trl.sft import SFTMethodConfig, prompt_completion_rows
 from alpacafarm_trl.training import limit, stage_training_args
 
@@ -30,33 +29,6 @@ class FeedMEConfig(SFTMethodConfig):
     train_split: str = field(
         default="preferences", metadata={"help": "file (or metadata key) of the preferences input"}
     )
-
-
-def preferred_demonstrations(records: list[dict[str, Any]]) -> tuple[list[dict[str, str]], int]:
-    """Preference records → demonstration records (instruction, input, output = the preferred output), and drops.
-
-    ``preference`` 1 or 2 (or a weighted preference nearer one side) names the winner; ties and unparsed
-    annotations carry no ranking and are dropped (the second value counts them).
-    """
-    demonstrations, dropped = [], 0
-    for record in records:
-        missing = [k for k in ("instruction", "output_1", "output_2") if k not in record]
-        if missing:
-            raise UserError(
-                f"a preference record lacks {', '.join(missing)} (fields: {', '.join(sorted(record))})"
-            )
-        winner = _winner(record.get("preference"))
-        if winner is None:
-            dropped += 1
-            continue
-        demonstrations.append(
-            {
-                "instruction": record["instruction"],
-                "input": record.get("input") or "",
-                "output": record[f"output_{winner}"],
-            }
-        )
-    return demonstrations, dropped
 
 
 def build_feedme_trainer(
@@ -86,9 +58,6 @@ class BinaryFeedME(Method):
     config_class = FeedMEConfig
     requires = ("sft_model", "preferences")
     provides = "policy_model"
-    description = (
-        "binary FeedME: supervised fine-tuning of the SFT model on the preferred output of each pair"
-    )
 
     def run(self, context: StageContext) -> Artifact:
 

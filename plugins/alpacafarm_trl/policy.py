@@ -1,10 +1,12 @@
-"""The SFT model as the starting policy of a pairwise-feedback method (DPO, binary FeedME, reward conditioning).
+"""The SFT model as the starting policy of a method, and the one rule for saving what was trained on it.
 
 An SFT stage trained with LoRA and ``merge_adapters: false`` leaves an *adapter folder*. Loading such a folder
 with ``load_causal_lm`` attaches the adapters through transformers' peft integration, and a trainer given a
 ``peft_config`` then replaces them with fresh (zero) adapters: training would silently start from the base
-model instead of the SFT model. :func:`load_sft_policy` merges the SFT adapters first, so new adapters sit on
-top of the SFT weights, and TRL's DPO reference (the model with its adapters disabled) is the SFT model.
+model instead of the SFT model. :func:`alpacafarm.modeling.load_merged_causal_lm` merges the SFT adapters
+first, so new adapters sit on top of the SFT weights, and TRL's DPO reference (the model with its adapters
+disabled) is the SFT model. :func:`save_policy` saves adapters trained that way merged, so the folder reloads
+as the model that was trained (policies and reward models alike).
 """
 
 from __future__ import annotations
@@ -13,19 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from alpacafarm.errors import UserError
-from alpacafarm_trl.scoring import is_adapter_folder
-
-
-def load_sft_policy(spec: Any, path: str) -> Any:
-    """The causal LM in ``path`` as plain weights: full weights as they are, peft adapters merged into their base."""
-    from alpacafarm.modeling import load_causal_lm
-
-    if not is_adapter_folder(path):
-        return load_causal_lm(spec, path)
-    from peft import PeftConfig, PeftModel
-
-    base = load_causal_lm(spec, PeftConfig.from_pretrained(path).base_model_name_or_path)
-    return PeftModel.from_pretrained(base, path).merge_and_unload()
+from alpacafarm.modeling import is_adapter_folder, load_merged_causal_lm
 
 
 def build_sft_trainer_on_rows(
@@ -34,7 +24,7 @@ def build_sft_trainer_on_rows(
     """A ready TRL ``SFTTrainer`` on ``{"prompt", "completion"}`` rows, starting from the SFT model in ``model_path``.
 
     Like :func:`alpacafarm_trl.sft.build_sft_trainer` (same loss on the completion only, same LoRA and
-    quantization from the model block), but on rows built by the caller and with :func:`load_sft_policy`.
+    quantization from the model block), but on rows built by the caller.
     """
     from datasets import Dataset
     from trl import SFTTrainer
@@ -44,7 +34,7 @@ def build_sft_trainer_on_rows(
     if not rows:
         raise UserError("there is nothing to train on: no preference pair has a usable preference")
     return SFTTrainer(
-        model=load_sft_policy(spec, model_path),
+        model=load_merged_causal_lm(spec, model_path),
         args=config,
         train_dataset=Dataset.from_list(rows),
         processing_class=load_tokenizer(spec, model_path),
@@ -58,6 +48,7 @@ def save_policy(trainer: Any, spec: Any, model_path: str, directory: str | Path,
 
     New adapters trained on top of a merged SFT adapter folder describe a model that no folder on disk holds
     (their ``base_model_name_or_path`` is the pre-SFT base), so they are merged and saved as full weights.
+    ``trainer.model`` may be a causal LM or a sequence classifier (a reward model).
     """
     from alpacafarm.modeling import save_model
 

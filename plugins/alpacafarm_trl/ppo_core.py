@@ -4,16 +4,54 @@ Conventions: per-token tensors are ``[batch, response_length]`` and right-padded
 response tokens (a contiguous run from position 0) and 0 on the padding after them. Token ``t``'s value is the
 critic's estimate before token ``t`` is emitted; token ``t``'s reward is the per-token KL penalty, plus the
 sequence's reward-model score on the last real token (the paper's Eq. 3 spread over tokens).
+
+:class:`Batch` and :func:`collate` pack prompt and response token ids into the tensors every forward pass of the
+trainer and of the model layouts (:mod:`alpacafarm_trl.ppo_models`) reads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 #: Keeps whitening finite when every value in a batch is the same.
 WHITEN_EPS = 1e-8
+
+
+@dataclass
+class Batch:
+    """A micro-batch of prompt + response token sequences: prompts left-padded, responses right-padded."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+
+
+def collate(queries: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+            device: torch.device | str = "cpu") -> Batch:
+    """Pack prompts (left-padded to a common start of the response) and responses (right-padded).
+
+    Position ids count real tokens only, as ``generate`` does with left padding, so a forward pass here sees
+    the same positions as the sampling pass did.
+    """
+    n_query = max(len(q) for q in queries)
+    n_response = max(max(len(r) for r in responses), 1)
+    ids = torch.full((len(queries), n_query + n_response), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (query, response) in enumerate(zip(queries, responses, strict=True)):
+        ids[row, n_query - len(query):n_query] = torch.tensor(query, dtype=torch.long)
+        mask[row, n_query - len(query):n_query] = 1
+        if response:
+            ids[row, n_query:n_query + len(response)] = torch.tensor(response, dtype=torch.long)
+            mask[row, n_query:n_query + len(response)] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
+    return Batch(ids, mask, positions, ids[:, n_query:], mask[:, n_query:].float())
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

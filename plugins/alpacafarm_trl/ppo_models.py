@@ -1,4 +1,4 @@
-"""The model layouts of :mod:`alpacafarm_trl.ppo`: who holds the policy, the value model, the reference and the reward.
+"""The model layouts of the PPO trainer (:mod:`alpacafarm_trl.ppo_trainer`): who holds the policy, the value model, the reference and the reward.
 
 Without LoRA (:class:`SeparateModels`): a trainable policy, a frozen reference copy and a value model built on the
 reward model's backbone and head. With ``lora:`` (and optionally 4-bit) in the model block
@@ -15,30 +15,18 @@ import inspect
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from alpacafarm.errors import UserError
+from alpacafarm.modeling import enable_activation_checkpointing
+from alpacafarm_trl.ppo_core import Batch
 
-if TYPE_CHECKING:
-    from alpacafarm_trl.ppo import Batch
-
+#: Adapters on the shared base in the LoRA layout; the first two train.
 POLICY, VALUE, REWARD = "policy", "value", "reward"
 TRAINED_ADAPTERS = [POLICY, VALUE]
-
-# --------------------------------------------------------------------------------------------------- models
-
-
-def _enable_checkpointing(model: Any) -> None:
-    """Activation checkpointing, non-reentrant (works with frozen embeddings and LoRA)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    kwargs = {"use_reentrant": False}
-    if enable is not None:
-        enable(activation_checkpointing_kwargs=kwargs)
-    else:  # transformers before the rename
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def disable_dropout(module: nn.Module) -> None:
@@ -226,7 +214,8 @@ class SharedBaseModels(PolicyAndValue):
         return self.adapter(VALUE)
 
     def generate(self, **kwargs: Any) -> torch.Tensor:
-        return self.peft_model.generate(**kwargs)
+        with self.adapter(POLICY):
+            return self.peft_model.generate(**kwargs)
 
     def policy_logits(self, batch: Batch) -> torch.Tensor:
         return _response_logits(self.peft_model, batch, self._keep)
@@ -268,7 +257,7 @@ class SharedRewardClassifier(nn.Module):
     """The reward model as a sequence classifier over the shared base (``reward`` adapter + reward head).
 
     Pools like transformers' classifiers (the rightmost token that is not padding), so scores equal those of
-    the reward model folder loaded on its own; :class:`~alpacafarm_trl.scoring.RewardScorer` can drive it.
+    the reward model folder loaded on its own; :class:`~alpacafarm.rewards.RewardScorer` can drive it.
     """
 
     def __init__(self, models: SharedBaseModels, head: nn.Linear) -> None:
@@ -333,34 +322,30 @@ def build_shared_models(spec: Any, sft_path: str, reward_path: str, *, gradient_
 
     The value and reward adapters and heads start as the reward model: its LoRA weights when it is an adapter
     folder (a LoRA reward stage on this base), else fresh adapters and its head only (the reward is then scored
-    by the separately loaded reward model, see :func:`build_ppo_trainer`).
+    by the separately loaded reward model, see :func:`alpacafarm_trl.ppo_trainer.build_ppo_trainer`).
     """
     from peft import (
         PeftConfig,
-        PeftModel,
         get_peft_model,
         prepare_model_for_kbit_training,
         set_peft_model_state_dict,
     )
     from peft.utils import load_peft_weights
 
-    from alpacafarm.modeling import load_causal_lm, lora_config
+    from alpacafarm.modeling import is_adapter_folder, load_classifier, load_merged_causal_lm, lora_config
     from alpacafarm.models import resolve_model_path
-    from alpacafarm_trl.scoring import is_adapter_folder, load_classifier
 
-    if is_adapter_folder(sft_path):  # an un-merged LoRA SFT stage: merge it, so "adapters off" means the SFT model
-        sft_config = PeftConfig.from_pretrained(sft_path)
-        base = load_causal_lm(spec, sft_config.base_model_name_or_path)
-        base = PeftModel.from_pretrained(base, sft_path).merge_and_unload()
-        base_name = sft_config.base_model_name_or_path
+    # An un-merged LoRA SFT stage is merged into its base, so "adapters off" means the SFT model.
+    base = load_merged_causal_lm(spec, sft_path)
+    if is_adapter_folder(sft_path):
+        base_name = PeftConfig.from_pretrained(sft_path).base_model_name_or_path
     else:
-        base = load_causal_lm(spec, sft_path)
         base_name = str(resolve_model_path(sft_path))
     if spec.quantization is not None:
         base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=bool(gradient_checkpointing),
                                                gradient_checkpointing_kwargs={"use_reentrant": False})
     elif gradient_checkpointing:
-        _enable_checkpointing(base)
+        enable_activation_checkpointing(base)
     peft_model = get_peft_model(base, lora_config(spec), adapter_name=POLICY)
     device = base.get_input_embeddings().weight.device
     hidden = base.config.hidden_size

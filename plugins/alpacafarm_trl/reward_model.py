@@ -8,7 +8,6 @@ that later stages use, so the figure describes exactly what they will see.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,19 +16,16 @@ from trl import RewardConfig
 
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
-from alpacafarm.prompts import format_prompt
-from alpacafarm_trl.scoring import RewardScorer, load_classifier
-from alpacafarm_trl.training import (
-    apply_device_defaults,
-    limit,
-    resume_checkpoint,
-    stage_training_args,
-    train_summary,
-)
+from alpacafarm.modeling import load_classifier
+from alpacafarm.rewards import RewardScorer
+from alpacafarm_trl.base_config import TrainingDefaults
+from alpacafarm_trl.pairs import preference_rows, split_pairs
+from alpacafarm_trl.policy import save_policy
+from alpacafarm_trl.training import limit, resume_checkpoint, stage_training_args, train_summary
 
 
 @dataclass
-class RewardModelConfig(RewardConfig):
+class RewardModelConfig(TrainingDefaults, RewardConfig):
     """Every ``trl.RewardConfig`` / ``TrainingArguments`` field, plus the held-out split.
 
     Defaults follow the paper's reward model (learning rate 3e-6, one epoch); ``bf16`` and gradient
@@ -47,8 +43,6 @@ class RewardModelConfig(RewardConfig):
     learning_rate: float = 3e-6
     num_train_epochs: float = 1.0
     max_length: int | None = 512
-    bf16: bool | None = None
-    gradient_checkpointing: bool | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -57,58 +51,14 @@ class RewardModelConfig(RewardConfig):
             raise ValueError("max_examples must be at least 1")
         if self.trainable_layers is not None and self.trainable_layers < 0:
             raise ValueError("trainable_layers must be at least 0")
-        apply_device_defaults(self)
         super().__post_init__()
-
-
-def preference_rows(records: list[dict[str, Any]], *, style: str, tokenizer: Any) -> tuple[list[dict[str, str]], int]:
-    """Preference records → ``{"prompt", "chosen", "rejected"}`` rows, and how many had no usable preference.
-
-    ``preference`` 1 means ``output_1`` won, 2 means ``output_2`` won; ties (0), unparsed annotations (None) and
-    anything else carry no ranking and are dropped (and counted). Continuous preferences in [1, 2] (AlpacaEval's
-    weighted annotators) are rounded to the nearer side; exactly 1.5 is a tie.
-    """
-    rows, dropped = [], 0
-    for record in records:
-        missing = [k for k in ("instruction", "output_1", "output_2") if k not in record]
-        if missing:
-            raise UserError(f"a preference record lacks {', '.join(missing)} (fields: {', '.join(sorted(record))})")
-        winner = _winner(record.get("preference"))
-        if winner is None:
-            dropped += 1
-            continue
-        loser = 3 - winner
-        prompt = format_prompt(record["instruction"], record.get("input") or None, style=style, tokenizer=tokenizer)
-        rows.append({"prompt": prompt, "chosen": record[f"output_{winner}"], "rejected": record[f"output_{loser}"]})
-    return rows, dropped
-
-
-def _winner(preference: Any) -> int | None:
-    try:
-        value = float(preference)
-    except (TypeError, ValueError):
-        return None
-    if 1.0 <= value < 1.5:
-        return 1
-    if 1.5 < value <= 2.0:
-        return 2
-    return None
-
-
-def split_pairs(rows: list[dict[str, str]], eval_fraction: float, seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """A seeded shuffle, then the last ``eval_fraction`` of the pairs held out (at least one when asked for any)."""
-    shuffled = list(rows)
-    random.Random(seed).shuffle(shuffled)
-    n_eval = 0 if eval_fraction == 0 else max(1, round(len(shuffled) * eval_fraction))
-    if n_eval >= len(shuffled):
-        raise UserError(f"{len(shuffled)} usable preference pairs are too few to hold out {eval_fraction:.0%}")
-    return shuffled[: len(shuffled) - n_eval], shuffled[len(shuffled) - n_eval:]
 
 
 def pairwise_accuracy(scorer: RewardScorer, pairs: list[dict[str, str]], batch_size: int) -> dict[str, float]:
     """Share of pairs where score(chosen) > score(rejected), and the mean margin."""
-    chosen = scorer.score_texts([p["prompt"] + p["chosen"] for p in pairs], batch_size=batch_size)
-    rejected = scorer.score_texts([p["prompt"] + p["rejected"] for p in pairs], batch_size=batch_size)
+    scorer.batch_size = batch_size
+    chosen = scorer.score_texts([p["prompt"] + p["chosen"] for p in pairs])
+    rejected = scorer.score_texts([p["prompt"] + p["rejected"] for p in pairs])
     wins = [c > r for c, r in zip(chosen, rejected, strict=True)]
     margins = [c - r for c, r in zip(chosen, rejected, strict=True)]
     return {"eval_accuracy": sum(wins) / len(wins), "eval_margin": sum(margins) / len(margins)}
@@ -164,11 +114,10 @@ class RewardModel(Method):
     config_class = RewardModelConfig
     requires = ("sft_model", "preferences")
     provides = "reward_model"
-    description = "Bradley-Terry reward model on pairwise preferences, initialised from the SFT model (TRL RewardTrainer)"
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json
-        from alpacafarm.modeling import load_tokenizer, save_model
+        from alpacafarm.modeling import load_tokenizer
 
         spec = context.recipe.model
         args = stage_training_args(self.config, context)
@@ -184,14 +133,16 @@ class RewardModel(Method):
                             context.stage, len(trainer.train_dataset), len(eval_rows), dropped)
         result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
-        save_model(trainer.model, trainer.processing_class, model_dir, merge_adapters=spec.merge_adapters)
+        # The policy's rule: adapters trained on an adapter-folder SFT model are saved merged, so the folder
+        # reloads as the model that was trained (its adapters alone would name the pre-SFT base).
+        merged = save_policy(trainer, spec, model_path, model_dir, context.logger)
         metrics: dict[str, Any] = {
-            **train_summary(trainer, result), "n_pairs": len(rows), "n_train": len(train_rows),
+            **train_summary(trainer, result), "merged": merged, "n_pairs": len(rows), "n_train": len(train_rows),
             "n_train_within_max_length": len(trainer.train_dataset), "n_eval": len(eval_rows),
             "n_dropped_no_preference": dropped,
         }
         if eval_rows:
-            scorer = RewardScorer(trainer.model, trainer.processing_class, prompt_format=spec.prompt_format)
+            scorer = RewardScorer.from_path(str(model_dir), spec, max_length=args.max_length)
             metrics.update({k: round(v, 6) for k, v in pairwise_accuracy(scorer, eval_rows, args.score_batch_size).items()})
         write_json(Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": trainer.state.log_history})
         return Artifact("model", str(model_dir), metrics)

@@ -19,20 +19,15 @@ from trl import SFTConfig
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.prompts import format_prompt
-from alpacafarm_trl.training import (
-    apply_device_defaults,
-    limit,
-    resume_checkpoint,
-    stage_training_args,
-    train_summary,
-)
+from alpacafarm_trl.base_config import TrainingDefaults
+from alpacafarm_trl.training import limit, resume_checkpoint, stage_training_args, train_summary
 
 #: Where an answer may live in a demonstration record, in order of preference after ``response_field``.
 FALLBACK_RESPONSE_FIELDS = ("output", "reference")
 
 
 @dataclass
-class SFTMethodConfig(SFTConfig):
+class SFTMethodConfig(TrainingDefaults, SFTConfig):
     """Every ``trl.SFTConfig`` / ``TrainingArguments`` field, plus where the data comes from.
 
     Defaults differ from TRL's where the paper or the machine says so: ``learning_rate`` 2e-5, 3 epochs,
@@ -49,13 +44,10 @@ class SFTMethodConfig(SFTConfig):
     lr_scheduler_type: str = "cosine"
     warmup_steps: float = 0.03
     max_length: int | None = 512
-    bf16: bool | None = None
-    gradient_checkpointing: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_examples is not None and self.max_examples < 1:
             raise ValueError("max_examples must be at least 1")
-        apply_device_defaults(self)
         super().__post_init__()
 
 
@@ -107,7 +99,6 @@ class SFT(Method):
     config_class = SFTMethodConfig
     requires = ("base_model", "sft_data")
     provides = "sft_model"
-    description = "supervised fine-tuning on demonstrations (TRL SFTTrainer, response-only loss)"
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json

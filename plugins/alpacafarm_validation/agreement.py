@@ -42,10 +42,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from alpacafarm.errors import UserError
 from alpacafarm.seeding import stable_seed
+from alpacafarm.validation import Validator
 
 TIE = 1.5
 KEY_FIELDS = ("instruction", "output_1", "output_2")
@@ -219,22 +220,14 @@ def measure(human_records: list[dict[str, Any]], config: AgreementConfig,
     return result
 
 
-class AgreementValidator:
-    """Registered validator ``agreement``: ``AgreementValidator(config).validate(humans, annotator_labels)``."""
+class AgreementValidator(Validator):
+    """Registered validator ``agreement``: ``validate(humans, annotator_labels)``; built by ``Registry.create``."""
 
     config_class = AgreementConfig
-    description = "leave-one-out agreement, bias, variance, P(prefer longer), P(prefer first)"
+    config: AgreementConfig
 
-    def __init__(self, config: AgreementConfig | dict[str, Any] | None = None) -> None:
-        if config is None or isinstance(config, dict):
-            try:
-                config = AgreementConfig.model_validate(config or {})
-            except ValidationError as exc:
-                first = exc.errors()[0]
-                raise UserError(f"agreement config: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
-        self.config = config
-
-    def validate(self, human_records: list[dict[str, Any]],
-                 annotator_records: list[dict[str, Any]] | None = None) -> AgreementResult:
-        """Measure the humans (and the annotator's labels on the same pairs, when given)."""
-        return measure(human_records, self.config, annotator_records)
+    def validate(self, human_records: list[dict[str, Any]], annotator_records: list[dict[str, Any]] | None = None,
+                 *, human_source: str = "humans", annotator_source: str = "annotator") -> AgreementResult:
+        """Measure the humans (and the annotator's labels on the same pairs, when given); the sources name the
+        files in error messages."""
+        return measure(human_records, self.config, annotator_records, human_source, annotator_source)

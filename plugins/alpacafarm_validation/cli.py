@@ -74,7 +74,8 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 
 
 def cmd_correlation(args: argparse.Namespace) -> int:
-    from alpacafarm_validation.correlations import PAPER_TABLE2, RankCorrelationConfig, correlate, plot
+    from alpacafarm.plugins import get_registry
+    from alpacafarm_validation.correlations import PAPER_TABLE2, plot
 
     if not args.x or not args.y:
         raise UserError("compare TABLE needs --x COLUMN and --y COLUMN (or use --agreement HUMAN.json)")
@@ -87,10 +88,11 @@ def cmd_correlation(args: argparse.Namespace) -> int:
     if args.n_bootstrap < 0:
         raise UserError(f"--n-bootstrap must be >= 0, got {args.n_bootstrap}")
     table = str(PAPER_TABLE2) if args.table == "paper" else args.table
-    config = RankCorrelationConfig(x=args.x, y=args.y, n_bootstrap=args.n_bootstrap, seed=args.seed,
-                                   name_column=args.name_column, filters=filters)
+    validator = get_registry().create("validator", "rank_correlation", {
+        "x": args.x, "y": args.y, "n_bootstrap": args.n_bootstrap, "seed": args.seed,
+        "name_column": args.name_column, "filters": filters})
     try:
-        result = correlate(_records(table, "table"), config)
+        result = validator.validate(_records(table, "table"))
     except UserError as exc:
         raise UserError(f"{table}: {exc}") from None
     if args.plot:
@@ -115,15 +117,16 @@ def cmd_correlation(args: argparse.Namespace) -> int:
 
 
 def cmd_agreement(args: argparse.Namespace) -> int:
-    from alpacafarm_validation.agreement import AgreementConfig, measure
+    from alpacafarm.plugins import get_registry
 
     if args.table or args.x or args.y:
         raise UserError("--agreement takes no TABLE/--x/--y; give the human annotations file only")
-    config = AgreementConfig(seed=args.seed, reference=args.reference, length_margin=max(args.length_margin, 0))
+    validator = get_registry().create("validator", "agreement", {
+        "seed": args.seed, "reference": args.reference, "length_margin": max(args.length_margin, 0)})
     humans = _records(args.agreement, "human annotations")
     labels = _records(args.annotator_labels, "annotator labels") if args.annotator_labels else None
-    result = measure(humans, config, labels, human_source=args.agreement,
-                     annotator_source=args.annotator_labels or "annotator")
+    result = validator.validate(humans, labels, human_source=args.agreement,
+                                annotator_source=args.annotator_labels or "annotator")
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
         return 0

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from alpacafarm.errors import UserError
+from alpacafarm.validation import Validator
 
 MISSING = {"", "-", "na", "n/a", "nan", "none", "null"}
 PAPER_TABLE2 = Path(__file__).parent / "data" / "paper_table2.csv"
@@ -232,20 +233,11 @@ def plot(result: CorrelationResult, path: Path, title: str | None = None) -> Pat
     return path
 
 
-class RankCorrelationValidator:
-    """Registered validator ``rank_correlation``: ``RankCorrelationValidator(config).validate(records)``."""
+class RankCorrelationValidator(Validator):
+    """Registered validator ``rank_correlation``: ``validate(records)``; built by ``Registry.create``."""
 
     config_class = RankCorrelationConfig
-    description = "Spearman, Pearson, Kendall, R² between two win-rate columns, bootstrap intervals"
-
-    def __init__(self, config: RankCorrelationConfig | dict[str, Any]) -> None:
-        if isinstance(config, dict):
-            try:
-                config = RankCorrelationConfig.model_validate(config)
-            except ValidationError as exc:
-                first = exc.errors()[0]
-                raise UserError(f"rank_correlation config: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
-        self.config = config
+    config: RankCorrelationConfig
 
     def validate(self, records: list[dict[str, Any]]) -> CorrelationResult:
         """Correlate the configured columns of ``records`` (one dict per system)."""

@@ -1,0 +1,79 @@
+"""The configuration of the ``ppo`` method: every ``TrainingArguments`` field, plus PPO's (see :mod:`.ppo`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from alpacafarm_trl.base_config import TrainingDefaults
+
+
+@dataclass
+class PPOMethodConfig(TrainingDefaults, TrainingArguments):
+    """Every ``transformers.TrainingArguments`` field, plus PPO's.
+
+    Defaults are the paper's (Appendix B.1): 512 rollouts per PPO step in 2 epochs of mini-batches of 256,
+    learning rate 1e-5 decaying linearly to 0, gradient clipping at norm 1, 10 passes over the prompts,
+    ``gamma = lambda = 1``, a fixed KL coefficient of 0.002 (simulated feedback; 0.02 for human feedback).
+    A PPO step is one rollout batch: ``max_steps`` counts PPO steps, ``total_episodes`` counts rollouts, and
+    otherwise ``num_train_epochs`` passes over the prompts decide the length. ``per_device_train_batch_size``
+    is the micro-batch of every forward pass; gradients accumulate over a mini-batch (so
+    ``gradient_accumulation_steps`` is not used). Dropout is turned off (it would bias the PPO ratio).
+    The optimizer is AdamW with the arguments' betas, epsilon and weight decay (``optim`` is not used);
+    checkpoints follow ``save_strategy: steps`` / ``save_steps`` / ``save_total_limit``. The clip ranges and
+    ``vf_coef`` are not given by the paper; 0.2 / 0.2 / 0.1 are common PPO settings (our assumption).
+    ``bf16`` and activation checkpointing are automatic (:class:`~alpacafarm_trl.base_config.TrainingDefaults`).
+    """
+
+    split: str = field(default="train", metadata={"help": "file (or metadata key) of the instruction_splits input"})
+    max_instructions: int | None = field(default=None, metadata={"help": "use the first N prompts only"})
+    rollout_batch_size: int = field(default=512, metadata={"help": "responses sampled per PPO step"})
+    mini_batch_size: int = field(default=256, metadata={"help": "rollouts per optimizer step"})
+    ppo_epochs: int = field(default=2, metadata={"help": "passes over each rollout batch"})
+    generation_batch_size: int = field(default=32, metadata={"help": "prompts per generate() call"})
+    total_episodes: int | None = field(default=None,
+                                       metadata={"help": "total rollouts (overrides num_train_epochs)"})
+    kl_coef: float = field(default=0.002, metadata={"help": "per-token KL penalty coefficient (fixed)"})
+    cliprange: float = field(default=0.2, metadata={"help": "policy ratio clip range"})
+    cliprange_value: float = field(default=0.2,
+                                   metadata={"help": "value clip range around the rollout values"})
+    vf_coef: float = field(default=0.1, metadata={"help": "weight of the value loss"})
+    gamma: float = field(default=1.0, metadata={"help": "discount of GAE"})
+    lam: float = field(default=1.0, metadata={"help": "lambda of GAE"})
+    whiten_rewards: bool = field(default=False,
+                                 metadata={"help": "whiten per-token rewards over the batch (mean kept)"})
+    reward_scale: float = field(default=1.0, metadata={"help": "multiply reward-model scores by this"})
+    reward_clip: float | None = field(default=None, metadata={"help": "clip scaled scores to [-c, c]"})
+    missing_eos_penalty: float | None = field(default=None,
+                                              metadata={"help": "subtract from responses without EOS"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the rollouts"})
+    max_new_tokens: int = field(default=300, metadata={"help": "longest response"})
+    max_prompt_length: int | None = field(default=None, metadata={"help": "skip prompts with more tokens"})
+    score_batch_size: int = field(default=8, metadata={"help": "batch size of reward-model scoring"})
+
+    learning_rate: float = 1e-5
+    num_train_epochs: float = 10.0
+    lr_scheduler_type: str = "linear"
+    logging_steps: float = 1
+    save_steps: float = 20
+
+    def __post_init__(self) -> None:
+        positive = ("rollout_batch_size", "mini_batch_size", "ppo_epochs", "generation_batch_size",
+                    "max_new_tokens", "score_batch_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.rollout_batch_size % self.mini_batch_size:
+            raise ValueError(f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of "
+                             f"mini_batch_size ({self.mini_batch_size})")
+        if self.temperature <= 0:
+            raise ValueError("temperature must be positive: PPO samples from the policy")
+        if self.kl_coef < 0 or self.cliprange <= 0 or self.cliprange_value <= 0 or self.vf_coef < 0:
+            raise ValueError("kl_coef and vf_coef must be >= 0; cliprange and cliprange_value > 0")
+        for name in ("max_instructions", "total_episodes", "max_prompt_length"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.fp16:
+            raise ValueError("fp16 is not supported by the PPO trainer; use bf16 (automatic on a suitable GPU)")
+        super().__post_init__()  # TrainingDefaults: bf16 / checkpointing for this machine, then TrainingArguments

@@ -1,0 +1,298 @@
+"""The Quark trainer and its rounds: sample a pool, score it, keep the top quantile, train with NLL + KL.
+
+:class:`QuarkTrainer` is a ``transformers.Trainer`` whose loss on the kept samples is
+``NLL + kl_coef * KL(policy || reference)``, the KL being the exact per-token divergence of the two next-token
+distributions at each response position, averaged over response tokens. :func:`run_rounds` is the loop of the
+best-quantile variant (see :mod:`alpacafarm_trl.quark`): each round samples a fresh pool with the one core
+sampler (:func:`alpacafarm.sampling.sample`), prompts written by :class:`alpacafarm.prompts.PromptFormat`, scores
+it with a reward function, keeps the top ``top_quantile`` and trains on it; the pool is then discarded.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import Trainer
+
+from alpacafarm.errors import UserError
+from alpacafarm.prompts import PromptFormat
+from alpacafarm.rewards import RewardFunction
+from alpacafarm.sampling import Sample, sample, tokenize_prompts
+from alpacafarm.seeding import stable_seed
+from alpacafarm_trl.quark_config import QuarkMethodConfig
+
+IGNORE_INDEX = -100
+
+
+def kept_count(pool_size: int, quantile: float) -> int:
+    """How many of a pool form its top ``quantile``: ``ceil(quantile * pool_size)``, at least one."""
+    return min(pool_size, max(1, math.ceil(round(quantile * pool_size, 9))))
+
+
+def top_quantile(rewards: Sequence[float], quantile: float) -> list[int]:
+    """Indices (ascending) of the ``kept_count`` highest rewards; ties at the threshold go to the earlier index."""
+    ranked = sorted(range(len(rewards)), key=lambda i: (-rewards[i], i))
+    return sorted(ranked[:kept_count(len(rewards), quantile)])
+
+
+def training_example(sample: Sample) -> dict[str, list[int]]:
+    """Prompt + response ids; only the response is a target (the prompt's labels are ignored)."""
+    return {"input_ids": sample.prompt_ids + sample.response_ids,
+            "labels": [IGNORE_INDEX] * len(sample.prompt_ids) + sample.response_ids}
+
+
+class PadCollator:
+    """Right-pads ``input_ids`` (pad id) and ``labels`` (ignored) and builds the attention mask."""
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, features: list[dict[str, list[int]]]) -> dict[str, Any]:
+        import torch
+
+        width = max(len(f["input_ids"]) for f in features)
+        ids, labels, mask = [], [], []
+        for feature in features:
+            padding = width - len(feature["input_ids"])
+            ids.append(feature["input_ids"] + [self.pad_token_id] * padding)
+            labels.append(feature["labels"] + [IGNORE_INDEX] * padding)
+            mask.append([1] * len(feature["input_ids"]) + [0] * padding)
+        return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "attention_mask": torch.tensor(mask)}
+
+
+def token_kl(policy_logits: Any, reference_logits: Any) -> Any:
+    """KL(policy || reference) of the next-token distributions at every position (float32, shape ``[..., ]``)."""
+    import torch
+
+    log_p = torch.log_softmax(policy_logits.float(), dim=-1)
+    log_q = torch.log_softmax(reference_logits.float(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+
+
+class QuarkTrainer(Trainer):
+    """A ``Trainer`` whose loss is ``NLL(kept samples) + kl_coef * KL(policy || reference)`` per response token.
+
+    ``ref_model`` is a frozen reference; ``None`` means the policy is a peft model whose reference is itself with
+    the adapters disabled. Each round sets ``train_dataset`` and calls :meth:`train` again: the optimizer is kept,
+    and the learning-rate schedule is built once for ``rounds`` times the first round's steps (every round keeps
+    the same number of samples), so the rate decays over the whole run.
+    """
+
+    loss_is_scaled_for_ga = True  # compute_loss divides by the response tokens of the whole accumulated batch
+
+    def __init__(self, *args: Any, ref_model: Any = None, rounds: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ref_model = ref_model
+        self.rounds = rounds
+        # Count the response tokens of each accumulated batch (labels shifted by one) for compute_loss.
+        self.model_accepts_loss_kwargs = True
+        self._loss_shifts_labels = True
+        if ref_model is None and not hasattr(self.accelerator.unwrap_model(self.model), "disable_adapter"):
+            raise ValueError("QuarkTrainer needs a ref_model unless the policy is a peft model with adapters")
+        self._log_terms = [0.0, 0.0, 0]    # nll sum, kl sum, tokens since the last log
+        self.round_terms = [0.0, 0.0, 0]   # the same since reset_round_terms()
+
+    def reset_round_terms(self) -> None:
+        self.round_terms = [0.0, 0.0, 0]
+
+    def round_means(self) -> dict[str, float | None]:
+        nll, kl, tokens = self.round_terms
+        return {"nll": nll / tokens if tokens else None, "kl": kl / tokens if tokens else None}
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        from transformers import get_scheduler
+
+        if self.lr_scheduler is None:  # built once (``_created_lr_scheduler`` stays False, so train() keeps it)
+            total = num_training_steps * self.rounds
+            self.lr_scheduler = get_scheduler(
+                self.args.lr_scheduler_type, optimizer=optimizer or self.optimizer,
+                num_warmup_steps=self.args.get_warmup_steps(total), num_training_steps=total,
+                scheduler_specific_kwargs=self.args.lr_scheduler_kwargs or {})
+        return self.lr_scheduler
+
+    def reference_logits(self, model: Any, input_ids: Any, attention_mask: Any) -> Any:
+        """The reference's logits, without gradients (and in eval mode: no dropout, no checkpointing)."""
+        import torch
+
+        with torch.no_grad():
+            if self.ref_model is not None:
+                return self.ref_model(input_ids=input_ids, attention_mask=attention_mask).logits
+            policy = self.accelerator.unwrap_model(model)
+            was_training = policy.training
+            policy.eval()
+            try:
+                with policy.disable_adapter():
+                    return policy(input_ids=input_ids, attention_mask=attention_mask).logits
+            finally:
+                policy.train(was_training)
+
+    def token_terms(self, model: Any, inputs: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+        """Per-token NLL and KL at the response positions, the response mask, and the policy's outputs."""
+        input_ids, attention_mask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
+        outputs = model(input_ids=input_ids, attention_mask=attention_mask)
+        logits = outputs.logits[:, :-1]
+        targets = labels[:, 1:]
+        mask = targets != IGNORE_INDEX
+        log_probs = logits.float().log_softmax(dim=-1)
+        nll = -log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        reference = self.reference_logits(model, input_ids, attention_mask)[:, :-1]
+        kl = token_kl(logits, reference)
+        return nll, kl, mask, outputs
+
+    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        nll, kl, mask, outputs = self.token_terms(model, inputs)
+        mask = mask.to(nll.dtype)
+        nll_sum, kl_sum = (nll * mask).sum(), (kl * mask).sum()
+        tokens = mask.sum()
+        denominator = num_items_in_batch if num_items_in_batch is not None else tokens.clamp(min=1)
+        loss = (nll_sum + self.args.kl_coef * kl_sum) / denominator
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None and self.args.world_size > 1:
+            loss = loss * self.accelerator.num_processes  # the token count was summed over processes
+        if model.training:
+            n = int(tokens.item())
+            for terms in (self._log_terms, self.round_terms):
+                terms[0] += float(nll_sum.detach().item())
+                terms[1] += float(kl_sum.detach().item())
+                terms[2] += n
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        nll, kl, tokens = self._log_terms
+        if "loss" in logs and tokens:
+            logs = {**logs, "nll": round(nll / tokens, 6), "kl": round(kl / tokens, 6)}
+            self._log_terms = [0.0, 0.0, 0]
+        super().log(logs, start_time)
+
+    def measure(self, examples: Sequence[dict[str, list[int]]], batch_size: int = 8) -> dict[str, float]:
+        """Mean per-token NLL and KL(policy || reference) over ``examples``, in eval mode, without training."""
+        import torch
+
+        model = self.model
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        nll_sum = kl_sum = 0.0
+        tokens = 0
+        try:
+            with torch.no_grad():
+                for start in range(0, len(examples), batch_size):
+                    batch = {k: v.to(device) for k, v in self.data_collator(list(examples[start:start + batch_size])).items()}
+                    nll, kl, mask, _ = self.token_terms(model, batch)
+                    nll_sum += float((nll * mask).sum())
+                    kl_sum += float((kl * mask).sum())
+                    tokens += int(mask.sum())
+        finally:
+            model.train(was_training)
+        return {"nll": nll_sum / max(tokens, 1), "kl": kl_sum / max(tokens, 1), "tokens": tokens}
+
+
+def build_quark_trainer(args: QuarkMethodConfig, model: Any, tokenizer: Any, ref_model: Any = None) -> QuarkTrainer:
+    """A :class:`QuarkTrainer` for ``args.rounds`` rounds; its dataset is set per round by :func:`run_rounds`."""
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if ref_model is not None:
+        ref_model.eval().requires_grad_(False)
+        if getattr(ref_model, "hf_device_map", None) is None and getattr(ref_model, "quantization_method", None) is None:
+            ref_model.to(args.device)
+    return QuarkTrainer(model=model, args=args, data_collator=PadCollator(tokenizer.pad_token_id),
+                        processing_class=tokenizer, ref_model=ref_model, rounds=args.rounds)
+
+
+def round_prompts(n_records: int, args: QuarkMethodConfig, seed: int) -> list[list[int]]:
+    """Record indices of every round: a seeded order of all records, taken ``prompts_per_round`` at a time and
+    wrapping around, so every round has the same number of prompts (and of kept samples)."""
+    order = list(range(n_records))
+    random.Random(seed).shuffle(order)
+    per_round = min(args.prompts_per_round or n_records, n_records)
+    return [[order[(r * per_round + j) % n_records] for j in range(per_round)] for r in range(args.rounds)]
+
+
+def sample_pool(model: Any, tokenizer: Any, queries: Sequence[Sequence[int]], args: QuarkMethodConfig, *,
+                seed: int) -> list[list[Sample]]:
+    """``rollouts_per_prompt`` samples per tokenized prompt from the policy as it is now (in eval mode), in order."""
+    was_training = model.training
+    model.eval()
+    try:
+        return sample(model, tokenizer, queries, n=args.rollouts_per_prompt, temperature=args.temperature,
+                      top_p=args.top_p, max_new_tokens=args.max_new_tokens, batch_size=args.generation_batch_size,
+                      seed=seed)
+    finally:
+        model.train(was_training)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: RewardFunction, *,
+               out_dir: str | Path, prompt_format: PromptFormat | str = "alpaca", seed: int = 0, logger: Any = None,
+               progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+    """The Quark loop: per round sample a fresh pool, score it, keep the top quantile, train; returns round stats.
+
+    ``prompt_format`` writes the prompts: a :class:`~alpacafarm.prompts.PromptFormat` (the method's carries the
+    SFT folder's conditioning) or a style name (no conditioning). Writes ``round_<r>/pool.jsonl`` under
+    ``out_dir``. Nothing survives a round but the policy's weights and the optimizer: the pool, its scores and
+    the kept set are rebuilt from scratch every time.
+    """
+    from alpacafarm.data import write_jsonl
+
+    args: QuarkMethodConfig = trainer.args
+    tokenizer = trainer.processing_class
+    if not records:
+        raise UserError("quark: the instruction split is empty")
+    if isinstance(prompt_format, str):
+        prompt_format = PromptFormat(prompt_format, tokenizer)
+    queries = tokenize_prompts(tokenizer, prompt_format.records(records))
+    stats: list[dict[str, Any]] = []
+    for r, indices in enumerate(round_prompts(len(records), args, stable_seed(seed, "quark-prompts")), start=1):
+        started = time.perf_counter()
+        rollouts = sample_pool(trainer.model, tokenizer, [queries[i] for i in indices], args,
+                               seed=stable_seed(seed, "quark-round", r))
+        pool = [(i, j, rollout) for i, samples in zip(indices, rollouts, strict=True) for j, rollout in enumerate(samples)]
+        generated = time.perf_counter()
+        rewards = [float(x) for x in score([records[i] for i, _, _ in pool], [ro.text for _, _, ro in pool])]
+        if len(rewards) != len(pool):
+            raise ValueError(f"the scorer returned {len(rewards)} rewards for {len(pool)} rollouts")
+        kept = top_quantile(rewards, args.top_quantile)
+        kept_set = set(kept)
+        scored = time.perf_counter()
+        write_jsonl(Path(out_dir) / f"round_{r}" / "pool.jsonl", [
+            {"round": r, "record_index": i, "sample_index": j, "instruction": records[i]["instruction"],
+             "input": records[i].get("input") or "", "output": ro.text, "reward": reward, "kept": k in kept_set,
+             "finished": ro.finished, "n_tokens": len(ro.response_ids)}
+            for k, ((i, j, ro), reward) in enumerate(zip(pool, rewards, strict=True))])
+
+        trainer.train_dataset = [training_example(pool[k][2]) for k in kept]
+        trainer.reset_round_terms()
+        result = trainer.train()
+        terms = trainer.round_means()
+        kept_rewards = [rewards[k] for k in kept]
+        stat = {
+            "round": r, "n_prompts": len(indices), "n_pool": len(pool), "n_kept": len(kept),
+            "reward_mean": _mean(rewards), "reward_kept_mean": _mean(kept_rewards), "threshold": min(kept_rewards),
+            "reward_max": max(rewards), "train_loss": float(result.training_loss), "nll": terms["nll"],
+            "kl": terms["kl"], "steps": int(trainer.state.global_step),
+            "learning_rate": float(trainer.lr_scheduler.get_last_lr()[0]),
+            "response_tokens_mean": _mean([len(ro.response_ids) for _, _, ro in pool]),
+            "finished_rate": _mean([float(ro.finished) for _, _, ro in pool]),
+            "seconds": {"rollout": round(generated - started, 3), "score": round(scored - generated, 3),
+                        "train": round(time.perf_counter() - scored, 3)},
+            "log_history": [dict(entry) for entry in trainer.state.log_history],
+        }
+        stats.append(stat)
+        if logger is not None:
+            logger.info("quark round %d/%d: pool reward %.4f, kept %.4f (threshold %.4f, %d of %d), "
+                        "loss %.4f, nll %.4f, kl %.5f", r, args.rounds, stat["reward_mean"], stat["reward_kept_mean"],
+                        stat["threshold"], len(kept), len(pool), stat["train_loss"], terms["nll"] or 0.0,
+                        terms["kl"] or 0.0)
+        if progress is not None:
+            progress(1)
+        del rollouts, pool, rewards, kept  # the pool is discarded: the next round samples a fresh one
+        trainer.train_dataset = None
+    return stats

@@ -1,0 +1,47 @@
+"""``rloo``: REINFORCE Leave-One-Out of the SFT model with TRL's RLOOTrainer (not in the paper).
+
+Each prompt gets ``num_generations`` (k) sampled completions; a completion's baseline is the mean reward of the
+other k - 1 (Ahmadian et al. 2024), and the KL to the SFT model is subtracted from the sequence reward with
+coefficient ``beta`` before the baseline. No value model (unlike PPO). The reward is the recipe's reward model
+and/or rule rewards (see :mod:`alpacafarm_trl.online_rl`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trl import RLOOConfig
+
+from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm_trl.online_rl import OnlineRLOptions, run_online_rl
+
+
+@dataclass
+class RLOOMethodConfig(OnlineRLOptions, RLOOConfig):
+    """Every ``trl.RLOOConfig`` / ``TrainingArguments`` field, plus the reward sources and the prompts to use.
+
+    Defaults are TRL's except: ``num_generations`` 4 instead of 2 (Ahmadian et al. 2024 report k = 4 ahead of
+    k = 2, whose baseline is a single sample); ``max_completion_length`` 300 (the paper's models answer in under
+    300 tokens, as PPO's ``max_new_tokens``). Kept from TRL: ``beta`` 0.05 (a sequence-level KL penalty in the
+    reward, the counterpart of PPO's KL to the SFT model), learning rate 1e-6, temperature 1.
+    ``per_device_train_batch_size * gradient_accumulation_steps`` (or ``generation_batch_size``) must be a
+    multiple of ``num_generations``. ``bf16`` and activation checkpointing are automatic; generation uses
+    transformers (``use_vllm`` is TRL's, untested here).
+    """
+
+    num_generations: int | None = 4
+    max_completion_length: int | None = 300
+
+
+class RLOO(Method):
+    """RLOO from the SFT model against the reward model and/or rules; writes ``model/`` and ``metrics.json``."""
+
+    config_class = RLOOMethodConfig
+    requires = ("sft_model", "instruction_splits")
+    optional = ("reward_model",)
+    provides = "policy_model"
+
+    def run(self, context: StageContext) -> Artifact:
+        from trl import RLOOTrainer
+
+        return run_online_rl(context, self.config, RLOOTrainer, "RLOO")
