@@ -63,24 +63,27 @@ class RewardScorer:
                                tokenizer=self.tokenizer)
         return with_eos(prompt + completion, self.tokenizer.eos_token)
 
-    def score_records(self, records: Sequence[dict[str, Any]], completions: Sequence[str]) -> list[float]:
+    def score_records(self, records: Sequence[dict[str, Any]], completions: Sequence[str], *,
+                      batch_size: int | None = None) -> list[float]:
         """Rewards of ``completions[i]`` as answers to ``records[i]`` (records carry ``instruction``/``input``)."""
         if len(records) != len(completions):
             raise ValueError(f"{len(records)} records but {len(completions)} completions")
-        return self.score_texts([self.full_text(r, c) for r, c in zip(records, completions, strict=True)])
+        return self.score_texts([self.full_text(r, c) for r, c in zip(records, completions, strict=True)],
+                                batch_size=batch_size)
 
-    def score_texts(self, texts: Sequence[str]) -> list[float]:
+    def score_texts(self, texts: Sequence[str], *, batch_size: int | None = None) -> list[float]:
         """Rewards of already formatted full texts (prompt + response; EOS is appended when missing)."""
         import torch
 
+        batch_size = batch_size or self.batch_size
         eos = self.tokenizer.eos_token
         texts = [with_eos(t, eos) for t in texts]
         # Longest first: batches of similar lengths waste less compute on padding.
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
         scores = [0.0] * len(texts)
         with torch.inference_mode():
-            for start in range(0, len(order), self.batch_size):
-                chunk = order[start:start + self.batch_size]
+            for start in range(0, len(order), batch_size):
+                chunk = order[start:start + batch_size]
                 batch = self.tokenizer([texts[i] for i in chunk], padding=True, return_tensors="pt",
                                        truncation=self.max_length is not None, max_length=self.max_length)
                 batch = {k: v.to(self.device) for k, v in batch.items()}

@@ -27,9 +27,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from alpacafarm.data import read_records
-    from alpacafarm.modeling import load_tokenizer
+    from alpacafarm.modeling import load_classifier, load_tokenizer
     from alpacafarm.plugins import get_registry
     from alpacafarm.recipe import load_recipe
+    from alpacafarm.rewards import with_eos
     from alpacafarm.types import Pair
     from alpacafarm_evaluation.evaluator import instruction_scores
     from alpacafarm_evaluation.pairing import annotate_and_score, load_references, pair_outputs
@@ -37,7 +38,6 @@ def main() -> None:
     from alpacafarm_trl.best_of_n import select
     from alpacafarm_trl.reward_head import fit_head, last_token_features
     from alpacafarm_trl.reward_model import preference_rows
-    from alpacafarm_trl.scoring import load_classifier, with_eos
 
     run = Path(args.run)
     loaded = load_recipe(run / "recipe.yaml")

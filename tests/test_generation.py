@@ -86,3 +86,77 @@ def test_generate_outputs_stage_in_a_recipe(tiny_model_dir: str, tmp_path: Path)
     assert len(rows) == 6 and {r["sample_index"] for r in rows} == {0, 1}
     manifest = json.loads((tmp_path / "run/stages/outputs/manifest.json").read_text())
     assert manifest["artifact"]["metadata"]["n_outputs"] == 6
+
+
+# ------------------------------------------------------------------------ prompt conditioning, on every backend
+
+
+def _conditioned_folder(tmp_path: Path) -> Path:
+    from alpacafarm.prompts import PromptConditioning
+    from alpacafarm.testing import save_tiny_causal_lm
+
+    folder = Path(save_tiny_causal_lm(tmp_path / "conditioned"))
+    PromptConditioning(prompt_prefix="<good>\n").save(folder)
+    return folder
+
+
+RECORDS = [{"instruction": "Add 2 and 3."}, {"instruction": "Translate", "input": "hola"}]
+
+
+def test_transformers_backend_samples_behind_the_folders_conditioning(tmp_path: Path):
+    from alpacafarm.plugins import get_registry
+    from alpacafarm.prompts import PromptFormat
+    from alpacafarm.recipe import ModelSpec
+    from alpacafarm.sampling import tokenize_prompts
+
+    folder = str(_conditioned_folder(tmp_path))
+    generator = get_registry().create("generation_backend", "transformers", None, spec=ModelSpec(name=folder),
+                                      model_path=folder)
+    prompts = generator.prompt_format.records(RECORDS)
+    assert prompts == [f"<good>\n{PromptFormat()(r['instruction'], r.get('input'))}" for r in RECORDS]
+    greedy = SamplingConfig(temperature=0, max_new_tokens=5)
+    rows = generate_records(generator, RECORDS, greedy)
+    by_hand = generator.generate(prompts, greedy)  # what the model says behind the marker
+    assert [r["output"] for r in rows] == [s[0] for s in by_hand]
+    assert tokenize_prompts(generator.tokenizer, prompts)[0][:2] == generator.tokenizer("<good>\n")["input_ids"][:2]
+
+
+def test_openai_backend_sends_the_conditioned_prompt_to_the_server(tmp_path: Path):
+    from alpacafarm.plugins import get_registry
+    from alpacafarm.recipe import ModelSpec
+
+    folder = str(_conditioned_folder(tmp_path))
+    with FakeOpenAIServer(lambda body: "ok") as server:
+        backend = get_registry().create("generation_backend", "openai", {"base_url": server.base_url},
+                                        spec=ModelSpec(name=folder), model_path=folder)
+        rows = generate_records(backend, RECORDS, SamplingConfig(max_new_tokens=4))
+        prompts = sorted(r.body["prompt"] for r in server.requests)
+    assert [r["output"] for r in rows] == ["ok", "ok"]
+    assert len(prompts) == 2 and all(p.startswith("<good>\nBelow is an instruction") for p in prompts)
+    assert {r.body["model"] for r in server.requests} == {folder}  # the served model defaults to the model path
+
+
+def test_vllm_backend_writes_prompts_with_the_same_conditioning(tmp_path: Path):
+    # vLLM needs a GPU; what the backend sends it is the prompt format built by the same rule as the OpenAI backend.
+    from alpacafarm.recipe import ModelSpec
+    from alpacafarm_generation import backends
+
+    folder = str(_conditioned_folder(tmp_path))
+    prompt_format = backends.prompt_format_for(ModelSpec(name=folder), folder)
+    assert prompt_format.records(RECORDS[:1])[0].startswith("<good>\nBelow is an instruction")
+
+    class RecordingLLM:  # stands in for vllm.LLM where vLLM cannot be installed (no CUDA on this machine)
+        prompts: list[str] = []
+
+    generator = backends.VLLMGenerator(RecordingLLM(), prompt_format)
+    assert generator.prompt_format.conditioning.prompt_prefix == "<good>\n"
+
+
+def test_a_backend_config_error_names_the_stage_path(tmp_path: Path):
+    from alpacafarm.errors import RecipeError
+    from alpacafarm.plugins import get_registry
+    from alpacafarm.recipe import ModelSpec
+
+    with pytest.raises(RecipeError, match=r"backend_config\.base_ur: unknown key 'base_ur'; did you mean 'base_url'"):
+        get_registry().create("generation_backend", "openai", {"base_ur": "x"}, spec=ModelSpec(name="m"),
+                              model_path="m", path=("stages", "outputs", "config", "backend_config"))

@@ -108,3 +108,104 @@ def test_hook_implementations_may_take_fewer_arguments(register_test_plugin):
 
     register_test_plugin(NoArgs(), "noargs")
     assert not [p for p in get_plugins().failures if p.name == "noargs"]
+
+
+# ------------------------------------------------------------------------------------------ Registry.create
+
+
+def _registry_with(kind: str, name: str, target) -> Registry:
+    registry = Registry()
+    registry.add(kind, name, target, "test-plugin")
+    return registry
+
+
+def test_create_validates_a_block_once_and_passes_a_validated_config_through():
+    from pydantic import BaseModel, ConfigDict
+
+    from alpacafarm.annotation import Annotator
+    from alpacafarm.errors import RecipeError
+
+    validations = []
+
+    class JudgeConfig(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        margin: int = 0
+
+        def model_post_init(self, _context) -> None:
+            validations.append(self.margin)
+
+    class Judge(Annotator):
+        config_class = JudgeConfig
+
+        def __init__(self, config):
+            self.config = config
+
+    registry = _registry_with("annotator", "judge", Judge)
+    judge = registry.create("annotator", "judge", {"margin": "3"})
+    assert isinstance(judge.config, JudgeConfig) and judge.config.margin == 3 and validations == [3]
+    again = registry.create("annotator", "judge", judge.config)  # a config object is not validated again
+    assert again.config is judge.config and validations == [3]
+    with pytest.raises(RecipeError, match=r"stages\[0\]\.config\.margn: unknown key 'margn'; did you mean 'margin'"):
+        registry.create("annotator", "judge", {"margn": 1}, path=("stages", 0, "config"))
+
+
+def test_create_passes_only_the_runtime_arguments_a_target_takes():
+    from alpacafarm.generation import Generator
+
+    seen = {}
+
+    def narrow(config, model_path):  # takes model_path, not spec: a plugin may accept fewer (pluggy's rule)
+        seen["narrow"] = (config, model_path)
+        return Generator()
+
+    def wide(config, **runtime):
+        seen["wide"] = runtime
+        return Generator()
+
+    registry = Registry()
+    registry.add("generation_backend", "narrow", narrow, "p")
+    registry.add("generation_backend", "wide", wide, "p")
+    registry.create("generation_backend", "narrow", None, spec="S", model_path="M")
+    registry.create("generation_backend", "wide", {}, spec="S", model_path="M")
+    assert seen == {"narrow": (None, "M"), "wide": {"spec": "S", "model_path": "M"}}
+    with pytest.raises(TypeError, match="unexpected runtime arguments"):
+        registry.create("generation_backend", "wide", None, cache="C")
+
+
+def test_create_rejects_an_object_that_is_not_of_the_kinds_base_class():
+    class NotAnAnnotator:  # the shape of the old example plugin: annotate(list[dict]) -> list[int]
+        def __init__(self, config):
+            pass
+
+    registry = _registry_with("annotator", "odd", NotAnAnnotator)
+    with pytest.raises(PluginError, match=r"annotator 'odd' of plugin 'test-plugin' built a NotAnAnnotator, "
+                                          r"not a alpacafarm\.annotation\.Annotator"):
+        registry.create("annotator", "odd")
+
+
+def test_a_target_without_config_class_takes_no_config():
+    from alpacafarm.errors import RecipeError
+    from alpacafarm.method import Method
+
+    class Plain(Method):
+        pass
+
+    registry = _registry_with("method", "plain", Plain)
+    assert registry.create("method", "plain", {}).config is None
+    with pytest.raises(RecipeError, match="this plugin takes no config"):
+        registry.create("method", "plain", {"lr": 1})
+
+
+def test_every_builtin_kind_builds_through_create():
+    registry = get_registry()
+    from alpacafarm.annotation import Annotator
+    from alpacafarm.validation import Validator
+
+    pool = registry.create("annotator", "alpacafarm_ann", {"overrides": {"max_concurrency": 2}})
+    assert isinstance(pool, Annotator) and len(pool.members) == 13  # members built by the same registry
+    assert {m.config.max_concurrency for m in pool.members} == {2}  # the pool's overrides reach every member
+    assert len({id(m.cache) for m in pool.members}) == 1  # one cache (and ledger) for the crowd
+    validator = registry.create("validator", "rank_correlation", {"x": "a", "y": "b", "n_bootstrap": 0})
+    assert isinstance(validator, Validator) and validator.config.x == "a"
+    method = registry.create("method", "split_instructions", {"eval_size": 3})
+    assert method.config.eval_size == 3

@@ -26,7 +26,7 @@ def transformers_backend(config: None, spec: Any, model_path: str) -> Generator:
     return TransformersGenerator.from_spec(spec, model_path)
 
 
-def _prompt_format(spec: Any, model_path: str | None) -> PromptFormat:
+def prompt_format_for(spec: Any, model_path: str | None) -> PromptFormat:
     """The model's prompt format for a backend that does not load the model here: a chat template needs the
     tokenizer, loaded from the model folder (or hub ID)."""
     tokenizer = None
@@ -60,7 +60,7 @@ class OpenAIGenerator(Generator):
         self.model = config.model or model_path
         self.api_key = os.environ.get(config.api_key_env) or "not-needed"
         if spec is not None:
-            self.prompt_format = _prompt_format(spec, model_path)
+            self.prompt_format = prompt_format_for(spec, model_path)
 
     def generate(self, prompts: Sequence[str], sampling: SamplingConfig,
                  progress: GenerationProgress | None = None) -> list[list[str]]:
@@ -124,7 +124,7 @@ def vllm_backend(config: VLLMBackendConfig, spec: Any, model_path: str) -> Gener
     from vllm import LLM
 
     llm = LLM(model=resolve_model_path(model_path), seed=0, **config.model_dump(exclude_none=True))
-    return VLLMGenerator(llm, _prompt_format(spec, model_path))
+    return VLLMGenerator(llm, prompt_format_for(spec, model_path))
 
 
 vllm_backend.config_class = VLLMBackendConfig  # type: ignore[attr-defined]

@@ -7,7 +7,7 @@ instead of once per pair side per epoch as ``RewardTrainer`` would; with several
 (``preference_data`` with ``k`` > 2 and ``pairing: all``) that is most of the cost of a CPU reward model.
 The head is then fitted full-batch with Adam on standardised features (L2 penalty ``weight_decay``) and
 written back as the classifier's ``score`` weight (the standardisation folded in), so the saved folder is an
-ordinary sequence classifier that :class:`~alpacafarm_trl.scoring.RewardScorer` and PPO load unchanged.
+ordinary sequence classifier that :class:`~alpacafarm.rewards.RewardScorer` and PPO load unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from alpacafarm_trl.scoring import with_eos
+from alpacafarm.rewards import with_eos
 
 #: Full-batch optimiser steps per epoch (the head has one weight per hidden unit; 100 steps converge).
 STEPS_PER_EPOCH = 100
@@ -87,8 +87,7 @@ def train_head_only(config: Any, spec: Any, model_path: str, rows: list[dict[str
     """
     import torch
 
-    from alpacafarm.modeling import load_tokenizer
-    from alpacafarm_trl.scoring import load_classifier
+    from alpacafarm.modeling import load_classifier, load_tokenizer
 
     tokenizer = load_tokenizer(spec, model_path)
     eos = tokenizer.eos_token

@@ -56,9 +56,8 @@ class RewardModelConfig(TrainingDefaults, RewardConfig):
 
 def pairwise_accuracy(scorer: RewardScorer, pairs: list[dict[str, str]], batch_size: int) -> dict[str, float]:
     """Share of pairs where score(chosen) > score(rejected), and the mean margin."""
-    scorer.batch_size = batch_size
-    chosen = scorer.score_texts([p["prompt"] + p["chosen"] for p in pairs])
-    rejected = scorer.score_texts([p["prompt"] + p["rejected"] for p in pairs])
+    chosen = scorer.score_texts([p["prompt"] + p["chosen"] for p in pairs], batch_size=batch_size)
+    rejected = scorer.score_texts([p["prompt"] + p["rejected"] for p in pairs], batch_size=batch_size)
     wins = [c > r for c, r in zip(chosen, rejected, strict=True)]
     margins = [c - r for c, r in zip(chosen, rejected, strict=True)]
     return {"eval_accuracy": sum(wins) / len(wins), "eval_margin": sum(margins) / len(margins)}
