@@ -63,3 +63,26 @@ def test_expert_iteration_and_best_of_n_sample_through_the_configured_backend(tm
     assert models[:3] == [tiny_model_dir] * 3 and set(models[3:]) == {"served"} and len(models) == 6
     best = read_records(Path(artifacts["best_of_n"].path) / "best_of_2.jsonl")
     assert [b["output"] for b in best] == [w["output"] for w in winners]
+
+
+def test_evaluate_model_generates_through_the_chosen_backend(tmp_path: Path, tiny_model_dir: str):
+    import json
+
+    from conftest import run_cli
+
+    from alpacafarm.testing.openai_server import FakeOpenAIServer
+
+    with FakeOpenAIServer(lambda body: "An answer from the server.") as server:
+        result = run_cli("evaluate", "--model", tiny_model_dir, "--annotator", "offline", "--max-instructions", "3",
+                         "--prompt-format", "alpaca", "--backend", "openai", "--backend-config",
+                         f"{{base_url: '{server.base_url}'}}", "-o", str(tmp_path / "eval"), "--json")
+        models = {r.body["model"] for r in server.requests}
+        n_requests = len(server.requests)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["n_total"] == 3 and n_requests == 3 and models == {tiny_model_dir}
+    outputs = read_records(tmp_path / "eval" / "outputs.jsonl")
+    assert [o["output"] for o in outputs] == ["An answer from the server."] * 3
+    typo = run_cli("evaluate", "--model", tiny_model_dir, "--annotator", "offline", "--backend", "openai",
+                   "--backend-config", "{base_ur: x}")
+    assert typo.returncode == 2 and "unknown key 'base_ur'; did you mean 'base_url'" in typo.stderr
+    assert len(typo.stderr.strip().splitlines()) == 1

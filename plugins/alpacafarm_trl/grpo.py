@@ -21,9 +21,10 @@ class GRPOMethodConfig(OnlineRLOptions, GRPOConfig):
     """Every ``trl.GRPOConfig`` / ``TrainingArguments`` field, plus the reward sources and the prompts to use.
 
     Defaults are TRL's except: ``beta`` 0.04 instead of TRL's 0 (DeepSeekMath's GRPO value, and TRL's former
-    default): AlpacaFarm optimises a learned, over-optimisable reward model, and every RLHF method
-    of the paper keeps the policy near the SFT model (PPO's KL penalty), so the reference stays on by default;
-    ``max_completion_length`` 300 (the paper's models answer in under 300 tokens, as PPO's ``max_new_tokens``).
+    default): AlpacaFarm optimises a learned, over-optimisable reward model, and every RLHF method of the paper
+    keeps the policy near the SFT model (PPO's KL penalty), so the reference stays on by default;
+    ``max_completion_length`` 300 (the paper's models answer in under 300 tokens, as PPO's ``max_new_tokens``);
+    ``logging_steps`` 1 (every step's reward goes into ``metrics.json``).
     Kept from TRL: 8 completions per prompt, learning rate 1e-6, temperature 1 (on-policy sampling), the
     ``dapo`` loss and group-scaled rewards. ``per_device_train_batch_size * gradient_accumulation_steps`` (or
     ``generation_batch_size``) must be a multiple of ``num_generations``. ``bf16`` and activation

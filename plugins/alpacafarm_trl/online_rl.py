@@ -33,6 +33,7 @@ class OnlineRLOptions(TrainingDefaults):
         "help": "rule rewards as 'module:function', each (records, completions) -> list[float]"})
     score_batch_size: int = field(default=8, metadata={"help": "batch size of reward-model scoring"})
     score_max_length: int | None = field(default=None, metadata={"help": "truncate scored texts to N tokens"})
+    logging_steps: float = 1  # TRL's 10: the reward of every step goes into metrics.json (as PPO's)
 
     def __post_init__(self) -> None:
         if self.max_instructions is not None and self.max_instructions < 1:

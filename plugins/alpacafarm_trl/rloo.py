@@ -22,8 +22,9 @@ class RLOOMethodConfig(OnlineRLOptions, RLOOConfig):
 
     Defaults are TRL's except: ``num_generations`` 4 instead of 2 (Ahmadian et al. 2024 report k = 4 ahead of
     k = 2, whose baseline is a single sample); ``max_completion_length`` 300 (the paper's models answer in under
-    300 tokens, as PPO's ``max_new_tokens``). Kept from TRL: ``beta`` 0.05 (a sequence-level KL penalty in the
-    reward, the counterpart of PPO's KL to the SFT model), learning rate 1e-6, temperature 1.
+    300 tokens, as PPO's ``max_new_tokens``); ``logging_steps`` 1 (every step's reward goes into
+    ``metrics.json``). Kept from TRL: ``beta`` 0.05 (a sequence-level KL penalty in the reward, the counterpart
+    of PPO's KL to the SFT model), learning rate 1e-6, temperature 1.
     ``per_device_train_batch_size * gradient_accumulation_steps`` (or ``generation_batch_size``) must be a
     multiple of ``num_generations``. ``bf16`` and activation checkpointing are automatic; generation uses
     transformers (``use_vllm`` is TRL's, untested here).
