@@ -114,7 +114,8 @@ class AnnotationCache:
 
     def ledger(self, annotator: str | None = None, since: float | None = None) -> LedgerTotals:
         """Totals of the paid requests (optionally of one annotator, and since a UNIX time)."""
-        query = "SELECT COUNT(*), COALESCE(SUM(tokens_in),0), COALESCE(SUM(tokens_out),0), COALESCE(SUM(price_usd),0) FROM requests WHERE 1=1"
+        query = ("SELECT COUNT(*), COALESCE(SUM(tokens_in),0), COALESCE(SUM(tokens_out),0), COALESCE(SUM(price_usd),0) "
+                 "FROM requests WHERE 1=1")
         args: list[Any] = []
         if annotator is not None:
             query += " AND annotator = ?"

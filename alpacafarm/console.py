@@ -27,7 +27,8 @@ def progress_bar(description: str, total: int | None) -> Iterator[Any]:
         TimeRemainingColumn,
     )
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TimeRemainingColumn())
     with Progress(*columns, console=console(), transient=False) as progress:
         task = progress.add_task(description, total=total)
         yield lambda n=1: progress.advance(task, n)

@@ -144,14 +144,17 @@ def _load_hub(source: DataSource) -> list[dict[str, Any]]:
         import datasets
     except ImportError as exc:
         raise MissingPackageError("loading hub datasets needs 'datasets': pip install datasets") from exc
-    label = f"{source.hub}" + (f" ({source.config})" if source.config else "") + (f" split {source.split}" if source.split else "")
+    label = (f"{source.hub}" + (f" ({source.config})" if source.config else "")
+             + (f" split {source.split}" if source.split else ""))
     try:
         loaded = datasets.load_dataset(source.hub, source.config, split=source.split or "train")
     except Exception as exc:
-        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get("HF_DATASETS_OFFLINE", "") not in ("", "0")
+        offline = (os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+                   or os.environ.get("HF_DATASETS_OFFLINE", "") not in ("", "0"))
         hint = " (offline mode is on)" if offline else ""
         raise UserError(
-            f"cannot load hub dataset {label}{hint}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; "
+            f"cannot load hub dataset {label}{hint}: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}; "
             f"use a local file instead: data: {{NAME: {{path: records.jsonl}}}}"
         ) from None
     return [dict(row) for row in loaded]

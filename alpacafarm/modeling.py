@@ -41,7 +41,8 @@ def quantization_config(spec: ModelSpec) -> Any:
     if spec.quantization is None:
         return None
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise MissingPackageError(f"quantization: {spec.quantization} needs bitsandbytes: pip install 'alpacafarm[qlora]'")
+        raise MissingPackageError(f"quantization: {spec.quantization} needs bitsandbytes: "
+                                  "pip install 'alpacafarm[qlora]'")
     from transformers import BitsAndBytesConfig
 
     if spec.quantization == "8bit":
@@ -78,7 +79,8 @@ def _load(auto_class: Any, spec: ModelSpec, path: str | None, **kwargs: Any) -> 
                                           device_map=device_map(spec), quantization_config=quantization_config(spec),
                                           trust_remote_code=spec.trust_remote_code, **kwargs)
     except OSError as exc:
-        hint = "" if Path(location).exists() else " (offline? use a local folder or an offline alias such as smollm2-135m-instruct)"
+        hint = ("" if Path(location).exists()
+                else " (offline? use a local folder or an offline alias such as smollm2-135m-instruct)")
         raise UserError(f"cannot load model {location!r}: {str(exc).splitlines()[0]}{hint}") from None
 
 

@@ -128,7 +128,8 @@ def plan(loaded: LoadedRecipe, registry: Registry) -> list[PlannedStage]:
         evaluator_cls = entry.load()
         policies = policy_stages(recipe, [p.name for p in planned], doc)
         inputs = wire(len(planned), EVALUATION_STAGE, evaluation.evaluator,
-                      tuple(r for r in evaluator_cls.requires if r != "policy"), getattr(evaluator_cls, "optional", ()), {})
+                      tuple(r for r in evaluator_cls.requires if r != "policy"),
+                      getattr(evaluator_cls, "optional", ()), {})
         if isinstance(evaluation.policy, list):  # several systems: one input per evaluated stage
             inputs.update({f"policy:{name}": name for name in policies})
         else:
@@ -209,7 +210,8 @@ class Pipeline:
             return _digest(spec), Artifact("model", self.recipe.model.name, {"spec": spec, "resolved": False})
         if provider in self.recipe.data:
             source = self.recipe.data[provider]
-            return source_fingerprint(source), Artifact("data_source", source.path, {"source": source.model_dump(mode="json")})
+            return source_fingerprint(source), Artifact("data_source", source.path,
+                                                        {"source": source.model_dump(mode="json")})
         outcome = outcomes[provider]
         return outcome.artifact.metadata["output_id"], outcome.artifact
 
@@ -225,7 +227,8 @@ class Pipeline:
         names = [s.name for s in self.stages]
         for name in force:
             if name != "all" and name not in names:
-                raise UserError(f"--force {name}: no such stage{did_you_mean(name, names)} (stages: {', '.join(names)})")
+                raise UserError(f"--force {name}: no such stage{did_you_mean(name, names)} "
+                                f"(stages: {', '.join(names)})")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(self.run_dir / "run.log", encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
@@ -246,7 +249,8 @@ class Pipeline:
     def _write_run_files(self) -> None:
         import yaml
 
-        (self.run_dir / "recipe.yaml").write_text(yaml.safe_dump(self.loaded.resolved(), sort_keys=False), encoding="utf-8")
+        (self.run_dir / "recipe.yaml").write_text(yaml.safe_dump(self.loaded.resolved(), sort_keys=False),
+                                                  encoding="utf-8")
         info_path = self.run_dir / "run.json"
         history = json.loads(info_path.read_text())["history"] if info_path.is_file() else []
         history.append({"started_at": _now(), "recipe": str(self.loaded.path)})

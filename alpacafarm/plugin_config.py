@@ -48,7 +48,8 @@ def _data_path(loc: tuple, data: Any) -> Path_:
     path: list[str | int] = []
     node = data
     for part in loc:
-        if (isinstance(node, dict) and part in node) or (isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)):
+        if ((isinstance(node, dict) and part in node)
+                or (isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node))):
             path.append(part)
             node = node[part]
     return tuple(path)

@@ -85,7 +85,8 @@ class PromptConditioning:
         except ValueError as exc:
             raise UserError(f"{path}: not a valid generation conditioning file: {exc}") from None
         known = {f.name for f in fields(cls)}
-        bad = [k for k, v in data.items() if k not in known or not isinstance(v, str)] if isinstance(data, dict) else [""]
+        bad = ([k for k, v in data.items() if k not in known or not isinstance(v, str)] if isinstance(data, dict)
+               else [""])
         if bad:
             raise UserError(f"{path}: not a valid generation conditioning file: unexpected {bad[0]!r} "
                             f"(allowed: {', '.join(sorted(known))}, strings)")

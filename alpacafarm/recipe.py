@@ -179,7 +179,8 @@ def _failed_plugins_hint() -> str:
     return " — note: plugin(s) failed to load: " + "; ".join(f"{f.name} ({f.error})" for f in failures)
 
 
-def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), registry: Registry | None = None) -> LoadedRecipe:
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
+                registry: Registry | None = None) -> LoadedRecipe:
     """Load, merge includes, apply ``--set`` overrides, validate the schema and every plugin config block.
 
     Each plugin block is validated here, once, while its YAML positions are known; the config objects are kept

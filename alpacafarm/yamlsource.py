@@ -52,11 +52,13 @@ def _build(node: yaml.Node, path: Path_, positions: dict, source: str) -> Any:
     if isinstance(node, yaml.MappingNode):
         out: dict[str, Any] = {}
         for key_node, value_node in node.value:
-            key = yaml.safe_load(yaml.serialize(key_node)) if not isinstance(key_node, yaml.ScalarNode) else key_node.value
+            key = (yaml.safe_load(yaml.serialize(key_node)) if not isinstance(key_node, yaml.ScalarNode)
+                   else key_node.value)
             if not isinstance(key, str):
                 raise RecipeError(f"{source}:{key_node.start_mark.line + 1}: mapping keys must be strings, got {key!r}")
             if key in out:
-                raise RecipeError(f"{source}:{key_node.start_mark.line + 1}: {format_path((*path, key))}: duplicate key")
+                raise RecipeError(f"{source}:{key_node.start_mark.line + 1}: {format_path((*path, key))}: "
+                                  "duplicate key")
             positions[(*path, key)] = (source, key_node.start_mark.line + 1)
             out[key] = _build(value_node, (*path, key), positions, source)
         return out

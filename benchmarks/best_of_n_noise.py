@@ -102,7 +102,8 @@ def main() -> None:
     judge.close()
 
     print(f"best-of-n on {len(groups)} instructions of {run} ({len(pairs)} preference pairs, judge: offline)")
-    print(f"{'noise':>6} {'n':>3} {'win-rate':>9} {'± SE':>6} {'Δ vs n=1':>9} {'± paired':>9} {'proxy':>8} {'avg len':>8}")
+    print(f"{'noise':>6} {'n':>3} {'win-rate':>9} {'± SE':>6} {'Δ vs n=1':>9} {'± paired':>9} "
+          f"{'proxy':>8} {'avg len':>8}")
     for r in results:
         print(f"{r['noise']:>6.2f} {r['n']:>3} {r['win_rate']:>9.2f} {r['standard_error']:>6.2f} "
               f"{r['delta_vs_n1']:>9.2f} {r['paired_standard_error'] or 0.0:>9.2f} {r['proxy_reward']:>8.3f} "

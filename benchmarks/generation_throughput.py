@@ -69,10 +69,12 @@ def main() -> None:
     batched = time.perf_counter() - started
     produced = sum(map(sum, generator.last_token_counts))
 
-    print(f"model {args.model} on {device} ({torch.cuda.get_device_name() if device == 'cuda' else f'{torch.get_num_threads()} CPU threads'})")
+    print(f"model {args.model} on {device} "
+          f"({torch.cuda.get_device_name() if device == 'cuda' else f'{torch.get_num_threads()} CPU threads'})")
     print(f"{len(prompts)} prompts x {args.n} samples x {args.max_new_tokens} new tokens = {total_tokens} tokens")
     print(f"naive one-at-a-time : {naive:8.2f}s  {total_tokens / naive:9.1f} tokens/s")
-    print(f"batched generator   : {batched:8.2f}s  {produced / batched:9.1f} tokens/s  (batch {args.batch_size} x n {args.n})")
+    print(f"batched generator   : {batched:8.2f}s  {produced / batched:9.1f} tokens/s  "
+          f"(batch {args.batch_size} x n {args.n})")
     print(f"speed-up            : {(produced / batched) / (total_tokens / naive):8.1f}x")
     if device == "cuda":
         print(f"peak GPU memory     : {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")

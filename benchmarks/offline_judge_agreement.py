@@ -114,7 +114,8 @@ def evaluate(judge, use_ref, instructions, index, davinci, outputs, annotations,
     balanced = lens.min(1) >= 0.75 * lens.max(1)
 
     # (c) win-rates of every system with outputs vs the davinci003 reference outputs.
-    leaderboard_csv = data_dir / "tatsu-lab_alpaca_eval/src/alpaca_eval/leaderboards/data_AlpacaEval/alpaca_eval_gpt4_leaderboard.csv"
+    leaderboard_csv = data_dir / ("tatsu-lab_alpaca_eval/src/alpaca_eval/leaderboards/data_AlpacaEval/"
+                                  "alpaca_eval_gpt4_leaderboard.csv")
     with leaderboard_csv.open() as f:
         leaderboard = {r[""]: float(r["win_rate"]) / 100 for r in csv.DictReader(f)}
     win = {}  # system -> (judge credits, baseline credits, odd mask)

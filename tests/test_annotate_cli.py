@@ -36,7 +36,8 @@ def test_annotate_writes_records_with_preferences_and_costs(tmp_path: Path, env)
     labels = write_pairs(tmp_path / "pairs.jsonl", 11)
     with FakeOpenAIServer(TagResponder()) as server:
         result = run_cli("annotate", str(tmp_path / "pairs.jsonl"), "--annotator", "gpt4_b5", "--base-url",
-                         server.base_url, "--model-map", "gpt-4-0314=gpt-4o-mini", "-o", str(tmp_path / "out.json"), env=env)
+                         server.base_url, "--model-map", "gpt-4-0314=gpt-4o-mini", "-o", str(tmp_path / "out.json"),
+                         env=env)
         assert result.returncode == 0, result.stderr
         assert {r.body["model"] for r in server.requests} == {"gpt-4o-mini"}
         assert server.seen_api_keys() == {SECRET}  # the key was sent ...

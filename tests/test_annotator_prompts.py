@@ -100,7 +100,8 @@ def test_thirteen_annotators_vary_like_the_paper():
         assert c.decoding["temperature"] == 1.0 and c.decoding["top_p"] == 1.0 and c.decoding["max_tokens"] > 0
     n_examples = {len(templates.load_template(c.template).examples) for c in members}
     assert 0 in n_examples and max(n_examples) >= 2
-    personas = [templates.load_template(PROMPTED[n].template).system or "" for n in ("gpt4_verbose_b5", "gpt4_concise_b5")]
+    personas = [templates.load_template(PROMPTED[n].template).system or ""
+                for n in ("gpt4_verbose_b5", "gpt4_concise_b5")]
     assert "detail" in personas[0] and "list" in personas[1]
 
 
@@ -145,7 +146,8 @@ def test_batched_chat_rendering():
         assert f"[Pair {i}, output 1]\n{pair.output_1}" in text and f"[Pair {i}, output 2]\n{pair.output_2}" in text
     assert "[Input 2]\ninput text 2" in text and "[Input 1]" not in text.split("## Pairs to judge")[1]
     assert "### Pair 4" not in text.split("## Pairs to judge")[1]
-    assert text.index(template.examples[0].instruction) < text.index("## Pairs to judge") < text.index(pairs[0].instruction)
+    assert (text.index(template.examples[0].instruction) < text.index("## Pairs to judge")
+            < text.index(pairs[0].instruction))
     assert "Pair 1: 1\nPair 2: 2\nPair 3: 1" in text  # the examples' batched answer
     assert text.rstrip().endswith(template.answer_format.format(n=3).strip())
     assert "Write exactly 3 lines" in text

@@ -18,7 +18,8 @@ MAX_LINES = 500
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO / "plugins" if path.is_relative_to(REPO / "plugins") else REPO).with_suffix("").parts)
+    parts = list(path.relative_to(REPO / "plugins" if path.is_relative_to(REPO / "plugins") else REPO)
+                 .with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -95,4 +96,5 @@ def test_no_source_file_is_over_the_size_limit():
 
 def test_the_checks_see_the_code():  # the rules above would pass vacuously on an empty or misread tree
     assert {"alpacafarm.registry", "alpacafarm_trl.dpo", "alpacafarm_evaluation.results"} <= set(MODULES)
-    assert ("alpacafarm.errors", ["PluginError", "UnknownNameError", "did_you_mean"]) in imports(MODULES["alpacafarm.registry"])
+    assert (("alpacafarm.errors", ["PluginError", "UnknownNameError", "did_you_mean"])
+            in imports(MODULES["alpacafarm.registry"]))

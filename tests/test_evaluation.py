@@ -20,7 +20,8 @@ from alpacafarm.testing import write_records
 from alpacafarm_evaluation import metrics as wr
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
-RESULTS, BOARDS = DATA_DIR / "tatsu-lab_alpaca_eval" / "results", DATA_DIR / "tatsu-lab_alpaca_eval" / "src" / "alpaca_eval" / "leaderboards"
+RESULTS, BOARDS = (DATA_DIR / "tatsu-lab_alpaca_eval" / "results",
+                   DATA_DIR / "tatsu-lab_alpaca_eval" / "src" / "alpaca_eval" / "leaderboards")
 AE1_CSV = BOARDS / "data_AlpacaEval" / "alpaca_eval_gpt4_leaderboard.csv"
 AE2_CSV = BOARDS / "data_AlpacaEval_2" / "weighted_alpaca_eval_gpt4_turbo_leaderboard.csv"
 needs_data = pytest.mark.skipif(not AE1_CSV.is_file(), reason=f"shared AlpacaEval data not found under {DATA_DIR}")
@@ -32,7 +33,8 @@ def _board(path: Path) -> dict[str, dict[str, str]]:
 
 
 def _systems(annotator: str) -> list[str]:
-    return sorted(p.parents[1].name for p in RESULTS.glob(f"*/{annotator}/annotations.json")) if RESULTS.is_dir() else []
+    return (sorted(p.parents[1].name for p in RESULTS.glob(f"*/{annotator}/annotations.json")) if RESULTS.is_dir()
+            else [])
 
 
 def _assert_matches_board(metrics: dict, row: dict[str, str], *, avg_length: bool = True) -> None:

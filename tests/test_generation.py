@@ -49,7 +49,8 @@ def test_greedy_decoding_does_not_depend_on_batching(generator):
 
 
 def test_generate_records_formats_prompts_and_keeps_fields(generator):
-    records = [{"instruction": "Add 2 and 3.", "input": "", "dataset": "x"}, {"instruction": "Translate", "input": "hola"}]
+    records = [{"instruction": "Add 2 and 3.", "input": "", "dataset": "x"},
+               {"instruction": "Translate", "input": "hola"}]
     rows = generate_records(generator, records, SamplingConfig(n=2, max_new_tokens=3))
     assert [(r["instruction"], r["sample_index"]) for r in rows] == [("Add 2 and 3.", 0), ("Add 2 and 3.", 1),
                                                                       ("Translate", 0), ("Translate", 1)]
@@ -61,7 +62,8 @@ def test_openai_compatible_backend_against_a_local_server():
         return f"echo: {request_text(body)[-12:]}"
 
     with FakeOpenAIServer(responder) as server:
-        backend = OpenAIGenerator(OpenAIBackendConfig(base_url=server.base_url, model="served-model", max_concurrency=2))
+        backend = OpenAIGenerator(OpenAIBackendConfig(base_url=server.base_url, model="served-model",
+                                                      max_concurrency=2))
         outputs = backend.generate(PROMPTS, SamplingConfig(n=3, max_new_tokens=8, temperature=0.5))
         assert [len(o) for o in outputs] == [3, 3, 3]
         assert outputs[1] == ["echo: Hi"] * 3

@@ -57,7 +57,8 @@ def test_local_judge_is_order_independent_and_sign_consistent():
     tokenizer = tiny_tokenizer()
     judge = LocalJudge(LocalJudgeConfig(model="tiny", batch_size=3), model=tiny_causal_lm(tokenizer).eval(),
                        tokenizer=tokenizer)
-    pairs = [Pair(f"Name a colour {i}.", "Red.", f"Blue, or maybe green {i}.") for i in range(5)] + [Pair("q", "x", "x")]
+    pairs = ([Pair(f"Name a colour {i}.", "Red.", f"Blue, or maybe green {i}.") for i in range(5)]
+             + [Pair("q", "x", "x")])
     forward = judge.annotate(pairs)
     backward = judge.annotate([p.swapped() for p in pairs])
     for a, b in zip(forward[:-1], backward[:-1], strict=True):

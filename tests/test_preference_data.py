@@ -38,6 +38,7 @@ def test_preference_stage_in_a_recipe(tiny_model_dir: str, tmp_path: Path):
     import datasets
 
     loaded = datasets.load_dataset("json", data_files=str(out / "stages/prefs/preferences.jsonl"), split="train")
-    assert loaded.num_rows == len(rows) and {"instruction", "output_1", "output_2", "preference"} <= set(loaded.features)
+    assert (loaded.num_rows == len(rows)
+            and {"instruction", "output_1", "output_2", "preference"} <= set(loaded.features))
     again = run_cli("run", str(recipe), "--output-dir", str(out))
     assert again.returncode == 0 and again.stderr.count("unchanged, skipped") == 2

@@ -34,8 +34,8 @@ def cache(tmp_path: Path) -> AnnotationCache:
 def annotator(server: FakeOpenAIServer, cache: AnnotationCache, monkeypatch, **overrides) -> PromptedAnnotator:
     monkeypatch.setenv("TEST_JUDGE_KEY", KEY)
     config = {"model": "gpt-4-0314", "template": "ranking", "batch_size": 5, "base_url": server.base_url,
-              "api_key_env": "TEST_JUDGE_KEY", "model_map": {"gpt-4-0314": "judge-model"}, "max_retries": 8, "retry_backoff_s": 0.05,
-              "timeout_s": 5.0, "price": {"input": 10.0, "output": 30.0}, **overrides}
+              "api_key_env": "TEST_JUDGE_KEY", "model_map": {"gpt-4-0314": "judge-model"}, "max_retries": 8,
+              "retry_backoff_s": 0.05, "timeout_s": 5.0, "price": {"input": 10.0, "output": 30.0}, **overrides}
     return PromptedAnnotator(PromptedAnnotatorConfig(**config), "test_judge", cache=cache)
 
 
@@ -78,7 +78,8 @@ def test_a_wrong_answer_count_is_asked_again_once(server, cache, monkeypatch):
     assert len(server.requests) == 2 and cache.ledger().requests == 1  # one ledger row holds both attempts
     prompt_tokens = [r.body for r in server.requests]
     assert prompt_tokens[0] == prompt_tokens[1]  # the same prompt, asked again
-    assert cache.ledger().tokens_in == pytest.approx(sum(a.tokens_in for a in annotations), abs=5)  # both attempts billed
+    # both attempts billed
+    assert cache.ledger().tokens_in == pytest.approx(sum(a.tokens_in for a in annotations), abs=5)
 
 
 def test_an_unreadable_batch_is_marked_unparsed_never_guessed(server, cache, monkeypatch):
@@ -116,7 +117,8 @@ def test_requests_that_keep_failing_leave_pairs_unlabelled_and_uncached(server, 
     pairs, labels = tagged_pairs(2)
     server.script(*[Fault("500")] * 3)
     annotations = annotator(server, cache, monkeypatch, batch_size=2, max_retries=2).annotate(pairs)
-    assert [a.preference for a in annotations] == [None, None] and "InternalServerError" in annotations[0].metadata["error"]
+    assert ([a.preference for a in annotations] == [None, None]
+            and "InternalServerError" in annotations[0].metadata["error"])
     assert cache.ledger().requests == 0
     assert [a.preference for a in annotator(server, cache, monkeypatch, batch_size=2).annotate(pairs)] == labels
 

@@ -29,7 +29,8 @@ def test_alpaca_without_input():
         "Below is an instruction that describes a task. Write a response that appropriately completes the request."
         "\n\n### Instruction:\nName a colour.\n\n### Response:\n"
     )
-    assert format_prompt("Name a colour.", "") == format_prompt("Name a colour.", None) == format_prompt("Name a colour.")
+    assert (format_prompt("Name a colour.", "") == format_prompt("Name a colour.", None)
+            == format_prompt("Name a colour."))
 
 
 def test_alpaca_with_input():

@@ -254,7 +254,8 @@ def test_dataclass_config_errors(tmp_path, test_plugin, config, expected):
 
 def test_annotator_name_and_config_are_validated(tmp_path, test_plugin):
     config = "steps: 1\n"
-    assert load_recipe(toy_recipe(tmp_path, config, "annotator: longer_judge\n")).recipe.annotator.name == "longer_judge"
+    assert (load_recipe(toy_recipe(tmp_path, config, "annotator: longer_judge\n")).recipe.annotator.name
+            == "longer_judge")
     message = error_of(toy_recipe(tmp_path, config, "annotator: longer_judg\n"))
     assert "toy.yaml:2: annotator.name: unknown annotator 'longer_judg'" in message
     assert "did you mean 'longer_judge'" in message

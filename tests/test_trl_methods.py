@@ -17,7 +17,8 @@ from alpacafarm.testing import run_recipe, write_records
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SFT_RECORDS = [
-    {"instruction": f"Name the colour number {i}.", "input": "" if i % 3 else "a short list", "output": f"Colour {i} is blue."}
+    {"instruction": f"Name the colour number {i}.", "input": "" if i % 3 else "a short list",
+     "output": f"Colour {i} is blue."}
     for i in range(16)
 ]
 TOPICS = ["rivers", "baking", "chess", "planets", "gardens", "trains", "music", "history", "oceans", "poetry"]
@@ -112,14 +113,16 @@ def test_sft_config_fields_are_recipe_settable_with_clear_errors(tiny_model_dir:
     loaded = load_recipe(recipe, ["stages.sft.config.weight_decay=0.1", "stages.sft.config.lr_scheduler_type=linear",
                                   "stages.sft.config.gradient_accumulation_steps=2"])
     config = loaded.stage_configs["sft"]
-    assert (config.weight_decay, config.lr_scheduler_type.value, config.gradient_accumulation_steps) == (0.1, "linear", 2)
+    assert ((config.weight_decay, config.lr_scheduler_type.value, config.gradient_accumulation_steps)
+            == (0.1, "linear", 2))
     assert config.bf16 is False and config.gradient_checkpointing is False  # CPU: automatic values
     assert config.learning_rate == 1e-3 and config.max_length == 512 and config.report_to == []
 
     with pytest.raises(RecipeError) as error:
         load_recipe(recipe, ["stages.sft.config.learning_rat=1e-4"])
     message = str(error.value)
-    assert "\n" not in message and "stages[0].config.learning_rat" in message and "did you mean 'learning_rate'" in message
+    assert ("\n" not in message and "stages[0].config.learning_rat" in message
+            and "did you mean 'learning_rate'" in message)
     with pytest.raises(RecipeError, match=r"num_train_epochs.*got 'three'"):
         load_recipe(recipe, ["stages.sft.config.num_train_epochs=three"])
     # bf16 on a machine without a bfloat16 GPU: the recipe still loads, training runs in float32.
@@ -219,7 +222,8 @@ def test_scorer_ranks_held_out_pairs_and_batching_does_not_change_scores(reward_
     # Topics and numbers the training pairs never used.
     records = [{"instruction": f"Tell me something about {t} (#{900 + i}).", "input": ""}
                for i, t in enumerate(["volcanoes", "bridges", "tea"])]
-    chosen = [f"Here is a clear and helpful answer about {t}, with an example number 7." for t in ("volcanoes", "bridges", "tea")]
+    chosen = [f"Here is a clear and helpful answer about {t}, with an example number 7."
+              for t in ("volcanoes", "bridges", "tea")]
     rejected = [f"No. I refuse to talk about {t}." for t in ("volcanoes", "bridges", "tea")]
     good, bad = scorer.score_records(records, chosen), scorer.score_records(records, rejected)
     assert all(g > b for g, b in zip(good, bad, strict=True))

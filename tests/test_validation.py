@@ -83,7 +83,8 @@ def test_table2_in_process() -> None:
     everything = correlate(read_table2(), RankCorrelationConfig(x="simulated", y="human", n_bootstrap=0))
     assert round(everything.spearman, 2) == 0.98 and everything.n == 10 and everything.n_skipped == 3
     trained_rows = [r for r in read_table2() if r["system"] in TRAINED]
-    trained = RankCorrelationValidator(RankCorrelationConfig(x="simulated", y="human", n_bootstrap=200)).validate(trained_rows)
+    trained = RankCorrelationValidator(RankCorrelationConfig(x="simulated", y="human", n_bootstrap=200)).validate(
+        trained_rows)
     assert (round(trained.spearman, 2), round(trained.r2, 2), trained.n) == (0.94, 0.83, 6)
     # same selection through the filter, on the full table
     filtered = correlate(read_table2(), RankCorrelationConfig(x="simulated", y="human", n_bootstrap=0,

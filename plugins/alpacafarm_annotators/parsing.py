@@ -25,7 +25,8 @@ Parser = Callable[[str, int], "list[Preference] | None"]
 # The answer token: "2", "(2)", "[2]", "Output 2", "output (2)", "Response #2".
 _CHOICE = r"(?:(?:output|response|answer)\s*#?\s*)?[(\[]?\s*(?P<choice>[12])\s*[)\]]?"
 # What may follow the answer token on the same line: nothing, punctuation then anything, or "is better".
-_END = r"(?=[ \t]*(?:$|[.,;:](?!\d)|[(\[]|[-\u2013\u2014][ \t]|is[ \t]+(?:better|preferred)\b|(?:better|preferred)\b|pair\b))"
+_END = (r"(?=[ \t]*(?:$|[.,;:](?!\d)|[(\[]|[-\u2013\u2014][ \t]|is[ \t]+(?:better|preferred)\b"
+        r"|(?:better|preferred)\b|pair\b))")
 _SEP = r"(?:\s*[:=\-\u2013\u2014\u2192>)]+\s*|\.[ \t]+)"
 # "Pair 3: 2" anywhere (several may share a line); a bare "3: 2" only at the start of a line.
 _WITH_WORD = re.compile(rf"\bpair\s*#?\s*(?P<index>\d+){_SEP}{_CHOICE}{_END}", re.I | re.M)

@@ -45,7 +45,8 @@ class PromptedAnnotator(Annotator):
         self.model = config.model_map.get(config.model, config.model)
         self.template = templates.load_template(config.template)
         if config.parser not in parsing.PARSERS:
-            raise UserError(f"annotator {name!r}: unknown parser {config.parser!r} (known: {', '.join(parsing.PARSERS)})")
+            raise UserError(f"annotator {name!r}: unknown parser {config.parser!r} "
+                            f"(known: {', '.join(parsing.PARSERS)})")
         self.price = config.price or price_table().get(self.model)
         self.cache = (cache or AnnotationCache()) if config.cache else None
         self.budget = budget or Budget(config.max_cost_usd)

@@ -125,7 +125,8 @@ async def complete(client: Any, *, style: str, model: str, prompt: Any, decoding
                 text = choice.text or ""
                 choice_logprobs = getattr(choice, "logprobs", None)
             usage = response.usage
-            return Completion(text, getattr(usage, "prompt_tokens", 0) or 0, getattr(usage, "completion_tokens", 0) or 0,
+            return Completion(text, getattr(usage, "prompt_tokens", 0) or 0,
+                              getattr(usage, "completion_tokens", 0) or 0,
                               time.perf_counter() - started, attempts, choice_logprobs)
         except Exception as exc:
             if isinstance(exc, openai.APIStatusError) and not _is_retryable(exc):
@@ -137,7 +138,8 @@ async def complete(client: Any, *, style: str, model: str, prompt: Any, decoding
             delay = _retry_after(exc)
             if delay is None:
                 delay = min(max_backoff_s, backoff_s * 2 ** (attempts - 1)) * (0.5 + random.random())
-            logger.warning("request failed (%s), retry %d/%d in %.2fs", type(exc).__name__, attempts, max_retries, delay)
+            logger.warning("request failed (%s), retry %d/%d in %.2fs", type(exc).__name__, attempts, max_retries,
+                           delay)
             await asyncio.sleep(delay)
 
 

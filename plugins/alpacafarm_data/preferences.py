@@ -82,5 +82,6 @@ class PreferenceData(Method):
         labels = Counter(e["preference"] for e in examples)
         return Artifact("dataset", str(path), {
             "n_pairs": len(examples), "n_instructions": len(records), "instructions_without_pair": dropped,
-            "labels": {str(k): v for k, v in labels.items()}, "cost_usd": round(sum(e["price_usd"] for e in examples), 6),
+            "labels": {str(k): v for k, v in labels.items()},
+            "cost_usd": round(sum(e["price_usd"] for e in examples), 6),
             "annotation_seconds": round(time.perf_counter() - started, 2)})

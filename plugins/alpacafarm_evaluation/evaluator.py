@@ -124,7 +124,8 @@ class WinRateEvaluator(Method):
                         "%s: %s: skipped %d of %d outputs without a reference instruction and %d extra samples",
                         context.stage, system.name, skipped["n_unmatched"], len(system.outputs),
                         skipped["n_extra_samples"])
-                out_dir = context.stage_dir if single else context.stage_dir / "systems" / system.name.replace("/", "__")
+                out_dir = (context.stage_dir if single
+                           else context.stage_dir / "systems" / system.name.replace("/", "__"))
                 metrics = annotate_and_score(pairs, annotator, out_dir, skipped)
                 per_instruction = instruction_scores(out_dir / "annotations.json")
                 context.logger.info("%s: %s win-rate %.2f ± %.2f over %d pairs", context.stage, system.name,

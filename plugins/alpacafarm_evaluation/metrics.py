@@ -115,7 +115,8 @@ def compute_metrics(preferences: Sequence[Any], output_lengths: Sequence[int] | 
     subset (selfinstruct, oasst, koala, helpful_base, vicuna); missing names are grouped as ``unknown``.
     """
     n = len(preferences)
-    for name, seq in (("output_lengths", output_lengths), ("reference_lengths", reference_lengths), ("sources", sources)):
+    for name, seq in (("output_lengths", output_lengths), ("reference_lengths", reference_lengths),
+                      ("sources", sources)):
         if seq is not None and len(seq) != n:
             raise ValueError(f"{name} has {len(seq)} entries for {n} preferences")
     all_scores = scores(preferences)

@@ -45,7 +45,8 @@ class ReferenceSet:
     name: str = "reference"
 
     @classmethod
-    def build(cls, records: list[dict[str, Any]], field_name: str = "reference", label: str = "references") -> ReferenceSet:
+    def build(cls, records: list[dict[str, Any]], field_name: str = "reference",
+              label: str = "references") -> ReferenceSet:
         """Index records that have ``instruction`` and a reference text (``field_name``, else ``output``)."""
         fields = (field_name, *(f for f in REFERENCE_FIELDS if f != field_name))
         usable: list[dict[str, Any]] = []
@@ -84,7 +85,8 @@ def load_references(source: Any = None, field_name: str = "reference") -> Refere
         if str(source) in builtin_datasets():
             source = DataSource(builtin=str(source))
         else:
-            raise UserError(f"references not found: {source} (a JSON/JSONL file, or a builtin: {', '.join(builtin_datasets())})")
+            raise UserError(f"references not found: {source} "
+                            f"(a JSON/JSONL file, or a builtin: {', '.join(builtin_datasets())})")
     label = source.path or source.builtin or source.hub or "references"
     return ReferenceSet.build(load_source(source), field_name, str(label))
 

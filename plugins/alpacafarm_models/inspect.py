@@ -72,7 +72,8 @@ class InspectModel(Method):
         }
         write_json(context.stage_dir / "summary.json", summary)
         rows = [[s["instruction"][:60], s["output"][:80].replace("\n", " ")] for s in samples]
-        table = {"title": f"{spec.name}: {summary['parameters'] / 1e6:.1f}M parameters", "columns": ["instruction", "greedy answer"],
-                 "rows": rows}
+        table = {"title": f"{spec.name}: {summary['parameters'] / 1e6:.1f}M parameters",
+                 "columns": ["instruction", "greedy answer"], "rows": rows}
         return Artifact("report", str(context.stage_dir / "summary.json"),
-                        {key: summary[key] for key in ("architecture", "parameters", "dtype", "load_seconds")} | {"table": table})
+                        {key: summary[key] for key in ("architecture", "parameters", "dtype", "load_seconds")}
+                        | {"table": table})

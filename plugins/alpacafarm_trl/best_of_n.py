@@ -122,7 +122,8 @@ class BestOfN(Method):
             chosen = select(samples, n)
             name = f"best_of_{n}"
             write_jsonl(context.stage_dir / f"{name}.jsonl", chosen)
-            systems[name] = {"outputs": f"{name}.jsonl", "n": n, "proxy_reward": round(mean([c["reward"] for c in chosen]), 6),
+            systems[name] = {"outputs": f"{name}.jsonl", "n": n,
+                             "proxy_reward": round(mean([c["reward"] for c in chosen]), 6),
                              "avg_length": round(mean([len(c["output"]) for c in chosen]), 1)}
             context.logger.info("stage %s: best-of-%d mean proxy reward %.4f", context.stage, n,
                                 systems[name]["proxy_reward"])

@@ -115,7 +115,8 @@ class ExpertIteration(Method):
             args = dataclasses.replace(stage_training_args(config, context), output_dir=str(round_dir / "trainer"),
                                        response_field="output", max_examples=None)
             trainer = build_sft_trainer(args, spec, start_from, demonstrations)
-            context.logger.info("stage %s: round %d, SFT on %d best-of-%d outputs (mean reward %.4f vs %.4f per sample)",
+            context.logger.info("stage %s: round %d, SFT on %d best-of-%d outputs "
+                                "(mean reward %.4f vs %.4f per sample)",
                                 context.stage, r, len(demonstrations), config.n, mean([w["reward"] for w in winners]),
                                 mean([s["reward"] for g in samples for s in g]))
             result = trainer.train()

@@ -62,7 +62,8 @@ def preferred_demonstrations(records: list[dict[str, Any]]) -> tuple[list[dict[s
     return demonstrations, dropped
 
 
-def split_pairs(rows: list[dict[str, str]], eval_fraction: float, seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+def split_pairs(rows: list[dict[str, str]], eval_fraction: float,
+                seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """A seeded shuffle, then the last ``eval_fraction`` of the pairs held out (at least one when asked for any)."""
     shuffled = list(rows)
     random.Random(seed).shuffle(shuffled)

@@ -55,8 +55,8 @@ def last_token_features(model: Any, tokenizer: Any, texts: Sequence[str], *, bat
 
 def fit_head(features: Any, chosen: Sequence[int], rejected: Sequence[int], *, learning_rate: float, steps: int,
              weight_decay: float, seed: int, log_every: int = 10) -> tuple[Any, list[dict[str, float]]]:
-    """Bradley-Terry head on ``features``: maximise log sigmoid(w . (f[c] - f[r])) over the pairs; returns ``w`` (for raw
-    features) and the loss/accuracy log."""
+    """Bradley-Terry head on ``features``: maximise log sigmoid(w . (f[c] - f[r])) over the pairs; returns ``w``
+    (for raw features) and the loss/accuracy log."""
     import torch
 
     torch.manual_seed(seed)

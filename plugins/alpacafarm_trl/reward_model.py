@@ -142,12 +142,14 @@ class RewardModel(Method):
         }
         if eval_rows:
             scorer = RewardScorer.from_path(str(model_dir), spec, max_length=args.max_length)
-            metrics.update({k: round(v, 6) for k, v in pairwise_accuracy(scorer, eval_rows, args.score_batch_size).items()})
+            metrics.update({k: round(v, 6)
+                            for k, v in pairwise_accuracy(scorer, eval_rows, args.score_batch_size).items()})
         write_json(Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": trainer.state.log_history})
         return Artifact("model", str(model_dir), metrics)
 
-    def _run_head_only(self, context: StageContext, args: RewardModelConfig, model_path: str, rows: list[dict[str, str]],
-                       train_rows: list[dict[str, str]], eval_rows: list[dict[str, str]], dropped: int) -> Artifact:
+    def _run_head_only(self, context: StageContext, args: RewardModelConfig, model_path: str,
+                       rows: list[dict[str, str]], train_rows: list[dict[str, str]],
+                       eval_rows: list[dict[str, str]], dropped: int) -> Artifact:
         """``trainable_layers: 0``: features once per distinct text, then the head (see ``reward_head``)."""
         from alpacafarm.data import write_json
         from alpacafarm.modeling import save_model
@@ -169,6 +171,7 @@ class RewardModel(Method):
                                    "n_eval": len(eval_rows), "n_dropped_no_preference": dropped}
         if eval_rows:
             scorer = RewardScorer.from_path(str(model_dir), spec, max_length=args.max_length)
-            metrics.update({k: round(v, 6) for k, v in pairwise_accuracy(scorer, eval_rows, args.score_batch_size).items()})
+            metrics.update({k: round(v, 6)
+                            for k, v in pairwise_accuracy(scorer, eval_rows, args.score_batch_size).items()})
         write_json(Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": history})
         return Artifact("model", str(model_dir), metrics)

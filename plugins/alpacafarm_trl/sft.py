@@ -61,7 +61,8 @@ def response_of(record: dict[str, Any], response_field: str) -> str:
                     f"set stages.<name>.config.response_field")
 
 
-def prompt_completion_rows(records: list[dict[str, Any]], *, response_field: str, style: str, tokenizer: Any) -> list[dict[str, str]]:
+def prompt_completion_rows(records: list[dict[str, Any]], *, response_field: str, style: str,
+                           tokenizer: Any) -> list[dict[str, str]]:
     """Records → ``{"prompt", "completion"}`` rows; the completion ends with EOS so the model learns to stop."""
     eos = tokenizer.eos_token or ""
     rows = []

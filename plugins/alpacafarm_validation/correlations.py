@@ -34,7 +34,8 @@ class RankCorrelationConfig(BaseModel):
     y: str = Field(description="column on the y-axis (e.g. the human win-rate)")
     n_bootstrap: int = Field(2000, ge=0, description="bootstrap resamples over systems (0: no intervals)")
     seed: int = 0
-    name_column: str | None = Field(None, description="system names; default 'system' if present, else the first column")
+    name_column: str | None = Field(None,
+                                    description="system names; default 'system' if present, else the first column")
     filters: dict[str, str] = Field(default_factory=dict, description="keep only rows where COLUMN equals VALUE")
 
 
@@ -102,7 +103,8 @@ def _matches(cell: Any, wanted: str) -> bool:
         return False
 
 
-def select_rows(records: list[dict[str, Any]], config: RankCorrelationConfig) -> tuple[list[str], np.ndarray, np.ndarray, list[str]]:
+def select_rows(records: list[dict[str, Any]],
+                config: RankCorrelationConfig) -> tuple[list[str], np.ndarray, np.ndarray, list[str]]:
     """Names, x and y of the usable rows, and the names of rows skipped for a missing value."""
     columns = list(records[0]) if records else []
     wanted = [config.x, config.y, *config.filters]
