@@ -1,5 +1,5 @@
-"""The ``ppo`` method: PPO arithmetic against hand-computed values, learning on a tiny model, and the recipe path
-(full fine-tuning and LoRA on one shared base), checkpoints and resume, rollouts behind the SFT folder's
+"""The ``ppo`` method: PPO arithmetic against hand-computed values, learning on a tiny model, and the recipe
+path (full fine-tuning and LoRA on one shared base), checkpoints and resume, rollouts behind the SFT folder's
 prompt conditioning."""
 
 from __future__ import annotations
@@ -32,16 +32,18 @@ _RUNS: dict[str, dict[str, Any]] = {}
 def preference_records(n: int) -> list[dict[str, Any]]:
     return [{"instruction": f"Say something about item {i}.", "input": "",
              "output_1": f"Item {i} is useful and interesting." if i % 2 else "No.",
-             "output_2": "No." if i % 2 else f"Item {i} is useful and interesting.", "preference": 1 + (i + 1) % 2}
+             "output_2": "No." if i % 2 else f"Item {i} is useful and interesting.",
+             "preference": 1 + (i + 1) % 2}
             for i in range(n)]
 
 
 PPO_CONFIG = ("{max_steps: 4, rollout_batch_size: 8, mini_batch_size: 4, per_device_train_batch_size: 4,"
-              " generation_batch_size: 8, max_new_tokens: 6, learning_rate: 1.0e-3, save_steps: 2, score_batch_size: 4}")
+              " generation_batch_size: 8, max_new_tokens: 6, learning_rate: 1.0e-3, save_steps: 2,"
+              " score_batch_size: 4}")
 
 
 def ppo_recipe(tmp_path: Path, model: str, extra_model: str = "") -> Path:
-    """split → reward model (2 steps) → ppo (4 steps, checkpoints every 2) → outputs generated from the PPO model."""
+    """split → reward model (2 steps) → ppo (4 steps, checkpoints every 2) → outputs of the PPO model."""
     instructions = write_records(tmp_path / "instructions.jsonl", PROMPTS)
     prefs = write_records(tmp_path / "prefs.jsonl", preference_records(16))
     path = tmp_path / "recipe.yaml"
@@ -84,14 +86,15 @@ def steps_of(history: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return {e["step"]: e for e in history if "score" in e}
 
 
-# ------------------------------------------------------------------------------------------------ the arithmetic
+# --------------------------------------------------------------------------------------------- the arithmetic
 
 
 def test_kl_shaped_rewards_and_gae_match_hand_computed_values():
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -5.0]])
     ref_logprobs = torch.tensor([[-1.5, -1.5, -3.5], [-2.0, -1.0, -1.0]])
-    rewards, kl = ppo_core.kl_penalized_rewards(torch.tensor([2.0, -1.0]), logprobs, ref_logprobs, mask, kl_coef=0.1)
+    scores = torch.tensor([2.0, -1.0])
+    rewards, kl = ppo_core.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1)
     # kl = logp - ref on real tokens; the score lands on each row's last real token, padding stays 0.
     close(kl, [[0.5, -0.5, 0.5], [1.0, 0.0, 0.0]])
     assert rewards.tolist()[0] == pytest.approx([-0.05, 0.05, 1.95])
@@ -111,7 +114,8 @@ def test_kl_shaped_rewards_and_gae_match_hand_computed_values():
     assert advantages.tolist()[0] == pytest.approx([-0.26875, -0.275, 0.7])
     assert returns.tolist()[0] == pytest.approx([0.23125, 0.125, 1.0])
 
-    whitened = ppo_core.masked_whiten(torch.tensor([[1.0, 2.0], [3.0, 100.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
+    whitened = ppo_core.masked_whiten(torch.tensor([[1.0, 2.0], [3.0, 100.0]]),
+                                      torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
     close(whitened, [[-1.224745, 0.0], [1.224745, 0.0]])
     kept_mean = ppo_core.masked_whiten(torch.tensor([[1.0, 3.0]]), torch.ones(1, 2), shift_mean=False)
     close(kept_mean, [[1.0, 3.0]], atol=1e-4)  # std 1 already, mean 2 kept
@@ -182,7 +186,8 @@ def test_reward_rises_while_the_kl_penalty_bounds_the_drift():
     free = _train_on_token_reward(kl_coef=0.0)
     for history, gain in ((penalised, 0.05), (free, 0.5)):
         scores = [e["score"] for e in history]
-        assert len(history) == 24 and history[0]["kl"] == pytest.approx(0.0, abs=1e-5)  # policy = reference at first
+        assert len(history) == 24
+        assert history[0]["kl"] == pytest.approx(0.0, abs=1e-5)  # policy = reference at first
         assert sum(scores[-5:]) / 5 > sum(scores[:5]) / 5 + gain  # a random policy scores about 1/8
     # With the penalty the drift stays within a few nats; without it the policy collapses onto target tokens.
     assert max(e["kl"] for e in penalised) < 10.0
@@ -190,11 +195,12 @@ def test_reward_rises_while_the_kl_penalty_bounds_the_drift():
     assert free[-1]["entropy"] < penalised[-1]["entropy"]
 
 
-# ------------------------------------------------------------------------------------------------ full fine-tuning
+# ------------------------------------------------------------------------------------------- full fine-tuning
 
 
 @pytest.fixture
-def full_run(one_torch_thread, tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def full_run(one_torch_thread: None, tiny_model_dir: str,
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if "full" not in _RUNS:
         tmp_path = tmp_path_factory.mktemp("ppo-full")
         recipe = ppo_recipe(tmp_path, tiny_model_dir)
@@ -211,7 +217,8 @@ def test_recipe_trains_logs_every_key_and_saves_a_changed_policy(full_run, tiny_
     stage = full_run["run"] / "stages/ppo"
     artifact = full_run["artifacts"]["ppo"]
     assert Path(artifact.path) == stage / "model" and artifact.kind == "model"
-    assert artifact.metadata["steps"] == 4 and artifact.metadata["n_prompts"] == 20 and not artifact.metadata["lora"]
+    assert artifact.metadata["steps"] == 4 and artifact.metadata["n_prompts"] == 20
+    assert not artifact.metadata["lora"]
     metrics = json.loads((stage / "metrics.json").read_text())
     steps = steps_of(metrics["log_history"])
     assert sorted(steps) == [1, 2, 3, 4]
@@ -221,13 +228,14 @@ def test_recipe_trains_logs_every_key_and_saves_a_changed_policy(full_run, tiny_
     assert steps[1]["kl"] == pytest.approx(0.0, abs=1e-5) and steps[4]["kl"] != 0.0
     assert metrics["log_history"][-1]["train_runtime"] > 0
     assert (stage / "checkpoint-2").is_dir() and (stage / "checkpoint-4").is_dir()
-    assert {p.name for p in (stage / "checkpoint-2").iterdir()} >= {"trainable.pt", "optimizer.pt", "scheduler.pt",
-                                                                     "rng_state.pth", "trainer_state.json"}
+    assert {p.name for p in (stage / "checkpoint-2").iterdir()} >= {
+        "trainable.pt", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"}
 
     before = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
     after = load_file(str(stage / "model/model.safetensors"))
     assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
-    outputs = [json.loads(line) for line in (full_run["run"] / "stages/outputs/outputs.jsonl").read_text().splitlines()]
+    outputs_file = full_run["run"] / "stages/outputs/outputs.jsonl"
+    outputs = [json.loads(line) for line in outputs_file.read_text().splitlines()]
     assert len(outputs) == 4 and all("output" in o for o in outputs)
     manifest = json.loads((full_run["run"] / "stages/outputs/manifest.json").read_text())
     assert manifest["inputs"]["sft_model"]["from"] == "ppo"
@@ -245,8 +253,8 @@ def test_value_model_starts_from_the_reward_model(full_run, tiny_model_dir: str)
     classifier = load_classifier(spec, rm_path)
     value = trainer.models.value
     assert torch.equal(value.head.weight, classifier.score.weight)
-    for (name, mine), (_, theirs) in zip(value.backbone.state_dict().items(), classifier.model.state_dict().items(),
-                                         strict=True):
+    pairs = zip(value.backbone.state_dict().items(), classifier.model.state_dict().items(), strict=True)
+    for (name, mine), (_, theirs) in pairs:
         assert torch.equal(mine, theirs), name
     # Four models without LoRA: policy, frozen reference, value and reward model (all distinct weights).
     assert trainer.models.reference is not trainer.models.policy
@@ -274,7 +282,7 @@ def test_resume_continues_the_step_count_and_reproduces_the_run(full_run, tmp_pa
     run = tmp_path / "run"
     shutil.copytree(full_run["run"], run)
     stage = run / "stages/ppo"
-    # Pretend the first attempt died after checkpoint-2: the pipeline re-runs a "running" stage with resuming=True.
+    # Pretend the first attempt died after checkpoint-2: the pipeline re-runs a "running" stage, resuming.
     shutil.rmtree(stage / "checkpoint-4")
     shutil.rmtree(stage / "model")
     (stage / "metrics.json").unlink()
@@ -285,7 +293,7 @@ def test_resume_continues_the_step_count_and_reproduces_the_run(full_run, tmp_pa
     resumed = steps_of(json.loads((stage / "metrics.json").read_text())["log_history"])
     original = steps_of(json.loads((full_run["run"] / "stages/ppo/metrics.json").read_text())["log_history"])
     assert sorted(resumed) == [1, 2, 3, 4]  # steps 1-2 come from the checkpoint's trainer state
-    # Prompts, samples and mini-batches are seeded by step, and weights/optimizer/scheduler come back: same run.
+    # Prompts, samples and mini-batches are seeded by step; weights, optimizer, scheduler come back: same run.
     for step in (3, 4):
         for key in ("score", "kl", "policy_loss", "value_loss", "learning_rate"):
             assert resumed[step][key] == pytest.approx(original[step][key], rel=1e-4, abs=1e-6), (step, key)
@@ -311,15 +319,18 @@ def test_paper_recipe_checks_and_its_offline_smoke_overrides_load(tmp_path: Path
     loaded = load_recipe(path)
     ppo = loaded.stage_configs["ppo"]
     assert (ppo.rollout_batch_size, ppo.mini_batch_size, ppo.ppo_epochs) == (512, 256, 2)
-    assert (ppo.kl_coef, ppo.learning_rate, ppo.gamma, ppo.lam, ppo.max_grad_norm) == (0.002, 1e-5, 1.0, 1.0, 1.0)
+    paper = (0.002, 1e-5, 1.0, 1.0, 1.0)
+    assert (ppo.kl_coef, ppo.learning_rate, ppo.gamma, ppo.lam, ppo.max_grad_norm) == paper
     assert loaded.recipe.model.name == "huggyllama/llama-7b"
     stages = {s.name: s for s in loaded.recipe.stages}
-    assert stages["ppo"].inputs == {"instruction_splits": "unlabeled"} and stages["outputs"].inputs == {"sft_model": "ppo"}
+    assert stages["ppo"].inputs == {"instruction_splits": "unlabeled"}
+    assert stages["outputs"].inputs == {"sft_model": "ppo"}
     assert loaded.recipe.data["unlabeled"].split == "unlabeled"
 
     # The smoke command in the recipe's comments: every --set must load (the preferences file made up here).
     lines = path.read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if "alpacafarm run recipes/ppo.yaml --set model.name" in line)
+    command_start = "alpacafarm run recipes/ppo.yaml --set model.name"
+    start = next(i for i, line in enumerate(lines) if command_start in line)
     command = []
     for line in lines[start:]:
         body = line.lstrip("#").strip()
@@ -335,11 +346,12 @@ def test_paper_recipe_checks_and_its_offline_smoke_overrides_load(tmp_path: Path
     assert smoke.stage_configs["ppo"].max_steps == 2 and smoke.recipe.model.name == "smollm2-135m-instruct"
 
 
-# ------------------------------------------------------------------------------------------------ LoRA: one base
+# --------------------------------------------------------------------------------------------- LoRA: one base
 
 
 @pytest.fixture
-def lora_run(one_torch_thread, tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def lora_run(one_torch_thread: None, tiny_model_dir: str,
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if "lora" not in _RUNS:
         tmp_path = tmp_path_factory.mktemp("ppo-lora")
         recipe = ppo_recipe(tmp_path, tiny_model_dir, extra_model=", lora: {r: 4, alpha: 8}")
@@ -352,10 +364,11 @@ def test_lora_recipe_saves_a_policy_adapter_that_generation_loads(lora_run, tiny
     from peft import PeftConfig
 
     model_dir = Path(lora_run["artifacts"]["ppo"].path)
-    assert (model_dir / "adapter_model.safetensors").is_file() and not (model_dir / "model.safetensors").exists()
+    assert (model_dir / "adapter_model.safetensors").is_file()
+    assert not (model_dir / "model.safetensors").exists()
     config = PeftConfig.from_pretrained(str(model_dir))
     assert config.base_model_name_or_path == tiny_model_dir
-    assert not [p for p in model_dir.iterdir() if p.is_dir()]  # the policy only, not the value/reward adapters
+    assert not [p for p in model_dir.iterdir() if p.is_dir()]  # the policy only, no value/reward adapters
     assert lora_run["artifacts"]["ppo"].metadata["lora"] is True
     assert lora_run["artifacts"]["outputs"].metadata["n_outputs"] == 4
 
@@ -364,8 +377,9 @@ def _lora_trainer(lora_run: dict[str, Any], tiny_model_dir: str, spec: ModelSpec
     from alpacafarm_trl.ppo_config import PPOMethodConfig
     from alpacafarm_trl.ppo_trainer import build_ppo_trainer
 
-    settings = {"max_steps": 2, "rollout_batch_size": 8, "mini_batch_size": 4, "per_device_train_batch_size": 4,
-                "generation_batch_size": 8, "max_new_tokens": 6, "learning_rate": 1e-2, "save_strategy": "no", **config}
+    settings = {"max_steps": 2, "rollout_batch_size": 8, "mini_batch_size": 4,
+                "per_device_train_batch_size": 4, "generation_batch_size": 8, "max_new_tokens": 6,
+                "learning_rate": 1e-2, "save_strategy": "no", **config}
     args = PPOMethodConfig(output_dir="unused", **settings)
     return build_ppo_trainer(args, spec, tiny_model_dir, lora_run["artifacts"]["rm"].path, PROMPTS[:8])
 
@@ -383,7 +397,8 @@ def test_lora_keeps_one_base_with_policy_value_and_reward_adapters(lora_run, tin
     assert len(_llama_backbones(trainer)) == 1  # policy, reference, value and reward share one base
     trained = set(trainer.params)
     assert trained and all(".policy." in n or ".value." in n or n.startswith("value_head.") for n in trained)
-    assert not any(p.requires_grad for n, p in models.peft_model.named_parameters() if ".reward." in n or "lora_" not in n)
+    assert not any(p.requires_grad for n, p in models.peft_model.named_parameters()
+                   if ".reward." in n or "lora_" not in n)
 
     # The reward adapter + head score exactly like the reward model folder loaded on its own.
     records, completions = PROMPTS[:3], ["A fine answer.", "No.", "Item 3 is useful and interesting."]
@@ -406,16 +421,18 @@ def test_lora_keeps_one_base_with_policy_value_and_reward_adapters(lora_run, tin
     reward_a = {n: p for n, p in models.peft_model.named_parameters() if ".reward." in n}
     value_a = {n.replace(".reward.", ".value."): p for n, p in reward_a.items()}
     trained_values = dict(models.peft_model.named_parameters())
-    assert any(not torch.equal(trained_values[n], p) for n, p in value_a.items())  # the critic trained, the RM did not
+    # The critic trained, the reward model did not.
+    assert any(not torch.equal(trained_values[n], p) for n, p in value_a.items())
     assert models.peft_model.active_adapter == "policy"
 
 
 def test_activation_checkpointing_does_not_change_the_shared_update(lora_run, tiny_model_dir: str):
-    """Checkpointed layers are recomputed during backward: the value backward must run with the value adapter."""
+    """Checkpointed layers are recomputed during backward: the value backward must use the value adapter."""
     spec = ModelSpec(name=tiny_model_dir, lora={"r": 4, "alpha": 8})
     trained = []
     for checkpointing in (False, True):
-        trainer = _lora_trainer(lora_run, tiny_model_dir, spec, max_steps=1, gradient_checkpointing=checkpointing)
+        trainer = _lora_trainer(lora_run, tiny_model_dir, spec, max_steps=1,
+                                gradient_checkpointing=checkpointing)
         layers = trainer.models.backbone.layers
         assert all(layer.gradient_checkpointing == checkpointing for layer in layers)
         trainer.train()
@@ -441,17 +458,18 @@ def test_quantization_without_lora_is_refused(tiny_model_dir: str):
 
     with pytest.raises(UserError):
         build_ppo_trainer(PPOMethodConfig(output_dir="unused", rollout_batch_size=4, mini_batch_size=4),
-                          ModelSpec(name=tiny_model_dir, quantization="4bit"), tiny_model_dir, tiny_model_dir, PROMPTS)
+                          ModelSpec(name=tiny_model_dir, quantization="4bit"), tiny_model_dir, tiny_model_dir,
+                          PROMPTS)
 
 
-# ------------------------------------------------------------------------------------------------ conditioning
+# ----------------------------------------------------------------------------------------------- conditioning
 
 
 @pytest.mark.parametrize("conditioned", [True, False], ids=["conditioned", "plain"])
 def test_rollouts_are_sampled_behind_the_sft_folders_prompt_conditioning(
         conditioned: bool, tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """A reward-conditioned SFT folder (``<good>`` before every prompt) is sampled behind its control token, and
-    the trained policy keeps the conditioning file (it was trained behind it)."""
+    """A reward-conditioned SFT folder (``<good>`` before every prompt) is sampled behind its control token,
+    and the trained policy keeps the conditioning file (it was trained behind it)."""
     from alpacafarm.prompts import CONDITIONING_FILE, PromptConditioning
     from alpacafarm.testing import tiny_tokenizer
 

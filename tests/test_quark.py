@@ -11,22 +11,13 @@ import pytest
 
 from alpacafarm.errors import RecipeError
 from alpacafarm.recipe import ModelSpec, load_recipe
-from alpacafarm.testing import write_records
+from alpacafarm.testing import run_recipe, write_records
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 INSTRUCTIONS = [{"instruction": f"Say something about topic {i}.", "input": "" if i % 3 else "a short note"}
                 for i in range(16)]
 TOPICS = ["rivers", "baking", "chess", "planets"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models run many times slower with two threads when another process competes for the two cores."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def e_share(records: list[dict[str, Any]], completions: list[str]) -> list[float]:
@@ -35,18 +26,19 @@ def e_share(records: list[dict[str, Any]], completions: list[str]) -> list[float
 
 
 def quark_args(tmp_path: Path, **overrides: Any) -> Any:
-    from alpacafarm_trl.quark import QuarkMethodConfig
+    from alpacafarm_trl.quark_config import QuarkMethodConfig
 
-    values = {"output_dir": str(tmp_path / "trainer"), "rounds": 2, "prompts_per_round": 8, "rollouts_per_prompt": 4,
-              "top_quantile": 0.25, "max_new_tokens": 10, "generation_batch_size": 8, "per_device_train_batch_size": 8,
-              "learning_rate": 5e-3, "report_to": "none", "disable_tqdm": True, **overrides}
+    values = {"output_dir": str(tmp_path / "trainer"), "rounds": 2, "prompts_per_round": 8,
+              "rollouts_per_prompt": 4, "top_quantile": 0.25, "max_new_tokens": 10,
+              "generation_batch_size": 8, "per_device_train_batch_size": 8, "learning_rate": 5e-3,
+              "report_to": "none", "disable_tqdm": True, **overrides}
     return QuarkMethodConfig(**values)
 
 
 def tiny_trainer(tmp_path: Path, **overrides: Any) -> Any:
     """A trainer whose policy and frozen reference are two identical tiny models."""
     from alpacafarm.testing import tiny_causal_lm, tiny_tokenizer
-    from alpacafarm_trl.quark import build_quark_trainer
+    from alpacafarm_trl.quark_trainer import build_quark_trainer
 
     tokenizer = tiny_tokenizer()
     return build_quark_trainer(quark_args(tmp_path, **overrides), tiny_causal_lm(tokenizer), tokenizer,
@@ -55,14 +47,6 @@ def tiny_trainer(tmp_path: Path, **overrides: Any) -> Any:
 
 def read_pool(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def run_recipe(recipe: Path, run_dir: Path, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
-    from alpacafarm.pipeline import Pipeline
-    from alpacafarm.plugins import get_registry
-
-    outcomes = Pipeline(load_recipe(recipe, list(overrides)), get_registry(), run_dir).run()
-    return {o.name: o.artifact for o in outcomes}
 
 
 def preference_records(n: int = 24) -> list[dict[str, Any]]:
@@ -88,10 +72,11 @@ def quark_recipe(tmp_path: Path, model: str, extra_model: str = "", quark_config
         "  - {name: rm, method: reward_model, config: {max_steps: 2, per_device_train_batch_size: 8,"
         " save_strategy: 'no', eval_fraction: 0.25}}\n"
         "  - name: quark\n    method: quark\n    inputs: {instruction_splits: unlabeled}\n"
-        "    config: {rounds: 2, prompts_per_round: 4, rollouts_per_prompt: 2, top_quantile: 0.5, max_new_tokens: 6,"
-        " generation_batch_size: 4, per_device_train_batch_size: 4, learning_rate: 1.0e-3, disable_tqdm: true"
-        f"{quark_config}}}\n"
-        "  - name: outputs\n    method: generate_outputs\n    inputs: {sft_model: quark, instruction_splits: unlabeled}\n"
+        "    config: {rounds: 2, prompts_per_round: 4, rollouts_per_prompt: 2, top_quantile: 0.5,"
+        " max_new_tokens: 6, generation_batch_size: 4, per_device_train_batch_size: 4, learning_rate: 1.0e-3,"
+        f" disable_tqdm: true{quark_config}}}\n"
+        "  - name: outputs\n    method: generate_outputs\n"
+        "    inputs: {sft_model: quark, instruction_splits: unlabeled}\n"
         "    config: {sampling: {max_new_tokens: 4, batch_size: 4}}\n",
         encoding="utf-8")
     return path
@@ -101,14 +86,17 @@ def quark_recipe(tmp_path: Path, model: str, extra_model: str = "", quark_config
 
 
 def test_config_defaults_follow_the_paper_and_bad_values_are_errors(tmp_path: Path):
-    from alpacafarm_trl.quark import QuarkMethodConfig
+    from alpacafarm_trl.quark_config import QuarkMethodConfig
 
     config = QuarkMethodConfig(output_dir=str(tmp_path))
-    assert (config.kl_coef, config.learning_rate, config.num_train_epochs, config.max_grad_norm) == (0.05, 3e-6, 2.0, 1.0)
-    assert config.lr_scheduler_type.value == "linear" and (config.rounds, config.prompts_per_round) == (390, 512)
+    paper = (0.05, 3e-6, 2.0, 1.0)
+    assert (config.kl_coef, config.learning_rate, config.num_train_epochs, config.max_grad_norm) == paper
+    assert config.lr_scheduler_type.value == "linear"
+    assert (config.rounds, config.prompts_per_round) == (390, 512)
     assert config.split == "train" and config.max_instructions is None
     assert config.bf16 is False and config.gradient_checkpointing is False  # automatic values on a CPU
-    for bad in ({"top_quantile": 0.0}, {"top_quantile": 1.5}, {"rounds": 0}, {"kl_coef": -0.1}, {"temperature": 0.0},
+    for bad in ({"top_quantile": 0.0}, {"top_quantile": 1.5}, {"rounds": 0}, {"kl_coef": -0.1},
+                {"temperature": 0.0},
                 {"rollouts_per_prompt": 0}, {"max_instructions": 0}):
         with pytest.raises(ValueError):
             QuarkMethodConfig(output_dir=str(tmp_path), **bad)
@@ -129,7 +117,7 @@ def test_config_fields_are_recipe_settable(tiny_model_dir: str, tmp_path: Path):
 
 
 def test_kept_set_is_exactly_the_top_quantile():
-    from alpacafarm_trl.quark import kept_count, top_quantile
+    from alpacafarm_trl.quark_trainer import kept_count, top_quantile
 
     assert [kept_count(n, 0.25) for n in (1, 3, 4, 8, 9)] == [1, 1, 1, 2, 3]
     assert kept_count(10, 0.3) == 3 and kept_count(512, 0.2) == 103 and kept_count(5, 1.0) == 5
@@ -139,7 +127,7 @@ def test_kept_set_is_exactly_the_top_quantile():
 
 
 def test_pool_files_keep_the_top_quantile_of_the_scorer(tmp_path: Path):
-    from alpacafarm_trl.quark import kept_count, run_rounds
+    from alpacafarm_trl.quark_trainer import kept_count, run_rounds
 
     def score(records, completions):  # distinct, known rewards: the length, tie-broken by the text's checksum
         return [len(c) + sum(map(ord, c)) % 97 / 100 for c in completions]
@@ -163,16 +151,20 @@ def test_loss_is_logged_parameters_change_and_kl_grows_from_zero(tmp_path: Path)
     import torch
 
     from alpacafarm.prompts import format_prompt
-    from alpacafarm_trl.quark import Rollout, run_rounds, training_example
+    from alpacafarm.sampling import Sample
+    from alpacafarm_trl.quark_trainer import run_rounds, training_example
 
     trainer = tiny_trainer(tmp_path, rounds=3)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     stats = run_rounds(trainer, INSTRUCTIONS, e_share, out_dir=tmp_path / "a")
     # The last round's kept samples, re-tokenized: the trained policy has drifted from the reference on them.
     tokenizer = trainer.processing_class
-    examples = [training_example(Rollout(tokenizer(format_prompt(row["instruction"], row["input"] or None))["input_ids"],
-                                         tokenizer(row["output"])["input_ids"] + [tokenizer.eos_token_id], row["output"], True))
-                for row in read_pool(tmp_path / "a/round_3/pool.jsonl") if row["kept"]]
+    kept_rows = [row for row in read_pool(tmp_path / "a/round_3/pool.jsonl") if row["kept"]]
+    prompts = [tokenizer(format_prompt(row["instruction"], row["input"] or None))["input_ids"]
+               for row in kept_rows]
+    responses = [tokenizer(row["output"])["input_ids"] + [tokenizer.eos_token_id] for row in kept_rows]
+    examples = [training_example(Sample(prompt, response, row["output"], True))
+                for prompt, response, row in zip(prompts, responses, kept_rows, strict=True)]
     after = trainer.measure(examples)
     assert after["tokens"] > 0 and after["kl"] > 1e-3
 
@@ -187,7 +179,8 @@ def test_loss_is_logged_parameters_change_and_kl_grows_from_zero(tmp_path: Path)
     assert float(loss) == pytest.approx(float(nll[mask].mean()), rel=1e-5)  # the KL term adds nothing yet
 
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
-    assert all(torch.equal(p, q) for p, q in zip(trainer.ref_model.parameters(), fresh.ref_model.parameters(), strict=True))
+    references = zip(trainer.ref_model.parameters(), fresh.ref_model.parameters(), strict=True)
+    assert all(torch.equal(p, q) for p, q in references)
     for stat in stats:
         losses = [e["loss"] for e in stat["log_history"] if "loss" in e]
         assert len(losses) == stat["steps"] == 2  # 8 of 32 rollouts kept, batch 8, 2 epochs
@@ -197,7 +190,7 @@ def test_loss_is_logged_parameters_change_and_kl_grows_from_zero(tmp_path: Path)
 
 
 def test_learning_rate_decays_to_zero_over_all_rounds(tmp_path: Path):
-    from alpacafarm_trl.quark import run_rounds
+    from alpacafarm_trl.quark_trainer import run_rounds
 
     trainer = tiny_trainer(tmp_path, rounds=3, lr_scheduler_type="linear")
     stats = run_rounds(trainer, INSTRUCTIONS[:8], e_share, out_dir=tmp_path)
@@ -208,7 +201,7 @@ def test_learning_rate_decays_to_zero_over_all_rounds(tmp_path: Path):
 
 
 def test_the_pool_is_rebuilt_every_round(tmp_path: Path):
-    from alpacafarm_trl.quark import run_rounds
+    from alpacafarm_trl.quark_trainer import run_rounds
 
     trainer = tiny_trainer(tmp_path, rounds=3, prompts_per_round=4)
     datasets, scored = [], []
@@ -231,19 +224,20 @@ def test_the_pool_is_rebuilt_every_round(tmp_path: Path):
         assert [row["output"] for row in pool] == texts
         kept = [row for row in pool if row["kept"]]
         assert len(dataset) == len(kept) == 4
-        trained = sorted(tokenizer.decode([t for t, label in zip(ex["input_ids"], ex["labels"], strict=True)
-                                           if label != -100], skip_special_tokens=True).strip() for ex in dataset)
+        targets = [[t for t, label in zip(ex["input_ids"], ex["labels"], strict=True) if label != -100]
+                   for ex in dataset]
+        trained = sorted(tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in targets)
         assert trained == sorted(row["output"] for row in kept)
-    # Fresh rollouts on new prompts each round (4 of the 16 instructions at a time, cycling through a seeded order).
+    # Fresh rollouts on new prompts each round (4 of the 16 instructions at a time, cycling a seeded order).
     assert len({row["instruction"] for pool in pools for row in pool}) == 12
     assert not {row["output"] for row in pools[0]} & {row["output"] for row in pools[1]}
     assert trainer.train_dataset is None  # the last round's kept set is dropped too
 
 
 def test_mean_pool_reward_rises_across_rounds(tmp_path: Path):
-    from alpacafarm_trl.quark import run_rounds
+    from alpacafarm_trl.quark_trainer import run_rounds
 
-    trainer = tiny_trainer(tmp_path, rounds=6, prompts_per_round=16, top_quantile=0.25, max_new_tokens=12,
+    trainer = tiny_trainer(tmp_path, rounds=8, prompts_per_round=16, top_quantile=0.25, max_new_tokens=12,
                            lr_scheduler_type="constant")
     stats = run_rounds(trainer, INSTRUCTIONS, e_share, out_dir=tmp_path)
     rewards = [s["reward_mean"] for s in stats]
@@ -256,18 +250,21 @@ def test_mean_pool_reward_rises_across_rounds(tmp_path: Path):
 # ------------------------------------------------------------------------------------------------ models
 
 
-def test_lora_policy_has_no_reference_copy(tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_lora_policy_has_no_reference_copy(tiny_model_dir: str, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch):
     import torch
 
     import alpacafarm.modeling as modeling
     from alpacafarm.modeling import load_tokenizer
-    from alpacafarm_trl.quark import build_quark_trainer, load_policy_and_reference, run_rounds
+    from alpacafarm_trl.quark import load_policy_and_reference
+    from alpacafarm_trl.quark_trainer import build_quark_trainer, run_rounds
 
     loads = []
     real = modeling.load_causal_lm
     monkeypatch.setattr(modeling, "load_causal_lm", lambda *a, **k: loads.append(a) or real(*a, **k))
     args = quark_args(tmp_path, learning_rate=5e-2)
-    policy, reference, from_adapters = load_policy_and_reference(ModelSpec(name=tiny_model_dir), tiny_model_dir, args)
+    full = ModelSpec(name=tiny_model_dir)
+    policy, reference, from_adapters = load_policy_and_reference(full, tiny_model_dir, args)
     assert reference is not None and len(loads) == 2 and not from_adapters  # full fine-tuning: a frozen copy
 
     loads.clear()
@@ -292,22 +289,25 @@ def test_sft_adapters_are_merged_into_the_policy_base(tiny_model_dir: str, tmp_p
     from alpacafarm_trl.quark import load_policy_and_reference
 
     sft = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+                         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                    init_lora_weights=False))
     sft.save_pretrained(tmp_path / "sft")
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         expected = sft(input_ids=ids).logits
     spec = ModelSpec.model_validate({"name": tiny_model_dir, "lora": {"r": 4, "alpha": 8}})
-    policy, reference, from_adapters = load_policy_and_reference(spec, str(tmp_path / "sft"), quark_args(tmp_path))
+    policy, reference, from_adapters = load_policy_and_reference(spec, str(tmp_path / "sft"),
+                                                                 quark_args(tmp_path))
     assert from_adapters and reference is None
     with torch.no_grad(), policy.disable_adapter():
         assert torch.allclose(policy(input_ids=ids).logits, expected, atol=1e-5)  # reference = the SFT model
 
 
-# ------------------------------------------------------------------------------------------------ the pipeline
+# ----------------------------------------------------------------------------------------------- the pipeline
 
 
-def test_recipe_writes_model_metrics_and_pools_and_outputs_generate_from_it(tiny_model_dir: str, tmp_path: Path):
+def test_recipe_writes_model_metrics_and_pools_and_outputs_generate_from_it(tiny_model_dir: str,
+                                                                            tmp_path: Path):
     from transformers import AutoModelForCausalLM
 
     artifacts = run_recipe(quark_recipe(tmp_path, tiny_model_dir), tmp_path / "run")
@@ -346,17 +346,19 @@ def test_4bit_policy_trains_adapters_against_the_reward_model(tiny_model_dir: st
     import torch
 
     from alpacafarm.modeling import load_tokenizer, save_model
-    from alpacafarm_trl.quark import build_quark_trainer, load_policy_and_reference, run_rounds
-    from alpacafarm_trl.scoring import RewardScorer
+    from alpacafarm.rewards import RewardScorer
+    from alpacafarm_trl.quark import load_policy_and_reference
+    from alpacafarm_trl.quark_trainer import build_quark_trainer, run_rounds
 
-    spec = ModelSpec.model_validate({"name": tiny_model_dir, "quantization": "4bit", "lora": {"r": 4, "alpha": 8}})
+    spec = ModelSpec.model_validate({"name": tiny_model_dir, "quantization": "4bit",
+                                     "lora": {"r": 4, "alpha": 8}})
     args = quark_args(tmp_path, rounds=1, prompts_per_round=4, learning_rate=5e-2)
     policy, reference, _ = load_policy_and_reference(spec, tiny_model_dir, args)
     assert reference is None
     trainer = build_quark_trainer(args, policy, load_tokenizer(spec, tiny_model_dir))
     lora = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_B" in n}
     scorer = RewardScorer.from_path(tiny_model_dir, spec)  # a (random-head) classifier on the tiny model
-    stats = run_rounds(trainer, INSTRUCTIONS[:4], lambda r, c: scorer.score_records(r, c), out_dir=tmp_path)
+    stats = run_rounds(trainer, INSTRUCTIONS[:4], scorer, out_dir=tmp_path)
     assert stats[0]["steps"] == 2 and stats[0]["kl"] >= 0 and stats[0]["n_kept"] == 4
     assert any(not torch.equal(p, lora[n]) for n, p in policy.named_parameters() if "lora_B" in n)
     save_model(trainer.model, trainer.processing_class, tmp_path / "model")
@@ -370,3 +372,57 @@ def test_quantization_without_lora_is_a_clear_error(tiny_model_dir: str, tmp_pat
     spec = ModelSpec.model_validate({"name": tiny_model_dir, "quantization": "4bit"})
     with pytest.raises(UserError, match="add lora"):
         load_policy_and_reference(spec, tiny_model_dir, quark_args(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------------- conditioning
+
+
+def spy_on_generate_prompts(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Record the prompt token ids (padding dropped) of every ``generate`` call of a transformers model."""
+    from transformers.generation.utils import GenerationMixin
+
+    prompts: list[list[int]] = []
+    real = GenerationMixin.generate
+
+    def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+        prompts.extend(row[keep.bool()].tolist() for row, keep in zip(ids, mask, strict=True))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", generate)
+    return prompts
+
+
+@pytest.mark.parametrize("conditioned", [True, False], ids=["conditioned", "plain"])
+def test_rollouts_are_sampled_behind_the_sft_folders_prompt_conditioning(
+        conditioned: bool, tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A reward-conditioned SFT folder (``<good>`` before every prompt) is sampled behind its control token,
+    and the trained policy keeps the conditioning file (it was trained behind it)."""
+    import shutil
+
+    from alpacafarm.prompts import CONDITIONING_FILE, PromptConditioning
+    from alpacafarm.testing import tiny_tokenizer
+
+    model = tmp_path / "sft"
+    shutil.copytree(tiny_model_dir, model)
+    if conditioned:
+        PromptConditioning(prompt_prefix="<good>\n").save(model)
+    prompts = spy_on_generate_prompts(monkeypatch)
+    instructions = write_records(tmp_path / "instructions.jsonl", INSTRUCTIONS[:4])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"name: quark-conditioning\nmodel: {{name: {model}}}\ndata:\n  unlabeled: {{path: {instructions}}}\n"
+        "stages:\n"
+        "  - {name: quark, method: quark, inputs: {instruction_splits: unlabeled, reward_model: base_model},"
+        " config: {rounds: 1, prompts_per_round: 4, rollouts_per_prompt: 2, top_quantile: 0.5,"
+        " max_new_tokens: 3, generation_batch_size: 4, per_device_train_batch_size: 4,"
+        " disable_tqdm: true}}\n",
+        encoding="utf-8")
+    artifact = run_recipe(recipe, tmp_path / "run")["quark"]
+
+    prefix = tiny_tokenizer()("<good>\n", add_special_tokens=False)["input_ids"]
+    assert len(prompts) == 4  # one row per prompt (generate repeats it for the two rollouts)
+    assert all((p[:len(prefix)] == prefix) is conditioned for p in prompts)
+    assert (Path(artifact.path) / CONDITIONING_FILE).is_file() is conditioned
+    if conditioned:
+        assert PromptConditioning.load(artifact.path) == PromptConditioning(prompt_prefix="<good>\n")

@@ -1,9 +1,9 @@
 """``ppo``: Proximal Policy Optimization of the SFT model against the surrogate reward model (our trainer).
 
 The method wires the stage: the SFT model, the reward model and the unlabeled instructions go to
-:func:`alpacafarm_trl.ppo_trainer.build_ppo_trainer`, training reports one progress tick per PPO step and resumes
-from the stage's last ``checkpoint-N``, and the trained policy is saved as ``model/`` with ``metrics.json`` (and
-the SFT folder's prompt conditioning, if it has one: the policy was trained behind it).
+:func:`alpacafarm_trl.ppo_trainer.build_ppo_trainer`, training reports one progress tick per PPO step and
+resumes from the stage's last ``checkpoint-N``, and the trained policy is saved as ``model/`` with
+``metrics.json`` (and the SFT folder's prompt conditioning, if it has one: the policy was trained behind it).
 
 Where the pieces live, as in TRL: the config in :mod:`alpacafarm_trl.ppo_config`, the trainer (rollouts,
 advantages, updates, checkpoints) in :mod:`alpacafarm_trl.ppo_trainer`, the model layouts (separate models, or
@@ -41,12 +41,13 @@ class ProgressCallback(TrainerCallback):
 
 
 class PPO(Method):
-    """PPO of the SFT policy against the reward model on the unlabeled prompts; writes ``model/`` and metrics."""
+    """PPO of the SFT policy against the reward model on the unlabeled prompts; writes ``model/``, metrics."""
 
     config_class = PPOMethodConfig
     requires = ("sft_model", "reward_model", "instruction_splits")
     provides = "policy_model"
-    description = "PPO against the surrogate reward model with a per-token KL penalty to the SFT model (our trainer)"
+    description = ("PPO against the surrogate reward model with a per-token KL penalty to the SFT model "
+                   "(our trainer)")
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json
@@ -58,14 +59,14 @@ class PPO(Method):
         reward_path = context.input("reward_model").path
         records = limit(context.records("instruction_splits", args.split), args.max_instructions)
         trainer = build_ppo_trainer(args, spec, sft_path, reward_path, records, logger=context.logger)
-        context.logger.info("stage %s: PPO for %d steps of %d rollouts on %d prompts (%d skipped as too long)",
-                            context.stage, trainer.max_steps, args.rollout_batch_size, len(trainer.queries),
-                            trainer.n_skipped)
+        context.logger.info("stage %s: PPO for %d steps of %d rollouts on %d prompts "
+                            "(%d skipped as too long)", context.stage, trainer.max_steps,
+                            args.rollout_batch_size, len(trainer.queries), trainer.n_skipped)
         with context.progress("PPO steps", trainer.max_steps) as advance:
             trainer.add_callback(ProgressCallback(advance))
             result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
-        # New adapters on an SFT model that was itself adapters cannot name their base: save merged weights then.
+        # New adapters on an SFT model that was itself adapters cannot name their base: save merged weights.
         merge = bool(spec.lora and (spec.merge_adapters or is_adapter_folder(sft_path)))
         save_model(trainer.models.policy_export(), trainer.tokenizer, model_dir, merge_adapters=merge)
         if trainer.prompt_format.conditioning != PromptConditioning():  # trained behind it: sample behind it
@@ -79,5 +80,6 @@ class PPO(Method):
             "final_score": steps[-1]["score"] if steps else None,
             "final_kl": steps[-1]["kl"] if steps else None, "lora": spec.lora is not None, "merged": merge,
         }
-        write_json(Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": trainer.state.log_history})
+        write_json(Path(context.stage_dir) / "metrics.json",
+                   {**metrics, "log_history": trainer.state.log_history})
         return Artifact("model", str(model_dir), metrics)

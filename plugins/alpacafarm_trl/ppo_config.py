@@ -1,4 +1,4 @@
-"""The configuration of the ``ppo`` method: every ``TrainingArguments`` field, plus PPO's (see :mod:`.ppo`)."""
+"""The configuration of the ``ppo`` method: every ``TrainingArguments`` field, plus PPO's."""
 
 from __future__ import annotations
 
@@ -23,10 +23,12 @@ class PPOMethodConfig(TrainingDefaults, TrainingArguments):
     The optimizer is AdamW with the arguments' betas, epsilon and weight decay (``optim`` is not used);
     checkpoints follow ``save_strategy: steps`` / ``save_steps`` / ``save_total_limit``. The clip ranges and
     ``vf_coef`` are not given by the paper; 0.2 / 0.2 / 0.1 are common PPO settings (our assumption).
-    ``bf16`` and activation checkpointing are automatic (:class:`~alpacafarm_trl.base_config.TrainingDefaults`).
+    ``bf16`` and activation checkpointing are automatic
+    (:class:`~alpacafarm_trl.base_config.TrainingDefaults`).
     """
 
-    split: str = field(default="train", metadata={"help": "file (or metadata key) of the instruction_splits input"})
+    split: str = field(default="train",
+                       metadata={"help": "file (or metadata key) of the instruction_splits input"})
     max_instructions: int | None = field(default=None, metadata={"help": "use the first N prompts only"})
     rollout_batch_size: int = field(default=512, metadata={"help": "responses sampled per PPO step"})
     mini_batch_size: int = field(default=256, metadata={"help": "rollouts per optimizer step"})
@@ -75,5 +77,6 @@ class PPOMethodConfig(TrainingDefaults, TrainingArguments):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.fp16:
-            raise ValueError("fp16 is not supported by the PPO trainer; use bf16 (automatic on a suitable GPU)")
-        super().__post_init__()  # TrainingDefaults: bf16 / checkpointing for this machine, then TrainingArguments
+            raise ValueError("fp16 is not supported by the PPO trainer; use bf16 (automatic on a suitable "
+                             "GPU)")
+        super().__post_init__()  # TrainingDefaults (bf16, checkpointing for this machine), TrainingArguments

@@ -1,21 +1,24 @@
 """The arithmetic of PPO for language models, as pure functions on tensors (no models, no I/O).
 
-Conventions: per-token tensors are ``[batch, response_length]`` and right-padded; ``mask`` is 1 on the real
-response tokens (a contiguous run from position 0) and 0 on the padding after them. Token ``t``'s value is the
-critic's estimate before token ``t`` is emitted; token ``t``'s reward is the per-token KL penalty, plus the
-sequence's reward-model score on the last real token (the paper's Eq. 3 spread over tokens).
+Conventions: per-token tensors are ``[batch, response_length]`` and right-padded; ``mask`` is 1 on the
+real response tokens (a contiguous run from position 0) and 0 on the padding after them. Token ``t``'s value
+is the critic's estimate before token ``t`` is emitted; token ``t``'s reward is the per-token KL penalty, plus
+the sequence's reward-model score on the last real token (the paper's Eq. 3 spread over tokens).
 
-:class:`Batch` and :func:`collate` pack prompt and response token ids into the tensors every forward pass of the
-trainer and of the model layouts (:mod:`alpacafarm_trl.ppo_models`) reads.
+:class:`Batch` and :func:`collate` pack prompt and response token ids into the tensors that every forward
+pass of the trainer and of the model layouts (:mod:`alpacafarm_trl.ppo_models`) reads; :class:`Rollouts` holds
+one PPO step's samples and the per-token tensors computed from them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
+
+from alpacafarm.sampling import Sample
 
 #: Keeps whitening finite when every value in a batch is the same.
 WHITEN_EPS = 1e-8
@@ -54,6 +57,40 @@ def collate(queries: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
     return Batch(ids, mask, positions, ids[:, n_query:], mask[:, n_query:].float())
 
 
+@dataclass
+class Rollouts:
+    """One PPO step's samples and everything computed from them (per-token tensors ``[n, max response]``)."""
+
+    records: list[dict[str, Any]]
+    samples: list[Sample]
+    scores: torch.Tensor
+    mask: torch.Tensor
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor
+    entropy: torch.Tensor
+    rewards: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    @property
+    def queries(self) -> list[list[int]]:
+        return [s.prompt_ids for s in self.samples]
+
+    @property
+    def responses(self) -> list[list[int]]:
+        return [s.response_ids for s in self.samples]
+
+    @property
+    def texts(self) -> list[str]:
+        return [s.text for s in self.samples]
+
+    @property
+    def ended(self) -> list[bool]:
+        return [s.finished for s in self.samples]
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum()
 
@@ -70,7 +107,7 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True) -> torch.Tensor:
-    """Standardise the masked entries to variance 1 (and mean 0 unless ``shift_mean=False``); padding becomes 0.
+    """Standardise the masked entries to variance 1 (and mean 0 unless ``shift_mean=False``); padding is 0.
 
     Statistics are taken over every masked entry of the whole tensor: called on a full rollout batch, this is
     the paper's "normalize the advantage across the entire batch of rollouts" (Appendix B.1).
@@ -83,12 +120,12 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool 
 
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``log p(token)`` under ``logits`` (``[..., vocab]``), gathered at ``tokens`` (``[...]``), in float32."""
+    """``log p(token)`` under ``logits`` (``[..., vocab]``) gathered at ``tokens`` (``[...]``), in float32."""
     return torch.gather(logits.float().log_softmax(-1), -1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def entropy_of(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy (nats) of the categorical distribution given by ``logits`` over the last dimension, in float32."""
+    """Entropy (nats) of the categorical distribution of ``logits`` over the last dimension, in float32."""
     logits = logits.float()
     probs = logits.softmax(-1)
     return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
@@ -101,7 +138,7 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
 
 def kl_penalized_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                          mask: torch.Tensor, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards ``-kl_coef * (log p_policy - log p_ref)``, plus ``scores`` on each row's last real token.
+    """Per-token rewards ``-kl_coef * (log p_policy - log p_ref)``, plus ``scores`` on each row's last token.
 
     Returns ``(rewards, kl)``, both ``[batch, length]`` and zero on padding; ``kl.sum(-1)`` is the sampled
     estimate of each response's KL divergence from the reference (the ``k1`` estimator).
@@ -109,7 +146,8 @@ def kl_penalized_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logpr
     kl = (logprobs - ref_logprobs) * mask
     rewards = -kl_coef * kl
     has_tokens = (mask.sum(-1) > 0).to(rewards.dtype)
-    rewards = rewards.scatter_add(-1, last_token_index(mask).unsqueeze(-1), (scores.to(rewards.dtype) * has_tokens).unsqueeze(-1))
+    final = (scores.to(rewards.dtype) * has_tokens).unsqueeze(-1)
+    rewards = rewards.scatter_add(-1, last_token_index(mask).unsqueeze(-1), final)
     return rewards, kl
 
 
@@ -118,9 +156,9 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
     """Generalised advantage estimation (Schulman et al., 2016) over right-padded responses.
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V`` = 0 after the last real token, and
-    ``A_t = delta_t + gamma * lam * A_{t+1}``. Returns ``(advantages, returns)`` with ``returns = A + V``, both
-    zero on padding. With ``gamma = lam = 1`` (the paper's setting) ``returns_t`` is the sum of the rewards from
-    ``t`` to the end and ``A_t = returns_t - V_t``.
+    ``A_t = delta_t + gamma * lam * A_{t+1}``. Returns ``(advantages, returns)`` with ``returns = A + V``,
+    both zero on padding. With ``gamma = lam = 1`` (the paper's setting) ``returns_t`` is the sum of the
+    rewards from ``t`` to the end and ``A_t = returns_t - V_t``.
     """
     rewards = rewards * mask
     values = values * mask
@@ -143,14 +181,16 @@ class LossTerms(NamedTuple):
     clip_fraction: torch.Tensor
 
 
-def _reduce(per_token: torch.Tensor, mask: torch.Tensor, denominator: float | torch.Tensor | None) -> torch.Tensor:
+def _reduce(per_token: torch.Tensor, mask: torch.Tensor,
+            denominator: float | torch.Tensor | None) -> torch.Tensor:
     if denominator is None:
         return masked_mean(per_token, mask)
     return masked_sum(per_token, mask) / denominator
 
 
 def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                        mask: torch.Tensor, cliprange: float, *, denominator: float | torch.Tensor | None = None) -> LossTerms:
+                        mask: torch.Tensor, cliprange: float, *,
+                        denominator: float | torch.Tensor | None = None) -> LossTerms:
     """PPO's clipped surrogate: ``max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))`` averaged over tokens.
 
     ``ratio = exp(logprobs - old_logprobs)``. The mean is over the masked tokens, or ``sum / denominator``
@@ -161,11 +201,13 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
     per_token = torch.maximum(unclipped, clipped)
-    return LossTerms(_reduce(per_token, mask, denominator), masked_mean((clipped > unclipped).float(), mask).detach())
+    clip_fraction = masked_mean((clipped > unclipped).float(), mask).detach()
+    return LossTerms(_reduce(per_token, mask, denominator), clip_fraction)
 
 
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-                       cliprange_value: float, *, denominator: float | torch.Tensor | None = None) -> LossTerms:
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       mask: torch.Tensor, cliprange_value: float, *,
+                       denominator: float | torch.Tensor | None = None) -> LossTerms:
     """``0.5 * max((V - R)^2, (V_clipped - R)^2)`` with ``V_clipped = V_old + clip(V - V_old, -eps, eps)``."""
     clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     unclipped_error = (values - returns) ** 2
@@ -176,5 +218,5 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
 
 
 def approx_policy_kl(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``0.5 * mean((log p_new - log p_old)^2)``: how far an update moved the policy from the rollout policy."""
+    """``0.5 * mean((log p_new - log p_old)^2)``: how far an update moved the policy from the rollout one."""
     return 0.5 * masked_mean((logprobs - old_logprobs) ** 2, mask)

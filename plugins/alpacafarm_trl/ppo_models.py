@@ -1,10 +1,10 @@
-"""The model layouts of the PPO trainer (:mod:`alpacafarm_trl.ppo_trainer`): who holds the policy, the value model, the reference and the reward.
+"""The model layouts of the PPO trainer: who holds the policy, the value model, the reference and the reward.
 
-Without LoRA (:class:`SeparateModels`): a trainable policy, a frozen reference copy and a value model built on the
-reward model's backbone and head. With ``lora:`` (and optionally 4-bit) in the model block
+Without LoRA (:class:`SeparateModels`): a trainable policy, a frozen reference copy and a value model built on
+the reward model's backbone and head. With ``lora:`` (and optionally 4-bit) in the model block
 (:class:`SharedBaseModels`, built by :func:`build_shared_models`): ONE base carries ``policy``, ``value`` and
-``reward`` adapters, and the reference is the base with its adapters disabled. The trainer only talks to the
-:class:`PolicyAndValue` interface.
+``reward`` adapters, and the reference is the base with its adapters disabled. The trainer
+(:mod:`alpacafarm_trl.ppo_trainer`) only talks to the :class:`PolicyAndValue` interface.
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ def disable_dropout(module: nn.Module) -> None:
 
 
 def classifier_head(classifier: Any) -> nn.Linear:
-    """The one-output linear head of a sequence classifier (``score`` in most LLMs, ``classifier`` in BERTs)."""
+    """The one-output linear head of a sequence classifier (``score`` in LLMs, ``classifier`` in BERT)."""
     for name in ("score", "classifier"):
         head = getattr(classifier, name, None)
         if isinstance(head, nn.Linear) and head.out_features == 1:
             return head
-    raise UserError(f"{type(classifier).__name__} has no one-output linear head ('score' or 'classifier'), so the "
-                    "value model cannot be initialised from this reward model")
+    raise UserError(f"{type(classifier).__name__} has no one-output linear head ('score' or 'classifier'), "
+                    "so the value model cannot be initialised from this reward model")
 
 
 def _accepts_logits_to_keep(model: Any) -> bool:
@@ -58,13 +58,13 @@ def _response_logits(model: Any, batch: Batch, keep: bool) -> torch.Tensor:
     """Logits predicting each response token (positions ``P-1 .. P+R-2``), ``[b, R, vocab]``."""
     n = batch.response_ids.shape[1]
     kwargs = {"logits_to_keep": n + 1} if keep else {}
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                   use_cache=False, **kwargs).logits
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   position_ids=batch.position_ids, use_cache=False, **kwargs).logits
     return logits[:, -(n + 1):-1]
 
 
 class PolicyAndValue:
-    """What the trainer needs from its models: policy/reference logits, values, generation, trainable weights."""
+    """What the trainer needs of its models: policy/reference logits, values, generation, trained weights."""
 
     device: torch.device
     #: the module that generates (the policy model, or the shared peft model)
@@ -113,7 +113,7 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_classifier(cls, classifier: Any) -> ValueModel:
-        """The critic initialised from a reward model: its backbone, and its score head read at every token."""
+        """The critic initialised from a reward model: its backbone, and its score head read at each token."""
         return cls(getattr(classifier, classifier.base_model_prefix), classifier_head(classifier))
 
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -125,7 +125,7 @@ class ValueModel(nn.Module):
 
 
 class SeparateModels(PolicyAndValue):
-    """Full fine-tuning: a trainable policy, a frozen reference copy and a value model (four models with the RM)."""
+    """Full fine-tuning: a trainable policy, a frozen reference copy and a value model (4 with the RM)."""
 
     def __init__(self, policy: Any, reference: Any, value: ValueModel) -> None:
         self.policy, self.reference, self.value = policy, reference, value
@@ -166,7 +166,8 @@ class SharedBaseModels(PolicyAndValue):
     The reference policy is the base with every adapter disabled, so no second copy of the weights exists.
     """
 
-    def __init__(self, peft_model: Any, value_head: nn.Linear, *, base_name: str, reward_head: nn.Linear | None = None) -> None:
+    def __init__(self, peft_model: Any, value_head: nn.Linear, *, base_name: str,
+                 reward_head: nn.Linear | None = None) -> None:
         self.peft_model = self.policy_module = peft_model
         self.value_head = value_head
         self.reward_head = reward_head
@@ -198,7 +199,7 @@ class SharedBaseModels(PolicyAndValue):
 
     @contextlib.contextmanager
     def adapter(self, name: str) -> Iterator[None]:
-        """Run the shared model with adapter ``name`` active; the previously active one is restored afterwards.
+        """Run the shared model with adapter ``name`` active; the previously active one is restored after.
 
         Keep a backward pass inside the block: activation checkpointing recomputes the forward during
         backward, with whichever adapter is active then.
@@ -232,7 +233,8 @@ class SharedBaseModels(PolicyAndValue):
     def values(self, batch: Batch) -> torch.Tensor:
         n = batch.response_ids.shape[1]
         with self.adapter(VALUE):
-            hidden = self.hidden_states(batch.input_ids, batch.attention_mask, batch.position_ids)[:, -(n + 1):-1]
+            hidden = self.hidden_states(batch.input_ids, batch.attention_mask, batch.position_ids)
+        hidden = hidden[:, -(n + 1):-1]
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
@@ -266,7 +268,8 @@ class SharedRewardClassifier(nn.Module):
         self.head = head
         self.config = models.config
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: Any) -> SimpleNamespace:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                **_: Any) -> SimpleNamespace:
         models = self._models[0]
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -283,7 +286,7 @@ class SharedRewardClassifier(nn.Module):
 
 
 class PolicyAdapterExport:
-    """The ``policy`` adapter of a shared model, saved as a plain top-level LoRA folder (like a LoRA SFT stage's).
+    """The ``policy`` adapter of a shared model, saved as a plain top-level LoRA folder (as LoRA SFT saves).
 
     peft would save a non-default adapter in a sub-folder; this writes ``adapter_model.safetensors`` and
     ``adapter_config.json`` (naming the shared base) at the top, so ``load_causal_lm(spec, folder)`` and
@@ -301,8 +304,8 @@ class PolicyAdapterExport:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = get_peft_model_state_dict(self.models.peft_model, adapter_name=POLICY)
-        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(directory / "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()},
+                  str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
         config = copy.deepcopy(self.models.peft_model.peft_config[POLICY])
         config.base_model_name_or_path = self.models.base_name
         config.inference_mode = True
@@ -320,9 +323,10 @@ def build_shared_models(spec: Any, sft_path: str, reward_path: str, *, gradient_
                         logger: Any = None) -> SharedBaseModels:
     """One base (the SFT model, quantized if asked) with ``policy``, ``value`` and ``reward`` adapters.
 
-    The value and reward adapters and heads start as the reward model: its LoRA weights when it is an adapter
-    folder (a LoRA reward stage on this base), else fresh adapters and its head only (the reward is then scored
-    by the separately loaded reward model, see :func:`alpacafarm_trl.ppo_trainer.build_ppo_trainer`).
+    The value and reward adapters and heads start as the reward model: its LoRA weights when it is an
+    adapter folder (a LoRA reward stage on this base), else fresh adapters and its head only (the reward is
+    then scored by the separately loaded reward model: see
+    :func:`alpacafarm_trl.ppo_trainer.build_ppo_trainer`).
     """
     from peft import (
         PeftConfig,
@@ -353,7 +357,8 @@ def build_shared_models(spec: Any, sft_path: str, reward_path: str, *, gradient_
     if is_adapter_folder(reward_path):
         rm_config = PeftConfig.from_pretrained(reward_path)
         state = load_peft_weights(reward_path, device="cpu")
-        head_state = {k.rsplit(".", 1)[-1]: v for k, v in state.items() if k.split(".")[-2] in ("score", "classifier")}
+        head_state = {k.rsplit(".", 1)[-1]: v for k, v in state.items()
+                      if k.split(".")[-2] in ("score", "classifier")}
         adapter_state = {k: v for k, v in state.items() if "lora_" in k}
         adapter_config = copy.deepcopy(rm_config)
         adapter_config.modules_to_save = None
@@ -377,7 +382,8 @@ def build_shared_models(spec: Any, sft_path: str, reward_path: str, *, gradient_
         peft_model.add_adapter(VALUE, lora_config(spec))
         shared_reward = False
         if logger is not None:
-            logger.info("the reward model is not a LoRA folder: the value adapter starts fresh (value head from the RM)")
+            logger.info("the reward model is not a LoRA folder: the value adapter starts fresh "
+                        "(value head from the RM)")
     value_head = copy.deepcopy(source_head).float().to(device)
     value_head.requires_grad_(True)
     reward_head = copy.deepcopy(source_head).float().to(device) if shared_reward else None

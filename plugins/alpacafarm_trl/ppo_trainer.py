@@ -1,25 +1,26 @@
-"""The PPO trainer: Proximal Policy Optimization against a reward function, as a TRL-style trainer of our own.
+"""The PPO trainer: Proximal Policy Optimization against a reward function, TRL-style, of our own.
 
 TRL no longer ships a PPO trainer, so this module implements the AlpacaFarm variant (paper Section 3.4,
 Appendices A.2 and B.1) from the algorithm:
 
-* each PPO step samples a rollout batch of responses from the policy with the one core sampler
-  (:func:`alpacafarm.sampling.sample`: temperature sampling, left-padded prompts) on the unlabeled instructions,
+* each PPO step samples a rollout batch of responses from the policy on the unlabeled instructions with the
+  one core sampler (:func:`alpacafarm.sampling.sample`: temperature sampling, left-padded prompts), the
   prompts written by :class:`alpacafarm.prompts.PromptFormat` for the SFT model folder (so a folder trained
   behind a control token, such as reward conditioning's ``<good>``, is sampled behind it);
 * the reward of a response is the reward function's score (the reward model's, an
   :class:`alpacafarm.rewards.RewardScorer`) on its last token minus a per-token KL penalty
-  ``kl_coef * (log p_policy - log p_SFT)`` (a fixed coefficient: 0.002 for simulated feedback, 0.02 for human);
+  ``kl_coef * (log p_policy - log p_SFT)`` (a fixed coefficient: 0.002 for simulated feedback, 0.02 for
+  human feedback);
 * advantages come from GAE with ``gamma = lambda = 1`` and are whitened over the whole rollout batch (not per
   mini-batch, the paper's first modification); the value model starts from the reward model (its second);
 * the policy and the value model then take ``ppo_epochs`` passes of clipped-loss updates over mini-batches.
 
-The models come in two layouts (:mod:`alpacafarm_trl.ppo_models`): separate policy, reference and value models,
-or with ``lora:`` (and optionally ``quantization: 4bit``) ONE base carrying ``policy``, ``value`` and ``reward``
-adapters. The trainer follows ``transformers.Trainer``'s conventions: a ``TrainingArguments`` subclass for its
-config (:mod:`alpacafarm_trl.ppo_config`), ``TrainerState``/``log_history``, ``TrainerCallback`` events
-(``on_step_end``, ``on_log``, ``on_save``, ...), ``checkpoint-N`` folders every ``save_steps`` and
-``train(resume_from_checkpoint=...)``.
+The models come in two layouts (:mod:`alpacafarm_trl.ppo_models`): separate policy, reference and value
+models, or with ``lora:`` (and optionally ``quantization: 4bit``) ONE base carrying ``policy``, ``value`` and
+``reward`` adapters. The trainer follows ``transformers.Trainer``'s conventions: a ``TrainingArguments``
+subclass for its config (:mod:`alpacafarm_trl.ppo_config`), ``TrainerState``/``log_history``,
+``TrainerCallback`` events (``on_step_end``, ``on_log``, ``on_save``, ...), ``checkpoint-N`` folders every
+``save_steps`` and ``train(resume_from_checkpoint=...)``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import random
 import shutil
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from alpacafarm.sampling import Sample, sample, stop_token_ids, tokenize_prompts
 from alpacafarm.seeding import stable_seed
 from alpacafarm_trl import ppo_core
 from alpacafarm_trl.ppo_config import PPOMethodConfig
-from alpacafarm_trl.ppo_core import collate
+from alpacafarm_trl.ppo_core import Rollouts, collate
 from alpacafarm_trl.ppo_models import PolicyAndValue, SeparateModels, ValueModel, build_shared_models
 
 #: Keys of every per-step log entry (besides ``step``), in the order they are documented.
@@ -55,52 +55,19 @@ LOG_KEYS = (
 )
 
 
-@dataclass
-class Rollouts:
-    """One PPO step's samples and everything computed from them (per-token tensors ``[n, max response]``)."""
-
-    records: list[dict[str, Any]]
-    samples: list[Sample]
-    scores: torch.Tensor
-    mask: torch.Tensor
-    logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
-    values: torch.Tensor
-    entropy: torch.Tensor
-    rewards: torch.Tensor | None = None
-    kl: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None
-    returns: torch.Tensor | None = None
-
-    @property
-    def queries(self) -> list[list[int]]:
-        return [s.prompt_ids for s in self.samples]
-
-    @property
-    def responses(self) -> list[list[int]]:
-        return [s.response_ids for s in self.samples]
-
-    @property
-    def texts(self) -> list[str]:
-        return [s.text for s in self.samples]
-
-    @property
-    def ended(self) -> list[bool]:
-        return [s.finished for s in self.samples]
-
-
 class PPOTrainer:
     """PPO on prompt records with a reward function; checkpoints and callbacks like ``transformers.Trainer``.
 
     ``reward_fn(records, completions)`` (an :data:`alpacafarm.rewards.RewardFunction`) returns one score per
-    completion; the method passes the reward model (an :class:`~alpacafarm.rewards.RewardScorer`), tests may pass
-    any callable. ``prompt_format`` writes the prompts: a :class:`~alpacafarm.prompts.PromptFormat` (with the SFT
-    folder's conditioning, see :func:`build_ppo_trainer`) or a style name (no conditioning).
+    completion; the method passes the reward model (an :class:`~alpacafarm.rewards.RewardScorer`), tests may
+    pass any callable. ``prompt_format`` writes the prompts: a :class:`~alpacafarm.prompts.PromptFormat` (with
+    the SFT folder's conditioning, see :func:`build_ppo_trainer`) or a style name (no conditioning).
     """
 
     def __init__(self, args: PPOMethodConfig, models: PolicyAndValue, tokenizer: Any,
                  records: Sequence[dict[str, Any]], reward_fn: RewardFunction, *,
-                 prompt_format: PromptFormat | str = "alpaca", callbacks: Sequence[Any] | None = None) -> None:
+                 prompt_format: PromptFormat | str = "alpaca",
+                 callbacks: Sequence[Any] | None = None) -> None:
         from transformers import get_scheduler
         from transformers.integrations import get_reporting_integration_callbacks
         from transformers.trainer_callback import (
@@ -139,7 +106,8 @@ class PPOTrainer:
                                   num_train_epochs=math.ceil(self._passes()),
                                   train_batch_size=args.rollout_batch_size)
         self.control = TrainerControl()
-        handlers = [DefaultFlowCallback, *get_reporting_integration_callbacks(args.report_to), *(callbacks or [])]
+        reporting = get_reporting_integration_callbacks(args.report_to)
+        handlers = [DefaultFlowCallback, *reporting, *(callbacks or [])]
         self.callback_handler = CallbackHandler(handlers, models.policy_module, tokenizer, self.optimizer,
                                                 self.lr_scheduler)
         self.control = self.callback_handler.on_init_end(args, self.state, self.control)
@@ -152,7 +120,8 @@ class PPOTrainer:
     def _tokenize_prompts(self, records: Sequence[dict[str, Any]]) -> tuple[list[dict], list[list[int]], int]:
         for record in records:
             if not record.get("instruction"):
-                raise UserError(f"a PPO prompt record has no 'instruction' (fields: {', '.join(sorted(record))})")
+                raise UserError(f"a PPO prompt record has no 'instruction' "
+                                f"(fields: {', '.join(sorted(record))})")
         encoded = tokenize_prompts(self.tokenizer, self.prompt_format.records(records))
         kept, queries, skipped = [], [], 0
         for record, ids in zip(records, encoded, strict=True):
@@ -162,7 +131,8 @@ class PPOTrainer:
             kept.append(dict(record))
             queries.append(ids)
         if not kept:
-            raise UserError(f"no PPO prompts left ({len(records)} given, {skipped} longer than max_prompt_length)")
+            raise UserError(f"no PPO prompts left ({len(records)} given, {skipped} longer than "
+                            "max_prompt_length)")
         return kept, queries, skipped
 
     def _passes(self) -> float:
@@ -215,10 +185,11 @@ class PPOTrainer:
         args = self.args
         indices = self.prompt_indices(step)
         with self._autocast():
-            samples = sample(self.models.policy_module, self.tokenizer, [self.queries[i] for i in indices], n=1,
-                             temperature=args.temperature, top_p=1.0, max_new_tokens=args.max_new_tokens,
-                             batch_size=args.generation_batch_size, seed=stable_seed(args.seed, "ppo-rollout", step),
-                             stop_ids=self.eos_ids, generate=self.models.generate)
+            samples = sample(self.models.policy_module, self.tokenizer, [self.queries[i] for i in indices],
+                             n=1, temperature=args.temperature, top_p=1.0, max_new_tokens=args.max_new_tokens,
+                             batch_size=args.generation_batch_size,
+                             seed=stable_seed(args.seed, "ppo-rollout", step), stop_ids=self.eos_ids,
+                             generate=self.models.generate)
         return [self.records[i] for i in indices], [group[0] for group in samples]
 
     @torch.no_grad()
@@ -230,7 +201,8 @@ class PPOTrainer:
         texts = [s.text for s in samples]
         scores = torch.tensor([float(s) for s in self.reward_fn(records, texts)], dtype=torch.float32)
         if len(scores) != len(texts):
-            raise ValueError(f"the reward function returned {len(scores)} scores for {len(texts)} completions")
+            raise ValueError(f"the reward function returned {len(scores)} scores for {len(texts)} "
+                             "completions")
 
         queries, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
         n, width = len(responses), max(len(r) for r in responses)
@@ -246,7 +218,9 @@ class PPOTrainer:
                 policy_lp = ppo_core.logprobs_of(logits, tokens)
                 chunk_entropy = ppo_core.entropy_of(logits)
                 del logits
-                ref_lp = ppo_core.logprobs_of(self.models.reference_logits(batch).float() / args.temperature, tokens)
+                ref_logits = self.models.reference_logits(batch).float() / args.temperature
+                ref_lp = ppo_core.logprobs_of(ref_logits, tokens)
+                del ref_logits
                 chunk_values = self.models.values(batch)
                 r = tokens.shape[1]
                 for j, i in enumerate(chunk):
@@ -267,8 +241,8 @@ class PPOTrainer:
         scores = scores * args.reward_scale
         if args.reward_clip is not None:
             scores = scores.clamp(-args.reward_clip, args.reward_clip)
-        rewards, kl = ppo_core.kl_penalized_rewards(scores, rollouts.logprobs, rollouts.ref_logprobs, rollouts.mask,
-                                                    args.kl_coef)
+        rewards, kl = ppo_core.kl_penalized_rewards(scores, rollouts.logprobs, rollouts.ref_logprobs,
+                                                    rollouts.mask, args.kl_coef)
         if args.whiten_rewards:
             rewards = ppo_core.masked_whiten(rewards, rollouts.mask, shift_mean=False)
         advantages, returns = ppo_core.compute_gae(rewards, rollouts.values, rollouts.mask, gamma=args.gamma,
@@ -289,7 +263,8 @@ class PPOTrainer:
         n = len(responses)
         lengths = [len(q) + len(r) for q, r in zip(queries, responses, strict=True)]
         generator = torch.Generator().manual_seed(stable_seed(args.seed, "ppo-minibatches", step))
-        sums = dict.fromkeys(("policy_loss", "value_loss", "clip_fraction", "value_clip_fraction", "approx_kl"), 0.0)
+        sums = dict.fromkeys(("policy_loss", "value_loss", "clip_fraction", "value_clip_fraction",
+                              "approx_kl"), 0.0)
         tokens_seen, grad_norms = 0.0, []
         for _ in range(args.ppo_epochs):
             order = torch.randperm(n, generator=generator).tolist()
@@ -298,7 +273,8 @@ class PPOTrainer:
                 n_tokens = rollouts.mask[mini].sum().clamp(min=1).to(device)
                 self.optimizer.zero_grad(set_to_none=True)
                 for chunk in self._micro_batches(mini, lengths):
-                    batch = collate([queries[i] for i in chunk], [responses[i] for i in chunk], self.pad_id, device)
+                    batch = collate([queries[i] for i in chunk], [responses[i] for i in chunk], self.pad_id,
+                                    device)
                     r = batch.response_ids.shape[1]
                     pick = (lambda t, c=chunk, width=r: t[c, :width].to(device))  # noqa: E731
                     mask = batch.response_mask
@@ -307,14 +283,17 @@ class PPOTrainer:
                     new_logprobs = ppo_core.logprobs_of(logits.float() / args.temperature, batch.response_ids)
                     del logits
                     old_logprobs = pick(rollouts.logprobs)
-                    policy = ppo_core.clipped_policy_loss(new_logprobs, old_logprobs, pick(rollouts.advantages), mask,
+                    advantages = pick(rollouts.advantages)
+                    policy = ppo_core.clipped_policy_loss(new_logprobs, old_logprobs, advantages, mask,
                                                           args.cliprange, denominator=n_tokens)
                     policy.loss.backward()
-                    with self.models.value_scope():  # the backward recomputes checkpointed layers: same adapter
+                    # The backward recomputes checkpointed layers: it must run with the same adapter active.
+                    with self.models.value_scope():
                         with self._autocast():
                             new_values = self.models.values(batch)
-                        value = ppo_core.clipped_value_loss(new_values, pick(rollouts.values), pick(rollouts.returns),
-                                                            mask, args.cliprange_value, denominator=n_tokens)
+                        old_values, returns = pick(rollouts.values), pick(rollouts.returns)
+                        value = ppo_core.clipped_value_loss(new_values, old_values, returns, mask,
+                                                            args.cliprange_value, denominator=n_tokens)
                         (args.vf_coef * value.loss).backward()
                     count = float(mask.sum())
                     tokens_seen += count
@@ -412,12 +391,12 @@ class PPOTrainer:
         self.control.should_log = False
 
     def _save_checkpoint(self) -> Path:
-        """``checkpoint-N/``: trained weights (policy and value), optimizer, scheduler, RNG states, trainer state."""
+        """``checkpoint-N/``: trained weights (policy, value), optimizer, scheduler, RNG and trainer state."""
         import numpy as np
 
         output_dir = Path(self.args.output_dir)
         final = output_dir / f"checkpoint-{self.state.global_step}"
-        partial = output_dir / f"{final.name}.partial"  # renamed when complete: a crash leaves no half checkpoint
+        partial = output_dir / f"{final.name}.partial"  # renamed when complete: a crash leaves no half one
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         torch.save({k: p.detach().cpu() for k, p in self.params.items()}, partial / "trainable.pt")
@@ -490,7 +469,8 @@ def build_ppo_trainer(config: PPOMethodConfig, spec: Any, sft_path: str, reward_
     tokenizer = load_tokenizer(spec, sft_path)
     if spec.lora is None:
         if spec.quantization is not None:
-            raise UserError("PPO cannot train quantized weights: add 'lora:' to the model block to use quantization")
+            raise UserError("PPO cannot train quantized weights: add 'lora:' to the model block to use "
+                            "quantization")
         policy = load_merged_causal_lm(spec, sft_path)
         reference = load_merged_causal_lm(spec, sft_path)
         value = ValueModel.from_classifier(load_classifier(spec, reward_path))
@@ -500,13 +480,14 @@ def build_ppo_trainer(config: PPOMethodConfig, spec: Any, sft_path: str, reward_
         models: PolicyAndValue = SeparateModels(policy, reference, value)
         reward_classifier = None
     else:
-        models = build_shared_models(spec, sft_path, reward_path,
-                                     gradient_checkpointing=bool(config.gradient_checkpointing), logger=logger)
+        models = build_shared_models(spec, sft_path, reward_path, logger=logger,
+                                     gradient_checkpointing=bool(config.gradient_checkpointing))
         reward_classifier = models.reward_classifier() if models.reward_head is not None else None
     if reward_fn is None:
-        classifier = reward_classifier if reward_classifier is not None else load_classifier(spec, reward_path)
-        reward_fn = RewardScorer(classifier, load_tokenizer(spec, reward_path), prompt_format=spec.prompt_format,
-                                 batch_size=config.score_batch_size)
+        if reward_classifier is None:
+            reward_classifier = load_classifier(spec, reward_path)
+        reward_fn = RewardScorer(reward_classifier, load_tokenizer(spec, reward_path),
+                                 prompt_format=spec.prompt_format, batch_size=config.score_batch_size)
     prompt_format = PromptFormat.for_model(spec.prompt_format, sft_path, tokenizer)
     return PPOTrainer(config, models, tokenizer, records, reward_fn, prompt_format=prompt_format,
                       callbacks=callbacks)

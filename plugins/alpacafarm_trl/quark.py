@@ -1,31 +1,33 @@
-"""``quark``: the best-quantile variant of Quark that AlpacaFarm evaluates (paper Section 3.4, A.2, Appendix B.2).
+"""``quark``: the best-quantile variant of Quark that AlpacaFarm evaluates (paper Section 3.4, A.2, B.2).
 
 Each round (a "Quark step" in the paper):
 
-1. take the round's prompts from the training instructions (a seeded order, cycled: ``prompts_per_round`` at a
-   time, the paper's rollout batch of 512) and sample ``rollouts_per_prompt`` responses each from the *current*
-   policy, behind the SFT folder's prompt conditioning if it has one;
+1. take the round's prompts from the training instructions (a seeded order, cycled: ``prompts_per_round`` at
+   a time, the paper's rollout batch of 512) and sample ``rollouts_per_prompt`` responses each from the
+   *current* policy, behind the SFT folder's prompt conditioning if it has one;
 2. score every rollout with the surrogate reward model (``context.reward_function``, a
    :class:`alpacafarm.rewards.RewardScorer`);
 3. keep the top ``top_quantile`` of the pool by reward (the best bin; the other bins are not trained on);
-4. train the policy on the kept samples with ``NLL + kl_coef * KL(policy || reference)``, the reference being the
-   SFT model and the KL the exact per-token divergence of the two next-token distributions at each response
-   position of the kept samples, averaged over response tokens;
-5. discard the pool: the next round samples a fresh one (the paper's change to Quark, B.2: constant cost per round).
+4. train the policy on the kept samples with ``NLL + kl_coef * KL(policy || reference)``, the reference being
+   the SFT model and the KL the exact per-token divergence of the two next-token distributions at each
+   response position of the kept samples, averaged over response tokens;
+5. discard the pool: the next round samples a fresh one (the paper's change to Quark, B.2: constant cost per
+   round).
 
-Quark's control tokens play no part in the best-quantile variant (only one bin is trained on, so there is nothing to
-condition on) and, following B.2, there is no entropy term. The optimizer and the learning-rate schedule span the
-whole run (the peak rate decays to 0 over all rounds), not one round.
+Quark's control tokens play no part in the best-quantile variant (only one bin is trained on, so there is
+nothing to condition on) and, following B.2, there is no entropy term. The optimizer and the learning-rate
+schedule span the whole run (the peak rate decays to 0 over all rounds), not one round.
 
-With ``lora:`` in the model block the policy is the SFT model plus fresh LoRA adapters and the reference is the
-same network with the adapters switched off (``with model.disable_adapter():``): there is no second copy of the
-model. Without LoRA a frozen copy of the SFT model is the reference.
+With ``lora:`` in the model block the policy is the SFT model plus fresh LoRA adapters and the reference is
+the same network with the adapters switched off (``with model.disable_adapter():``): there is no second copy
+of the model. Without LoRA a frozen copy of the SFT model is the reference.
 
-Where the pieces live, as in TRL: the config in :mod:`alpacafarm_trl.quark_config`, the trainer and the rounds in
-:mod:`alpacafarm_trl.quark_trainer`; this module loads the models and runs the stage.
+Where the pieces live, as in TRL: the config in :mod:`alpacafarm_trl.quark_config`, the trainer and the rounds
+in :mod:`alpacafarm_trl.quark_trainer`; this module loads the models and runs the stage.
 
-Files: ``round_<r>/pool.jsonl`` (every rollout of round ``r``, 1-based, with its reward and whether it was kept),
-``metrics.json`` (per-round statistics and the trainer's log history) and ``model/``.
+Files: ``round_<r>/pool.jsonl`` (every rollout of round ``r``, 1-based, with its reward and whether it was
+kept), ``metrics.json`` (per-round statistics and the trainer's log history) and ``model/`` (with the SFT
+folder's prompt conditioning file, if it had one: the policy was trained behind it).
 """
 
 from __future__ import annotations
@@ -44,14 +46,15 @@ from alpacafarm_trl.training import stage_training_args
 def load_policy_and_reference(spec: Any, sft_path: str, args: QuarkMethodConfig) -> tuple[Any, Any, bool]:
     """``(policy, reference or None, sft_was_adapters)`` for the recipe's model block.
 
-    Full fine-tuning: the policy and a second, frozen copy of the SFT model. LoRA/QLoRA: the SFT model with new
-    trainable adapters, and no reference model (the trainer disables the adapters to get the reference). An SFT
-    adapter folder is merged into its base first (:func:`alpacafarm.modeling.load_merged_causal_lm`).
+    Full fine-tuning: the policy and a second, frozen copy of the SFT model. LoRA/QLoRA: the SFT model with
+    new trainable adapters, and no reference model (the trainer disables the adapters to get the reference).
+    An SFT adapter folder is merged into its base first (:func:`alpacafarm.modeling.load_merged_causal_lm`).
     """
     from alpacafarm.modeling import is_adapter_folder, load_merged_causal_lm, lora_config
 
     if spec.quantization is not None and spec.lora is None:
-        raise UserError(f"quark: quantization: {spec.quantization} trains adapters only; add lora: to the model block")
+        raise UserError(f"quark: quantization: {spec.quantization} trains adapters only; add lora: to the "
+                        "model block")
     from_adapters = is_adapter_folder(sft_path)
     policy = load_merged_causal_lm(spec, sft_path)
     if spec.lora is None:
@@ -59,9 +62,11 @@ def load_policy_and_reference(spec: Any, sft_path: str, args: QuarkMethodConfig)
     from peft import get_peft_model, prepare_model_for_kbit_training
 
     if spec.quantization is not None:
-        policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=bool(args.gradient_checkpointing))
+        policy = prepare_model_for_kbit_training(
+            policy, use_gradient_checkpointing=bool(args.gradient_checkpointing))
     elif args.gradient_checkpointing:
-        policy.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need an input with a gradient
+        # Frozen embeddings: checkpointed blocks need an input that carries a gradient.
+        policy.enable_input_require_grads()
     return get_peft_model(policy, lora_config(spec)), None, from_adapters
 
 
@@ -71,7 +76,8 @@ class Quark(Method):
     config_class = QuarkMethodConfig
     requires = ("sft_model", "reward_model", "instruction_splits")
     provides = "policy_model"
-    description = "Quark, best-quantile variant: sample, score with the reward model, train on the top quantile + KL"
+    description = ("Quark, best-quantile variant: sample, score with the reward model, train on the top "
+                   "quantile + KL")
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json
@@ -94,15 +100,18 @@ class Quark(Method):
 
         trainer = build_quark_trainer(args, policy, tokenizer, reference)
         context.logger.info("stage %s: Quark for %d rounds on %d instructions (%s reference)", context.stage,
-                            args.rounds, len(records), "adapter-disabled" if reference is None else "frozen copy")
+                            args.rounds, len(records),
+                            "adapter-disabled" if reference is None else "frozen copy")
         with context.progress("quark rounds", args.rounds) as advance:
-            rounds = run_rounds(trainer, records, reward, out_dir=context.stage_dir, prompt_format=prompt_format,
-                                seed=context.seed, logger=context.logger, progress=advance)
+            rounds = run_rounds(trainer, records, reward, out_dir=context.stage_dir,
+                                prompt_format=prompt_format, seed=context.seed, logger=context.logger,
+                                progress=advance)
 
-        # New adapters on an SFT model that was itself adapters cannot name their base: save merged weights then.
+        # New adapters on an SFT model that was itself adapters cannot name their base: save merged weights.
         merge = bool(spec.lora) and (spec.merge_adapters or from_adapters)
         if merge and from_adapters and not spec.merge_adapters:
-            context.logger.info("stage %s: the SFT model was LoRA adapters; saving merged weights", context.stage)
+            context.logger.info("stage %s: the SFT model was LoRA adapters; saving merged weights",
+                                context.stage)
         tokenizer.padding_side = "right"
         model_dir = Path(context.stage_dir) / "model"
         save_model(trainer.model, tokenizer, model_dir, merge_adapters=merge)

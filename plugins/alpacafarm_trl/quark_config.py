@@ -11,30 +11,34 @@ from alpacafarm_trl.base_config import TrainingDefaults
 
 @dataclass
 class QuarkMethodConfig(TrainingDefaults, TrainingArguments):
-    """Every ``transformers.TrainingArguments`` field (they apply to each round's training), plus the rollout loop.
+    """Every ``transformers.TrainingArguments`` field (they apply to each round's training), plus the loop's.
 
     Defaults follow Appendix B.2: KL coefficient 0.05, peak learning rate 3e-6 decaying linearly to 0 over the
     whole run, 512 rollouts per round, 2 epochs over each round's kept samples, gradient clipping at norm 1,
     390 rounds (10 passes over the 20k unlabeled instructions). The share kept (``top_quantile`` 0.2, one of
     five reward bins), the sampling temperature (1.0) and ``max_new_tokens`` (300, the paper's decoding cap)
-    are our assumptions: the paper does not state them for Quark. ``num_train_epochs`` / ``max_steps`` count per
-    round; ``output_dir`` is always the stage folder; checkpoints are off (a round's trainer state cannot resume
-    the rollout loop). ``bf16`` and activation checkpointing are automatic
+    are our assumptions: the paper does not state them for Quark. ``num_train_epochs`` / ``max_steps`` count
+    per round; ``output_dir`` is always the stage folder; checkpoints are off (a round's trainer state cannot
+    resume the rollout loop). ``bf16`` and activation checkpointing are automatic
     (:class:`~alpacafarm_trl.base_config.TrainingDefaults`).
     """
 
-    rounds: int = field(default=390, metadata={"help": "rollout-score-train rounds (the paper's Quark steps)"})
+    rounds: int = field(default=390,
+                        metadata={"help": "rollout-score-train rounds (the paper's Quark steps)"})
     prompts_per_round: int | None = field(
-        default=512, metadata={"help": "instructions sampled per round, cycling through a seeded order (None: all)"})
+        default=512,
+        metadata={"help": "instructions sampled per round, cycling through a seeded order (None: all)"})
     rollouts_per_prompt: int = field(default=1, metadata={"help": "samples drawn per instruction in a round"})
-    top_quantile: float = field(default=0.2, metadata={"help": "share of each round's pool kept (highest rewards)"})
+    top_quantile: float = field(default=0.2,
+                                metadata={"help": "share of each round's pool kept (highest rewards)"})
     kl_coef: float = field(default=0.05, metadata={"help": "beta: weight of KL(policy || SFT reference)"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the rollouts"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling threshold of the rollouts"})
     max_new_tokens: int = field(default=300, metadata={"help": "longest rollout, in tokens"})
     generation_batch_size: int = field(default=16, metadata={"help": "prompts per generate() call"})
     score_batch_size: int = field(default=16, metadata={"help": "texts per reward-model forward pass"})
-    split: str = field(default="train", metadata={"help": "file (or metadata key) of the instruction splits input"})
+    split: str = field(default="train",
+                       metadata={"help": "file (or metadata key) of the instruction splits input"})
     max_instructions: int | None = field(default=None, metadata={"help": "use the first N instructions only"})
 
     learning_rate: float = 3e-6
@@ -47,7 +51,8 @@ class QuarkMethodConfig(TrainingDefaults, TrainingArguments):
     def __post_init__(self) -> None:
         checks = [
             (self.rounds >= 1, "rounds must be at least 1"),
-            (self.prompts_per_round is None or self.prompts_per_round >= 1, "prompts_per_round must be at least 1"),
+            (self.prompts_per_round is None or self.prompts_per_round >= 1,
+             "prompts_per_round must be at least 1"),
             (self.rollouts_per_prompt >= 1, "rollouts_per_prompt must be at least 1"),
             (0.0 < self.top_quantile <= 1.0, "top_quantile must be in (0, 1]"),
             (self.kl_coef >= 0.0, "kl_coef must be non-negative"),
@@ -56,9 +61,10 @@ class QuarkMethodConfig(TrainingDefaults, TrainingArguments):
             (self.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
             (self.generation_batch_size >= 1, "generation_batch_size must be at least 1"),
             (self.score_batch_size >= 1, "score_batch_size must be at least 1"),
-            (self.max_instructions is None or self.max_instructions >= 1, "max_instructions must be at least 1"),
+            (self.max_instructions is None or self.max_instructions >= 1,
+             "max_instructions must be at least 1"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        super().__post_init__()  # TrainingDefaults: bf16 / checkpointing for this machine, then TrainingArguments
+        super().__post_init__()  # TrainingDefaults (bf16, checkpointing for this machine), TrainingArguments

@@ -1,11 +1,12 @@
 """The Quark trainer and its rounds: sample a pool, score it, keep the top quantile, train with NLL + KL.
 
 :class:`QuarkTrainer` is a ``transformers.Trainer`` whose loss on the kept samples is
-``NLL + kl_coef * KL(policy || reference)``, the KL being the exact per-token divergence of the two next-token
-distributions at each response position, averaged over response tokens. :func:`run_rounds` is the loop of the
-best-quantile variant (see :mod:`alpacafarm_trl.quark`): each round samples a fresh pool with the one core
-sampler (:func:`alpacafarm.sampling.sample`), prompts written by :class:`alpacafarm.prompts.PromptFormat`, scores
-it with a reward function, keeps the top ``top_quantile`` and trains on it; the pool is then discarded.
+``NLL + kl_coef * KL(policy || reference)``, the KL being the exact per-token divergence of the two
+next-token distributions at each response position, averaged over response tokens. :func:`run_rounds` is the
+loop of the best-quantile variant (see :mod:`alpacafarm_trl.quark`): each round samples a fresh pool with the
+one core sampler (:func:`alpacafarm.sampling.sample`) on prompts written by
+:class:`alpacafarm.prompts.PromptFormat`, scores it with a reward function, keeps the top ``top_quantile``
+and trains on it; the pool is then discarded.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def kept_count(pool_size: int, quantile: float) -> int:
 
 
 def top_quantile(rewards: Sequence[float], quantile: float) -> list[int]:
-    """Indices (ascending) of the ``kept_count`` highest rewards; ties at the threshold go to the earlier index."""
+    """Indices (ascending) of the ``kept_count`` highest rewards; ties at the threshold go to earlier ones."""
     ranked = sorted(range(len(rewards)), key=lambda i: (-rewards[i], i))
     return sorted(ranked[:kept_count(len(rewards), quantile)])
 
@@ -62,11 +63,12 @@ class PadCollator:
             ids.append(feature["input_ids"] + [self.pad_token_id] * padding)
             labels.append(feature["labels"] + [IGNORE_INDEX] * padding)
             mask.append([1] * len(feature["input_ids"]) + [0] * padding)
-        return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "attention_mask": torch.tensor(mask)}
+        return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels),
+                "attention_mask": torch.tensor(mask)}
 
 
 def token_kl(policy_logits: Any, reference_logits: Any) -> Any:
-    """KL(policy || reference) of the next-token distributions at every position (float32, shape ``[..., ]``)."""
+    """KL(policy || reference) of the next-token distributions at every position (float32, ``[...]``)."""
     import torch
 
     log_p = torch.log_softmax(policy_logits.float(), dim=-1)
@@ -75,12 +77,12 @@ def token_kl(policy_logits: Any, reference_logits: Any) -> Any:
 
 
 class QuarkTrainer(Trainer):
-    """A ``Trainer`` whose loss is ``NLL(kept samples) + kl_coef * KL(policy || reference)`` per response token.
+    """A ``Trainer`` with loss ``NLL(kept samples) + kl_coef * KL(policy || reference)`` per response token.
 
-    ``ref_model`` is a frozen reference; ``None`` means the policy is a peft model whose reference is itself with
-    the adapters disabled. Each round sets ``train_dataset`` and calls :meth:`train` again: the optimizer is kept,
-    and the learning-rate schedule is built once for ``rounds`` times the first round's steps (every round keeps
-    the same number of samples), so the rate decays over the whole run.
+    ``ref_model`` is a frozen reference; ``None`` means the policy is a peft model whose reference is itself
+    with the adapters disabled. Each round sets ``train_dataset`` and calls :meth:`train` again: the optimizer
+    is kept, and the learning-rate schedule is built once for ``rounds`` times the first round's steps (every
+    round keeps the same number of samples), so the rate decays over the whole run.
     """
 
     loss_is_scaled_for_ga = True  # compute_loss divides by the response tokens of the whole accumulated batch
@@ -107,7 +109,8 @@ class QuarkTrainer(Trainer):
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         from transformers import get_scheduler
 
-        if self.lr_scheduler is None:  # built once (``_created_lr_scheduler`` stays False, so train() keeps it)
+        # Built once (``_created_lr_scheduler`` stays False, so train() keeps it).
+        if self.lr_scheduler is None:
             total = num_training_steps * self.rounds
             self.lr_scheduler = get_scheduler(
                 self.args.lr_scheduler_type, optimizer=optimizer or self.optimizer,
@@ -152,7 +155,8 @@ class QuarkTrainer(Trainer):
         tokens = mask.sum()
         denominator = num_items_in_batch if num_items_in_batch is not None else tokens.clamp(min=1)
         loss = (nll_sum + self.args.kl_coef * kl_sum) / denominator
-        if self.args.average_tokens_across_devices and num_items_in_batch is not None and self.args.world_size > 1:
+        summed = self.args.average_tokens_across_devices and num_items_in_batch is not None
+        if summed and self.args.world_size > 1:
             loss = loss * self.accelerator.num_processes  # the token count was summed over processes
         if model.training:
             n = int(tokens.item())
@@ -170,7 +174,7 @@ class QuarkTrainer(Trainer):
         super().log(logs, start_time)
 
     def measure(self, examples: Sequence[dict[str, list[int]]], batch_size: int = 8) -> dict[str, float]:
-        """Mean per-token NLL and KL(policy || reference) over ``examples``, in eval mode, without training."""
+        """Mean per-token NLL and KL(policy || reference) over ``examples``, in eval mode, not training."""
         import torch
 
         model = self.model
@@ -182,7 +186,8 @@ class QuarkTrainer(Trainer):
         try:
             with torch.no_grad():
                 for start in range(0, len(examples), batch_size):
-                    batch = {k: v.to(device) for k, v in self.data_collator(list(examples[start:start + batch_size])).items()}
+                    collated = self.data_collator(list(examples[start:start + batch_size]))
+                    batch = {k: v.to(device) for k, v in collated.items()}
                     nll, kl, mask, _ = self.token_terms(model, batch)
                     nll_sum += float((nll * mask).sum())
                     kl_sum += float((kl * mask).sum())
@@ -192,13 +197,15 @@ class QuarkTrainer(Trainer):
         return {"nll": nll_sum / max(tokens, 1), "kl": kl_sum / max(tokens, 1), "tokens": tokens}
 
 
-def build_quark_trainer(args: QuarkMethodConfig, model: Any, tokenizer: Any, ref_model: Any = None) -> QuarkTrainer:
-    """A :class:`QuarkTrainer` for ``args.rounds`` rounds; its dataset is set per round by :func:`run_rounds`."""
+def build_quark_trainer(args: QuarkMethodConfig, model: Any, tokenizer: Any,
+                        ref_model: Any = None) -> QuarkTrainer:
+    """A :class:`QuarkTrainer` for ``args.rounds`` rounds; :func:`run_rounds` sets its dataset each round."""
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if ref_model is not None:
         ref_model.eval().requires_grad_(False)
-        if getattr(ref_model, "hf_device_map", None) is None and getattr(ref_model, "quantization_method", None) is None:
+        placed = getattr(ref_model, "hf_device_map", None) is not None
+        if not placed and getattr(ref_model, "quantization_method", None) is None:
             ref_model.to(args.device)
     return QuarkTrainer(model=model, args=args, data_collator=PadCollator(tokenizer.pad_token_id),
                         processing_class=tokenizer, ref_model=ref_model, rounds=args.rounds)
@@ -215,13 +222,13 @@ def round_prompts(n_records: int, args: QuarkMethodConfig, seed: int) -> list[li
 
 def sample_pool(model: Any, tokenizer: Any, queries: Sequence[Sequence[int]], args: QuarkMethodConfig, *,
                 seed: int) -> list[list[Sample]]:
-    """``rollouts_per_prompt`` samples per tokenized prompt from the policy as it is now (in eval mode), in order."""
+    """``rollouts_per_prompt`` samples per tokenized prompt from the policy as it is now (in eval mode)."""
     was_training = model.training
     model.eval()
     try:
         return sample(model, tokenizer, queries, n=args.rollouts_per_prompt, temperature=args.temperature,
-                      top_p=args.top_p, max_new_tokens=args.max_new_tokens, batch_size=args.generation_batch_size,
-                      seed=seed)
+                      top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                      batch_size=args.generation_batch_size, seed=seed)
     finally:
         model.train(was_training)
 
@@ -231,14 +238,15 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: RewardFunction, *,
-               out_dir: str | Path, prompt_format: PromptFormat | str = "alpaca", seed: int = 0, logger: Any = None,
-               progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
-    """The Quark loop: per round sample a fresh pool, score it, keep the top quantile, train; returns round stats.
+               out_dir: str | Path, prompt_format: PromptFormat | str = "alpaca", seed: int = 0,
+               logger: Any = None, progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+    """The Quark loop: each round sample a fresh pool, score it, keep the top quantile, train; returns stats.
 
-    ``prompt_format`` writes the prompts: a :class:`~alpacafarm.prompts.PromptFormat` (the method's carries the
-    SFT folder's conditioning) or a style name (no conditioning). Writes ``round_<r>/pool.jsonl`` under
-    ``out_dir``. Nothing survives a round but the policy's weights and the optimizer: the pool, its scores and
-    the kept set are rebuilt from scratch every time.
+    ``prompt_format`` writes the prompts: a :class:`~alpacafarm.prompts.PromptFormat` (the method's carries
+    the SFT folder's conditioning) or a style name (no conditioning). ``score`` is an
+    :data:`alpacafarm.rewards.RewardFunction`. Writes ``round_<r>/pool.jsonl`` under ``out_dir``. Nothing
+    survives a round but the policy's weights and the optimizer: the pool, its scores and the kept set are
+    rebuilt from scratch every time.
     """
     from alpacafarm.data import write_jsonl
 
@@ -250,13 +258,14 @@ def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: 
         prompt_format = PromptFormat(prompt_format, tokenizer)
     queries = tokenize_prompts(tokenizer, prompt_format.records(records))
     stats: list[dict[str, Any]] = []
-    for r, indices in enumerate(round_prompts(len(records), args, stable_seed(seed, "quark-prompts")), start=1):
+    schedule = round_prompts(len(records), args, stable_seed(seed, "quark-prompts"))
+    for r, indices in enumerate(schedule, start=1):
         started = time.perf_counter()
-        rollouts = sample_pool(trainer.model, tokenizer, [queries[i] for i in indices], args,
-                               seed=stable_seed(seed, "quark-round", r))
-        pool = [(i, j, rollout) for i, samples in zip(indices, rollouts, strict=True) for j, rollout in enumerate(samples)]
+        groups = sample_pool(trainer.model, tokenizer, [queries[i] for i in indices], args,
+                             seed=stable_seed(seed, "quark-round", r))
+        pool = [(i, j, s) for i, group in zip(indices, groups, strict=True) for j, s in enumerate(group)]
         generated = time.perf_counter()
-        rewards = [float(x) for x in score([records[i] for i, _, _ in pool], [ro.text for _, _, ro in pool])]
+        rewards = [float(x) for x in score([records[i] for i, _, _ in pool], [s.text for _, _, s in pool])]
         if len(rewards) != len(pool):
             raise ValueError(f"the scorer returned {len(rewards)} rewards for {len(pool)} rollouts")
         kept = top_quantile(rewards, args.top_quantile)
@@ -264,9 +273,9 @@ def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: 
         scored = time.perf_counter()
         write_jsonl(Path(out_dir) / f"round_{r}" / "pool.jsonl", [
             {"round": r, "record_index": i, "sample_index": j, "instruction": records[i]["instruction"],
-             "input": records[i].get("input") or "", "output": ro.text, "reward": reward, "kept": k in kept_set,
-             "finished": ro.finished, "n_tokens": len(ro.response_ids)}
-            for k, ((i, j, ro), reward) in enumerate(zip(pool, rewards, strict=True))])
+             "input": records[i].get("input") or "", "output": s.text, "reward": reward,
+             "kept": k in kept_set, "finished": s.finished, "n_tokens": len(s.response_ids)}
+            for k, ((i, j, s), reward) in enumerate(zip(pool, rewards, strict=True))])
 
         trainer.train_dataset = [training_example(pool[k][2]) for k in kept]
         trainer.reset_round_terms()
@@ -275,12 +284,13 @@ def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: 
         kept_rewards = [rewards[k] for k in kept]
         stat = {
             "round": r, "n_prompts": len(indices), "n_pool": len(pool), "n_kept": len(kept),
-            "reward_mean": _mean(rewards), "reward_kept_mean": _mean(kept_rewards), "threshold": min(kept_rewards),
+            "reward_mean": _mean(rewards), "reward_kept_mean": _mean(kept_rewards),
+            "threshold": min(kept_rewards),
             "reward_max": max(rewards), "train_loss": float(result.training_loss), "nll": terms["nll"],
             "kl": terms["kl"], "steps": int(trainer.state.global_step),
             "learning_rate": float(trainer.lr_scheduler.get_last_lr()[0]),
-            "response_tokens_mean": _mean([len(ro.response_ids) for _, _, ro in pool]),
-            "finished_rate": _mean([float(ro.finished) for _, _, ro in pool]),
+            "response_tokens_mean": _mean([len(s.response_ids) for _, _, s in pool]),
+            "finished_rate": _mean([float(s.finished) for _, _, s in pool]),
             "seconds": {"rollout": round(generated - started, 3), "score": round(scored - generated, 3),
                         "train": round(time.perf_counter() - scored, 3)},
             "log_history": [dict(entry) for entry in trainer.state.log_history],
@@ -288,11 +298,11 @@ def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: 
         stats.append(stat)
         if logger is not None:
             logger.info("quark round %d/%d: pool reward %.4f, kept %.4f (threshold %.4f, %d of %d), "
-                        "loss %.4f, nll %.4f, kl %.5f", r, args.rounds, stat["reward_mean"], stat["reward_kept_mean"],
-                        stat["threshold"], len(kept), len(pool), stat["train_loss"], terms["nll"] or 0.0,
-                        terms["kl"] or 0.0)
+                        "loss %.4f, nll %.4f, kl %.5f", r, args.rounds, stat["reward_mean"],
+                        stat["reward_kept_mean"], stat["threshold"], len(kept), len(pool), stat["train_loss"],
+                        terms["nll"] or 0.0, terms["kl"] or 0.0)
         if progress is not None:
             progress(1)
-        del rollouts, pool, rewards, kept  # the pool is discarded: the next round samples a fresh one
+        del groups, pool, rewards, kept  # the pool is discarded: the next round samples a fresh one
         trainer.train_dataset = None
     return stats
