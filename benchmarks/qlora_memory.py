@@ -71,7 +71,8 @@ def write_random_model(directory: Path, shape: dict[str, int], device: str) -> P
             print(f"reusing the random model in {directory}", flush=True)
             return directory
     tokenizer = padded_tokenizer(shape["vocab"])
-    config = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+    config = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+                         intermediate_size=shape["intermediate"],
                          num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
                          num_key_value_heads=shape["heads"], max_position_embeddings=2048,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
@@ -177,7 +178,8 @@ def run_dpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     spec = model_spec(args.model, args)
     records = prompt_records(args.dpo_batch_size * args.steps)
-    rows = [{"prompt": r["instruction"], "chosen": r["reference"], "rejected": r["reference"][: len(r["reference"]) // 3]}
+    rows = [{"prompt": r["instruction"], "chosen": r["reference"],
+             "rejected": r["reference"][: len(r["reference"]) // 3]}
             for r in records]
     step_times: list[float] = []
 
@@ -188,7 +190,8 @@ def run_dpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         def on_step_end(self, *a: Any, **k: Any) -> None:
             step_times.append(time.perf_counter() - self.started)
 
-    settings = {"output_dir": str(work / "dpo"), "max_steps": args.steps, "per_device_train_batch_size": args.dpo_batch_size,
+    settings = {"output_dir": str(work / "dpo"), "max_steps": args.steps,
+                "per_device_train_batch_size": args.dpo_batch_size,
                 "max_length": args.dpo_max_length, "learning_rate": 1e-6, "save_strategy": "no", "report_to": "none",
                 "logging_steps": 1, "bf16": not args.cpu_smoke, "gradient_checkpointing": not args.cpu_smoke,
                 "beta": 0.1}
@@ -276,11 +279,13 @@ def main() -> int:
     parser.add_argument("--rollout-batch-size", type=int, default=16, help="PPO rollouts per step")
     parser.add_argument("--mini-batch-size", type=int, default=8, help="PPO rollouts per optimizer step")
     parser.add_argument("--micro-batch-size", type=int, default=2, help="PPO sequences per forward pass")
-    parser.add_argument("--max-new-tokens", type=int, default=300, help="PPO response length (random weights rarely stop)")
+    parser.add_argument("--max-new-tokens", type=int, default=300,
+                        help="PPO response length (random weights rarely stop)")
     parser.add_argument("--dpo-batch-size", type=int, default=2, help="DPO pairs per step")
     parser.add_argument("--dpo-max-length", type=int, default=512)
     parser.add_argument("--lora-r", type=int, default=16)
-    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU: checks the program, no figures")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="tiny shape on the CPU: checks the program, no figures")
     parser.add_argument("--worker", choices=("ppo", "dpo"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 

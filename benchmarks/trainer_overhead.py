@@ -101,9 +101,11 @@ def via_trl(kind: str, model: str, steps: int, batch_size: int, max_length: int,
     if kind == "sft":
         from trl import SFTConfig, SFTTrainer
 
-        rows = [{"prompt": format_prompt(r["instruction"], r["input"] or None), "completion": r["output"] + tokenizer.eos_token}
+        rows = [{"prompt": format_prompt(r["instruction"], r["input"] or None),
+                 "completion": r["output"] + tokenizer.eos_token}
                 for r in sft_records(64)]
-        trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), args=SFTConfig(**args),
+        trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                             args=SFTConfig(**args),
                              train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
     else:
         from trl import RewardConfig, RewardTrainer
@@ -196,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
 
             model = save_tiny_causal_lm(work / "tiny")
         label = args.model or "tiny random Llama (2 layers, hidden 64)"
-        print(f"model: {label}; {args.steps} steps per run (first {args.skip} skipped), batch {args.batch_size}, max_length {args.max_length}, "
+        print(f"model: {label}; {args.steps} steps per run (first {args.skip} skipped), batch {args.batch_size}, "
+              f"max_length {args.max_length}, "
               f"torch threads {args.threads}, {args.repeats} interleaved repeats (median)")
         worst = float("-inf")
         for kind in args.methods.split(","):
