@@ -76,7 +76,8 @@ def test_a_plugin_that_fails_to_import_is_reported_and_the_rest_work(broken_plug
     result = run_cli("plugins", "--json", env=env)
     assert result.returncode == 0
     plugins = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
-    assert "ModuleNotFoundError" in plugins["broken"]["error"] and "a_module_that_does_not_exist" in plugins["broken"]["error"]
+    error = plugins["broken"]["error"]
+    assert "ModuleNotFoundError" in error and "a_module_that_does_not_exist" in error
     assert plugins["data"]["error"] is None
     assert "plugin 'broken' (alpacafarm-broken) failed to load" in result.stderr
     check = run_cli("recipe", "check", "recipes/quickstart.yaml", env=env)
@@ -121,12 +122,14 @@ def test_autoload_switch_and_allow_list(broken_plugin_site: Path):
 
 
 def test_third_party_plugin_is_listed_and_its_method_runs(example_plugin_site: Path, tmp_path: Path):
+    """A smoke test of an installed third-party plugin (tests/test_example_plugin.py checks each part)."""
     env = {"PYTHONPATH": str(example_plugin_site)}
     plugins = {p["name"]: p for p in json.loads(run_cli("plugins", "--json", env=env).stdout)["plugins"]}
     example = plugins["example"]
-    assert example["distribution"] == "alpacafarm-example" and example["version"] == "0.2.0" and not example["builtin"]
+    assert example["distribution"] == "alpacafarm-example" and example["version"] == "0.3.0"
+    assert not example["builtin"] and example["error"] is None
     assert example["registers"] == {"annotator": ["prefer_longer"], "command": ["example-hello"],
-                                    "method": ["echo_longest"]}
+                                    "evaluator": ["length_win_rate"], "method": ["echo_longest"]}
 
     recipe = tmp_path / "third_party.yaml"
     recipe.write_text(
@@ -134,12 +137,17 @@ def test_third_party_plugin_is_listed_and_its_method_runs(example_plugin_site: P
         "data:\n  instructions: {builtin: alpaca_eval_sample, limit: 5}\n"
         "annotator: prefer_longer\n"
         "stages:\n  - name: echo\n    method: echo_longest\n    config: {max_chars: 40}\n"
+        "evaluation: {evaluator: length_win_rate}\n"
     )
     out = tmp_path / "run"
     result = run_cli("run", str(recipe), "--output-dir", str(out), env=env)
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in (out / "stages" / "echo" / "outputs.jsonl").read_text().splitlines()]
     assert len(rows) == 5 and all(0 < len(r["output"]) <= 40 for r in rows)
+    # every answer is a piece of the (default) reference, so the length judge never prefers it
+    metrics = json.loads((out / "stages" / "evaluate" / "metrics.json").read_text())
+    assert metrics["annotator"] == "prefer_longer" and metrics["n_pairs"] == 5 and metrics["n_wins"] == 0
+    assert metrics["avg_length"] <= 40 < metrics["avg_reference_length"]
 
     hello = run_cli("example-hello", "tester", env=env)
     assert hello.returncode == 0 and hello.stdout.strip() == "hello tester from alpacafarm-example"

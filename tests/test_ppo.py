@@ -66,22 +66,6 @@ def close(actual: torch.Tensor, expected: list, atol: float = 1e-5) -> None:
     torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), atol=atol, rtol=0)
 
 
-def spy_on_generate_prompts(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
-    """Record the prompt token ids (padding dropped) of every ``generate`` call of a transformers model."""
-    from transformers.generation.utils import GenerationMixin
-
-    prompts: list[list[int]] = []
-    real = GenerationMixin.generate
-
-    def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
-        ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
-        prompts.extend(row[keep.bool()].tolist() for row, keep in zip(ids, mask, strict=True))
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(GenerationMixin, "generate", generate)
-    return prompts
-
-
 def steps_of(history: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return {e["step"]: e for e in history if "score" in e}
 
@@ -467,7 +451,7 @@ def test_quantization_without_lora_is_refused(tiny_model_dir: str):
 
 @pytest.mark.parametrize("conditioned", [True, False], ids=["conditioned", "plain"])
 def test_rollouts_are_sampled_behind_the_sft_folders_prompt_conditioning(
-        conditioned: bool, tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+        conditioned: bool, tiny_model_dir: str, tmp_path: Path, generated_prompts: list[list[int]]):
     """A reward-conditioned SFT folder (``<good>`` before every prompt) is sampled behind its control token,
     and the trained policy keeps the conditioning file (it was trained behind it)."""
     from alpacafarm.prompts import CONDITIONING_FILE, PromptConditioning
@@ -477,7 +461,7 @@ def test_rollouts_are_sampled_behind_the_sft_folders_prompt_conditioning(
     shutil.copytree(tiny_model_dir, model)
     if conditioned:
         PromptConditioning(prompt_prefix="<good>\n").save(model)
-    prompts = spy_on_generate_prompts(monkeypatch)
+    prompts = generated_prompts
     instructions = write_records(tmp_path / "instructions.jsonl", PROMPTS[:4])
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(

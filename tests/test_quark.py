@@ -377,25 +377,9 @@ def test_quantization_without_lora_is_a_clear_error(tiny_model_dir: str, tmp_pat
 # ----------------------------------------------------------------------------------------------- conditioning
 
 
-def spy_on_generate_prompts(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
-    """Record the prompt token ids (padding dropped) of every ``generate`` call of a transformers model."""
-    from transformers.generation.utils import GenerationMixin
-
-    prompts: list[list[int]] = []
-    real = GenerationMixin.generate
-
-    def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
-        ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
-        prompts.extend(row[keep.bool()].tolist() for row, keep in zip(ids, mask, strict=True))
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(GenerationMixin, "generate", generate)
-    return prompts
-
-
 @pytest.mark.parametrize("conditioned", [True, False], ids=["conditioned", "plain"])
 def test_rollouts_are_sampled_behind_the_sft_folders_prompt_conditioning(
-        conditioned: bool, tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+        conditioned: bool, tiny_model_dir: str, tmp_path: Path, generated_prompts: list[list[int]]):
     """A reward-conditioned SFT folder (``<good>`` before every prompt) is sampled behind its control token,
     and the trained policy keeps the conditioning file (it was trained behind it)."""
     import shutil
@@ -407,7 +391,7 @@ def test_rollouts_are_sampled_behind_the_sft_folders_prompt_conditioning(
     shutil.copytree(tiny_model_dir, model)
     if conditioned:
         PromptConditioning(prompt_prefix="<good>\n").save(model)
-    prompts = spy_on_generate_prompts(monkeypatch)
+    prompts = generated_prompts
     instructions = write_records(tmp_path / "instructions.jsonl", INSTRUCTIONS[:4])
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(

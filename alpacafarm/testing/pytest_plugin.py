@@ -64,6 +64,23 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+@pytest.fixture
+def generated_prompts(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The prompt token ids (padding dropped) of every transformers ``generate`` call made during the test."""
+    from transformers.generation.utils import GenerationMixin
+
+    prompts: list[list[int]] = []
+    real = GenerationMixin.generate
+
+    def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+        prompts.extend(row[keep.bool()].tolist() for row, keep in zip(ids, mask, strict=True))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", generate)
+    return prompts
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A saved tiny random-init causal LM + tokenizer folder, shared by the session (read-only)."""

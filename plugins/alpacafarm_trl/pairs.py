@@ -27,39 +27,34 @@ def winner(preference: Any) -> int | None:
     return None
 
 
-def _check(record: dict[str, Any]) -> None:
-    missing = [k for k in ("instruction", "output_1", "output_2") if k not in record]
-    if missing:
-        raise UserError(f"a preference record lacks {', '.join(missing)} (fields: {', '.join(sorted(record))})")
+def ranked(records: list[dict[str, Any]]) -> tuple[list[tuple[dict[str, Any], str, str]], int]:
+    """``(record, chosen output, rejected output)`` for every record with a ranking, and how many had none."""
+    found, dropped = [], 0
+    for record in records:
+        missing = [k for k in ("instruction", "output_1", "output_2") if k not in record]
+        if missing:
+            raise UserError(f"a preference record lacks {', '.join(missing)} (fields: {', '.join(sorted(record))})")
+        won = winner(record.get("preference"))
+        if won is None:
+            dropped += 1
+        else:
+            found.append((record, record[f"output_{won}"], record[f"output_{3 - won}"]))
+    return found, dropped
 
 
 def preference_rows(records: list[dict[str, Any]], *, style: str, tokenizer: Any) -> tuple[list[dict[str, str]], int]:
     """Preference records → ``{"prompt", "chosen", "rejected"}`` rows, and how many had no usable preference."""
-    rows, dropped = [], 0
-    for record in records:
-        _check(record)
-        won = winner(record.get("preference"))
-        if won is None:
-            dropped += 1
-            continue
-        prompt = format_prompt(record["instruction"], record.get("input") or None, style=style, tokenizer=tokenizer)
-        rows.append({"prompt": prompt, "chosen": record[f"output_{won}"], "rejected": record[f"output_{3 - won}"]})
-    return rows, dropped
+    pairs, dropped = ranked(records)
+    return [{"prompt": format_prompt(r["instruction"], r.get("input") or None, style=style, tokenizer=tokenizer),
+             "chosen": chosen, "rejected": rejected} for r, chosen, rejected in pairs], dropped
 
 
 def preferred_demonstrations(records: list[dict[str, Any]]) -> tuple[list[dict[str, str]], int]:
     """Preference records → demonstration records (instruction, input, output = the preferred output), and how
     many pairs had no usable preference."""
-    demonstrations, dropped = [], 0
-    for record in records:
-        _check(record)
-        won = winner(record.get("preference"))
-        if won is None:
-            dropped += 1
-            continue
-        demonstrations.append({"instruction": record["instruction"], "input": record.get("input") or "",
-                               "output": record[f"output_{won}"]})
-    return demonstrations, dropped
+    pairs, dropped = ranked(records)
+    return [{"instruction": r["instruction"], "input": r.get("input") or "", "output": chosen}
+            for r, chosen, _ in pairs], dropped
 
 
 def split_pairs(rows: list[dict[str, str]], eval_fraction: float,

@@ -1,4 +1,4 @@
-"""``alpacafarm example-hello [NAME]``."""
+"""``alpacafarm example-hello [NAME]``: a command is ``main(argv) -> exit status``; it parses its own argv."""
 
 from __future__ import annotations
 
