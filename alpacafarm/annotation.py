@@ -108,6 +108,22 @@ def annotator_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+#: The config keys the shared options set, by flag (``--set KEY=VALUE`` sets any other key).
+_FLAGS = {"base_url": "--base-url", "model_map": "--model-map", "max_cost_usd": "--max-cost-usd", "seed": "--seed",
+          "cache": "--no-cache"}
+
+
+def _config_fields(config_class: Any) -> set[str]:
+    """The field names of a pydantic model or dataclass config class (none without one)."""
+    import dataclasses
+
+    if config_class is None:
+        return set()
+    if dataclasses.is_dataclass(config_class):
+        return {f.name for f in dataclasses.fields(config_class) if f.init}
+    return set(getattr(config_class, "model_fields", {}))
+
+
 def annotator_from_options(registry: Registry, name: str, args: argparse.Namespace) -> Annotator:
     """Build annotator ``name`` from the command line: the target's ``cli_config(options)`` maps the options to
     its config block (without one, the options are the block), then ``registry.create`` validates and builds."""
@@ -116,7 +132,16 @@ def annotator_from_options(registry: Registry, name: str, args: argparse.Namespa
     options = annotator_options(args)
     target = registry.get("annotator", name)
     to_config = getattr(target, "cli_config", None)
-    block = to_config(options) if callable(to_config) else options
+    if callable(to_config):
+        block = to_config(options)
+    else:  # the options are the config block: name the flag of one the annotator does not take
+        allowed = _config_fields(getattr(target, "config_class", None))
+        for key in options:
+            if key not in allowed:
+                flag = _FLAGS.get(key, f"--set {key}=...")
+                listing = ", ".join(sorted(allowed)) or "none"
+                raise UserError(f"annotator {name!r} takes no {flag} (its config fields: {listing})")
+        block = options
     try:
         return registry.create("annotator", name, block, path=("options",))
     except RecipeError as exc:

@@ -92,9 +92,14 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
     loaded = get_plugins()
     registers = loaded.registry.by_plugin()
+    descriptions: dict[str, dict[str, dict[str, str]]] = {}
+    for kind in loaded.registry.kinds():
+        for entry in loaded.registry.entries(kind):
+            descriptions.setdefault(entry.plugin, {}).setdefault(kind, {})[entry.name] = entry.description
     rows = [
         {"name": p.name, "distribution": p.distribution, "version": p.version, "module": p.module,
-         "builtin": p.builtin, "error": p.error, "registers": registers.get(p.name, {})}
+         "builtin": p.builtin, "error": p.error, "registers": registers.get(p.name, {}),
+         "descriptions": descriptions.get(p.name, {})}
         for p in loaded.plugins
     ]
     if args.json:

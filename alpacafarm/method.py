@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from alpacafarm.rewards import RewardScorer
 
 
+#: The conventional outputs file of a stage folder (``generate_outputs`` writes it).
+OUTPUTS_FILE = "outputs.jsonl"
+
+
 @dataclass
 class Artifact:
     """What a stage produced: a kind (``model``, ``dataset``, ``policy``, ``evaluation``, ...), a path, metadata."""
@@ -92,6 +96,28 @@ class StageContext:
             path = path / str(artifact.metadata.get(file, file))
         return read_records(path)
 
+    def outputs(self, name: str) -> list[dict[str, Any]]:
+        """The answers an input holds (records with ``instruction``, optional ``input``, ``output``): a data source
+        or an outputs file as it is; a folder whose metadata key ``outputs`` names the file, else its
+        ``outputs.jsonl``. What an evaluator reads from its ``policy`` input."""
+        from alpacafarm.errors import UserError
+
+        artifact = self.input(name)
+        if artifact.kind == "data_source":
+            return self.records(name)
+        path = Path(artifact.path) if artifact.path else None
+        hint = "add a generate_outputs stage for it (inputs: {sft_model: <stage>})"
+        if path is None or not path.exists():
+            raise UserError(f"stage {self.stage!r}: input {name!r} ({artifact.kind}) has no outputs file; {hint}")
+        if not path.is_dir():
+            return self.records(name)
+        if "outputs" in artifact.metadata:
+            return self.records(name, "outputs")
+        if (path / OUTPUTS_FILE).is_file():
+            return self.records(name, OUTPUTS_FILE)
+        raise UserError(f"stage {self.stage!r}: input {name!r} is a folder ({path}) without {OUTPUTS_FILE} and its "
+                        f"artifact names no 'outputs' file; to evaluate a model, {hint}")
+
     def annotator_ref(self, role: str = "feedback") -> PluginRef:
         """The recipe's annotator for ``role``: ``feedback`` (training labels) or ``evaluation``."""
         from alpacafarm.errors import RecipeError
@@ -147,7 +173,9 @@ class Method:
     #: Inputs wired when an earlier stage (or a data source) provides them and left out otherwise, e.g. the
     #: evaluator's ``reward_model`` (a proxy-reward column when the recipe trained one).
     optional: ClassVar[tuple[str, ...]] = ()
-    provides: ClassVar[str] = "policy"
+    #: what the stage's artifact is (``sft_model``, ``preferences``, ...): required, a recipe naming a method
+    #: without it is an error (an evaluator provides ``evaluation``)
+    provides: ClassVar[str] = ""
     #: ``"feedback"`` or ``"evaluation"`` when the method calls ``context.make_annotator(role)``: the recipe's
     #: annotator for that role is then part of the stage's fingerprint (changing the judge re-runs the stage).
     annotator_role: ClassVar[str | None] = None

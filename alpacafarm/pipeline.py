@@ -268,6 +268,7 @@ class Pipeline:
                 identities[requirement], inputs[requirement] = self._input_identity(provider, outcomes)
             fingerprint = _digest({
                 "method": stage.method, "plugin": stage.plugin, "config": stage.raw_config, "seed": self.recipe.seed,
+                "plugin_version": self.registry.plugin_versions.get(stage.plugin),
                 "model": self.recipe.model.model_dump(mode="json") if self.recipe.model else None,
                 "inputs": identities, "annotator": self._annotator_identity(stage),
             })

@@ -108,7 +108,9 @@ def _validate_dataclass(cls: type, data: dict[str, Any], doc: SourcedDocument, p
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in fields:
-            raise doc.error((*path, key), f"unknown key {key!r}{did_you_mean(key, list(fields))} for {cls.__name__}")
+            allowed = f" (allowed: {', '.join(sorted(fields))})" if len(fields) <= 20 else ""
+            raise doc.error((*path, key),
+                            f"unknown key {key!r} for {cls.__name__}{did_you_mean(key, list(fields))}{allowed}")
     try:
         hints = typing.get_type_hints(cls)
     except Exception:  # unresolvable forward references: fall back to the constructor's own checks

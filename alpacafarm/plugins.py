@@ -103,6 +103,7 @@ def load_plugins() -> LoadedPlugins:
 
     registry = Registry()
     by_name = {info.name: info for info in infos}
+    registry.plugin_versions = {info.name: info.version for info in infos}
     for kind, spec in KINDS.items():
         hook_name = spec.hook
         for impl in getattr(manager.hook, hook_name).get_hookimpls():

@@ -205,7 +205,11 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
 
         registry = get_registry()
     for i, stage in enumerate(recipe.stages):
-        method_cls = _check_name(registry, "method", stage.method, doc, ("stages", i, "method")).load()
+        entry = _check_name(registry, "method", stage.method, doc, ("stages", i, "method"))
+        method_cls = entry.load()
+        if not getattr(method_cls, "provides", ""):
+            raise doc.error(("stages", i, "method"), f"method {stage.method!r} of plugin {entry.plugin!r} declares no "
+                            "'provides' (what its artifact is); the plugin must set it")
         loaded.stage_configs[stage.name] = registry.config("method", stage.method, stage.config, source=doc,
                                                            path=("stages", i, "config"))
         accepted = (*getattr(method_cls, "requires", ()), *getattr(method_cls, "optional", ()))

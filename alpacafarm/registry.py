@@ -87,6 +87,8 @@ class Registry:
 
     def __init__(self) -> None:
         self._entries: dict[str, dict[str, Entry]] = {kind: {} for kind in KINDS}
+        #: the installed version of each plugin (by plugin name): part of every stage's fingerprint
+        self.plugin_versions: dict[str, str] = {}
 
     def add(
         self, kind: str, name: str, target: Any, plugin: str, description: str = "", **metadata: Any
@@ -106,6 +108,9 @@ class Registry:
         entry = Entry(kind, name, target, plugin, description, dict(metadata))
         self._entries[kind][name] = entry
         return entry
+
+    def kinds(self) -> list[str]:
+        return list(self._entries)
 
     def names(self, kind: str) -> list[str]:
         return sorted(self._entries[kind])

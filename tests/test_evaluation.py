@@ -284,8 +284,6 @@ def test_evaluator_config_is_strict(tmp_path: Path, register_test_plugin):
 
 
 def test_evaluator_reads_folder_artifacts(tmp_path: Path):
-    from alpacafarm_evaluation.evaluator import WinRateEvaluator
-
     folder = tmp_path / "policy"
     write_records(folder / "generations.jsonl", _truncated_outputs(2))
 
@@ -293,8 +291,10 @@ def test_evaluator_reads_folder_artifacts(tmp_path: Path):
         return StageContext("evaluate", tmp_path / "evaluate", tmp_path, 0, None, {"policy": artifact}, None, None)
 
     named = context(Artifact("policy", str(folder), {"outputs": "generations.jsonl"}))
-    assert len(WinRateEvaluator()._outputs(named, "policy")) == 2
+    assert len(named.outputs("policy")) == 2
     with pytest.raises(UserError, match="add a generate_outputs stage"):
-        WinRateEvaluator()._outputs(context(Artifact("model", str(folder))), "policy")
+        context(Artifact("model", str(folder))).outputs("policy")
     with pytest.raises(UserError, match="add a generate_outputs stage"):
-        WinRateEvaluator()._outputs(context(Artifact("model", None)), "policy")
+        context(Artifact("model", None)).outputs("policy")
+    write_records(folder / "outputs.jsonl", _truncated_outputs(3))  # the conventional file, without metadata
+    assert len(context(Artifact("model", str(folder))).outputs("policy")) == 3

@@ -164,22 +164,26 @@ def test_annotate_command_writes_length_preferences(tmp_path: Path, env: dict[st
     assert {r["annotator"] for r in rows} == {"prefer_longer"} and {r["price_usd"] for r in rows} == {0.0}
     assert json.loads(result.stdout.strip().splitlines()[-1])["ties"] == 1
 
-    # --set reaches the config class; PreferLonger.cli_config drops --seed and --no-cache
-    result, out = _annotate(tmp_path, env, "margin.json", "--set", "tie_margin=1", "--seed", "3",
-                            "--no-cache")
+    # --set reaches the config class
+    result, out = _annotate(tmp_path, env, "margin.json", "--set", "tie_margin=1")
     assert result.returncode == 0, result.stderr
     assert [r["preference"] for r in json.loads(out.read_text())] == [2, 1, 0, 0]
+    # a shared option this deterministic, free judge has no field for is refused, naming the flag
+    result, out = _annotate(tmp_path, env, "seeded.json", "--seed", "3")
+    assert result.returncode == 2 and not out.exists()
+    assert result.stderr.strip().splitlines() == [
+        "error: annotator 'prefer_longer' takes no --seed (its config fields: tie_margin)"]
 
 
 @pytest.mark.parametrize(("setting", "message"), [
-    ("colour=red", "options.colour: unknown key 'colour' for PreferLongerConfig"),
-    ("tie_margin=-1", "options: PreferLongerConfig: tie_margin must be at least 0, got -1"),
+    ("colour=red", "annotator 'prefer_longer' takes no --set colour=... (its config fields: tie_margin)"),
+    ("tie_margin=-1", "annotator 'prefer_longer': options: PreferLongerConfig: tie_margin must be at least 0, got -1"),
 ])
 def test_annotate_command_rejects_bad_settings_in_one_line(tmp_path: Path, env: dict[str, str],
                                                            setting: str, message: str):
     result, out = _annotate(tmp_path, env, "out.json", "--set", setting)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [f"error: annotator 'prefer_longer': {message}"]
+    assert result.stderr.strip().splitlines() == [f"error: {message}"]
     assert not out.exists()
 
 

@@ -1,9 +1,9 @@
 """The ``win_rate`` evaluator: the pipeline's final ``evaluate`` stage.
 
-Its ``policy`` input is the artifact of the evaluated stage: an outputs file (JSONL/JSON records with
-``instruction``, optional ``input``, ``output``), or a folder whose metadata key ``outputs`` names that file
-(``outputs.jsonl`` is tried otherwise). The outputs are paired with reference outputs, judged by the recipe's
-evaluation annotator (``evaluation.annotator``, else ``annotator``), and scored (see ``metrics.py``).
+Its ``policy`` input is the artifact of the evaluated stage, read with
+:meth:`~alpacafarm.method.StageContext.outputs` (an outputs file, or a folder naming one). The outputs are
+paired with reference outputs, judged by the recipe's evaluation annotator (``evaluation.annotator``, else
+``annotator``), and scored (see ``metrics.py``).
 """
 
 from __future__ import annotations
@@ -14,11 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.recipe import DataSource
-
-DEFAULT_OUTPUTS_FILE = "outputs.jsonl"
 
 
 class WinRateConfig(BaseModel):
@@ -60,25 +57,6 @@ class WinRateEvaluator(Method):
     provides = "evaluation"
     annotator_role = "evaluation"
 
-    def _outputs(self, context: StageContext, key: str) -> list[dict[str, Any]]:
-        """The records of a policy artifact's outputs file."""
-        artifact = context.input(key)
-        if artifact.kind == "data_source":
-            return context.records(key)
-        path = Path(artifact.path) if artifact.path else None
-        if path is None or not path.exists():
-            raise UserError(f"stage {context.stage!r}: the evaluated stage's artifact ({artifact.kind}) has no outputs "
-                            "file; add a generate_outputs stage for it (inputs: {sft_model: <stage>})")
-        if path.is_dir():
-            if "outputs" in artifact.metadata:
-                return context.records(key, "outputs")
-            if (path / DEFAULT_OUTPUTS_FILE).is_file():
-                return context.records(key, DEFAULT_OUTPUTS_FILE)
-            raise UserError(f"stage {context.stage!r}: {path} is a folder without {DEFAULT_OUTPUTS_FILE} and its "
-                            "artifact has no 'outputs' metadata naming the outputs file (to evaluate a model, add a "
-                            "generate_outputs stage with inputs: {sft_model: <stage>})")
-        return context.records(key)
-
     def systems(self, context: StageContext) -> list[System]:
         """Every evaluated system, in the recipe's order."""
         from alpacafarm.data import read_records
@@ -96,7 +74,7 @@ class WinRateEvaluator(Method):
                 for name, info in listed.items():
                     found.append(System(name, stage, read_records(Path(artifact.path) / info["outputs"]), dict(info)))
             else:
-                found.append(System(stage, stage, self._outputs(context, key)))
+                found.append(System(stage, stage, context.outputs(key)))
         names = [s.name for s in found]
         for system in found:  # two stages listing the same system name: qualify both with their stage
             if names.count(system.name) > 1:

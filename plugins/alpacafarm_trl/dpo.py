@@ -23,10 +23,15 @@ from trl import DPOConfig
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.modeling import load_merged_causal_lm
-from alpacafarm_trl.base_config import TrainingDefaults
+from alpacafarm.training import (
+    TrainingDefaults,
+    limit,
+    resume_checkpoint,
+    save_policy,
+    stage_training_args,
+    train_summary,
+)
 from alpacafarm_trl.pairs import preference_rows, split_pairs
-from alpacafarm_trl.policy import save_policy
-from alpacafarm_trl.training import limit, resume_checkpoint, stage_training_args, train_summary
 
 #: Implicit-reward statistics TRL logs; their last logged values go into the stage's metrics.
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
@@ -39,7 +44,7 @@ class DPOMethodConfig(TrainingDefaults, DPOConfig):
     Defaults are those of AlpacaFarm's released DPO script: ``beta`` 0.1, ``learning_rate`` 1e-6, 2 epochs,
     cosine schedule with 3% warmup, sequences of at most 512 tokens. (Appendix B.3 reports a different run on
     the noisy simulated preferences: 1 epoch, peak rate 1e-5, linear decay, batch 64; ``recipes/dpo.yaml``
-    uses those.) ``bf16`` and gradient checkpointing are automatic (see ``alpacafarm_trl.training``);
+    uses those.) ``bf16`` and gradient checkpointing are automatic (see ``alpacafarm.training``);
     ``output_dir`` is always the stage folder.
     """
 

@@ -27,10 +27,9 @@ from typing import Any
 from alpacafarm.errors import UserError
 from alpacafarm.generation import SamplingConfig
 from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.training import save_policy, stage_training_args, train_summary
 from alpacafarm_trl.best_of_n import mean, sample_and_score, select
-from alpacafarm_trl.policy import save_policy
 from alpacafarm_trl.sft import SFTMethodConfig, build_sft_trainer
-from alpacafarm_trl.training import stage_training_args, train_summary
 
 ROUND_DONE = "round_complete.json"
 

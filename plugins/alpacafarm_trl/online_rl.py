@@ -19,7 +19,7 @@ from typing import Any
 
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, StageContext
-from alpacafarm_trl.base_config import TrainingDefaults
+from alpacafarm.training import TrainingDefaults
 
 
 @dataclass
@@ -109,8 +109,7 @@ def run_online_rl(context: StageContext, config: Any, trainer_class: Any, algori
     from alpacafarm.data import write_json
     from alpacafarm.modeling import is_adapter_folder, load_merged_causal_lm, load_tokenizer, lora_config
     from alpacafarm.prompts import PromptFormat
-    from alpacafarm_trl.policy import save_policy
-    from alpacafarm_trl.training import limit, resume_checkpoint, stage_training_args, train_summary
+    from alpacafarm.training import limit, resume_checkpoint, save_policy, stage_training_args, train_summary
 
     spec, model_path = context.recipe.model, context.input("sft_model").path
     args = stage_training_args(config, context)

@@ -5,8 +5,8 @@ with ``load_causal_lm`` attaches the adapters through transformers' peft integra
 ``peft_config`` then replaces them with fresh (zero) adapters: training would silently start from the base
 model instead of the SFT model. :func:`alpacafarm.modeling.load_merged_causal_lm` merges the SFT adapters
 first, so new adapters sit on top of the SFT weights, and TRL's DPO reference (the model with its adapters
-disabled) is the SFT model. :func:`save_policy` saves adapters trained that way merged, so the folder reloads
-as the model that was trained (policies and reward models alike).
+disabled) is the SFT model. :func:`alpacafarm.training.save_policy` saves adapters trained that way merged, so
+the folder reloads as the model that was trained (policies and reward models alike).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from alpacafarm.errors import UserError
-from alpacafarm.modeling import is_adapter_folder, load_merged_causal_lm
+from alpacafarm.modeling import load_merged_causal_lm
 
 
 def build_sft_trainer_on_rows(
@@ -43,25 +43,6 @@ def build_sft_trainer_on_rows(
     )
 
 
-def save_policy(trainer: Any, spec: Any, model_path: str, directory: str | Path, logger: Any = None) -> bool:
-    """Save the trained policy (weights or adapters, and tokenizer) to ``directory``; returns whether it merged.
-
-    New adapters trained on top of a merged SFT adapter folder describe a model that no folder on disk holds
-    (their ``base_model_name_or_path`` is the pre-SFT base), so they are merged and saved as full weights.
-    ``trainer.model`` may be a causal LM or a sequence classifier (a reward model).
-    """
-    from alpacafarm.modeling import save_model
-
-    stacked = spec.lora is not None and is_adapter_folder(model_path)
-    merge = bool(spec.lora is not None and (spec.merge_adapters or stacked))
-    if stacked and not spec.merge_adapters and logger is not None:
-        logger.info(
-            "the SFT model is an adapter folder: the new adapters are merged and saved as full weights"
-        )
-    save_model(trainer.model, trainer.processing_class, directory, merge_adapters=merge)
-    return merge
-
-
 def train_and_save_policy(context: Any, trainer: Any, spec: Any, model_path: str, dropped: int,
                           extra: dict[str, Any] | None = None, before_metrics: Any = None) -> Any:
     """Train ``trainer`` (resuming an interrupted attempt), save the policy to ``model/``, write ``metrics.json``.
@@ -71,7 +52,7 @@ def train_and_save_policy(context: Any, trainer: Any, spec: Any, model_path: str
     """
     from alpacafarm.data import write_json
     from alpacafarm.method import Artifact
-    from alpacafarm_trl.training import resume_checkpoint, train_summary
+    from alpacafarm.training import resume_checkpoint, save_policy, train_summary
 
     result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
     model_dir = Path(context.stage_dir) / "model"

@@ -21,9 +21,9 @@ from transformers import TrainerCallback
 
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.prompts import PromptConditioning
+from alpacafarm.training import limit, resume_checkpoint, stage_training_args
 from alpacafarm_trl.ppo_config import PPOMethodConfig
 from alpacafarm_trl.ppo_trainer import build_ppo_trainer
-from alpacafarm_trl.training import limit, resume_checkpoint, stage_training_args
 
 
 class ProgressCallback(TrainerCallback):

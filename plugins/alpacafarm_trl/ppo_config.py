@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from alpacafarm_trl.base_config import TrainingDefaults
+from alpacafarm.training import TrainingDefaults
 
 
 @dataclass
@@ -24,7 +24,7 @@ class PPOMethodConfig(TrainingDefaults, TrainingArguments):
     checkpoints follow ``save_strategy: steps`` / ``save_steps`` / ``save_total_limit``. The clip ranges and
     ``vf_coef`` are not given by the paper; 0.2 / 0.2 / 0.1 are common PPO settings (our assumption).
     ``bf16`` and activation checkpointing are automatic
-    (:class:`~alpacafarm_trl.base_config.TrainingDefaults`).
+    (:class:`~alpacafarm.training.TrainingDefaults`).
     """
 
     split: str = field(default="train",

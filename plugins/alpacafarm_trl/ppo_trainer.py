@@ -345,7 +345,7 @@ class PPOTrainer:
         """Run PPO steps until ``max_steps``; returns ``transformers.trainer_utils.TrainOutput``."""
         from transformers.trainer_utils import TrainOutput
 
-        from alpacafarm_trl.training import logger
+        from alpacafarm.training import logger
 
         if resume_from_checkpoint:
             self._load_checkpoint(Path(resume_from_checkpoint))
@@ -450,7 +450,7 @@ def build_ppo_trainer(config: PPOMethodConfig, spec: Any, sft_path: str, reward_
                       callbacks: Sequence[Any] | None = None, logger: Any = None) -> PPOTrainer:
     """A ready :class:`PPOTrainer` from the recipe's model block, the SFT model and the reward model folders.
 
-    ``config`` must carry its final ``output_dir`` (see :func:`~alpacafarm_trl.training.stage_training_args`).
+    ``config`` must carry its final ``output_dir`` (see :func:`~alpacafarm.training.stage_training_args`).
     Prompts are written for the SFT folder (its ``prompt_format`` and conditioning file, see
     :meth:`alpacafarm.prompts.PromptFormat.for_model`). Without ``reward_fn`` the reward is the reward model's
     score (an :class:`~alpacafarm.rewards.RewardScorer`; on the shared base in the LoRA layout when it can).

@@ -38,9 +38,9 @@ from typing import Any
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.prompts import PromptConditioning, PromptFormat
+from alpacafarm.training import stage_training_args
 from alpacafarm_trl.quark_config import QuarkMethodConfig
 from alpacafarm_trl.quark_trainer import build_quark_trainer, run_rounds
-from alpacafarm_trl.training import stage_training_args
 
 
 def load_policy_and_reference(spec: Any, sft_path: str, args: QuarkMethodConfig) -> tuple[Any, Any, bool]:

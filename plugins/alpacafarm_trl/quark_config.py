@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from alpacafarm_trl.base_config import TrainingDefaults
+from alpacafarm.training import TrainingDefaults
 
 
 @dataclass
@@ -20,7 +20,7 @@ class QuarkMethodConfig(TrainingDefaults, TrainingArguments):
     are our assumptions: the paper does not state them for Quark. ``num_train_epochs`` / ``max_steps`` count
     per round; ``output_dir`` is always the stage folder; checkpoints are off (a round's trainer state cannot
     resume the rollout loop). ``bf16`` and activation checkpointing are automatic
-    (:class:`~alpacafarm_trl.base_config.TrainingDefaults`).
+    (:class:`~alpacafarm.training.TrainingDefaults`).
     """
 
     rounds: int = field(default=390,

@@ -18,10 +18,15 @@ from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.modeling import load_classifier
 from alpacafarm.rewards import RewardScorer
-from alpacafarm_trl.base_config import TrainingDefaults
+from alpacafarm.training import (
+    TrainingDefaults,
+    limit,
+    resume_checkpoint,
+    save_policy,
+    stage_training_args,
+    train_summary,
+)
 from alpacafarm_trl.pairs import preference_rows, split_pairs
-from alpacafarm_trl.policy import save_policy
-from alpacafarm_trl.training import limit, resume_checkpoint, stage_training_args, train_summary
 
 
 @dataclass
@@ -29,7 +34,7 @@ class RewardModelConfig(TrainingDefaults, RewardConfig):
     """Every ``trl.RewardConfig`` / ``TrainingArguments`` field, plus the held-out split.
 
     Defaults follow the paper's reward model (learning rate 3e-6, one epoch); ``bf16`` and gradient
-    checkpointing are automatic (see ``alpacafarm_trl.training``); ``output_dir`` is always the stage folder.
+    checkpointing are automatic (see ``alpacafarm.training``); ``output_dir`` is always the stage folder.
     """
 
     eval_fraction: float = field(default=0.1, metadata={"help": "share of the pairs held out for accuracy"})

@@ -19,8 +19,7 @@ from trl import SFTConfig
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.prompts import format_prompt
-from alpacafarm_trl.base_config import TrainingDefaults
-from alpacafarm_trl.training import limit, resume_checkpoint, stage_training_args, train_summary
+from alpacafarm.training import TrainingDefaults, limit, resume_checkpoint, stage_training_args, train_summary
 
 #: Where an answer may live in a demonstration record, in order of preference after ``response_field``.
 FALLBACK_RESPONSE_FIELDS = ("output", "reference")

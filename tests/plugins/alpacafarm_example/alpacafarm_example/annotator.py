@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from alpacafarm.annotation import Annotator, ProgressCallback, identical_tie
 from alpacafarm.types import Annotation, Pair
@@ -36,12 +35,6 @@ class PreferLonger(Annotator):
     def __init__(self, config: PreferLongerConfig) -> None:
         self.config = config
         self.name = "prefer_longer"
-
-    @staticmethod
-    def cli_config(options: dict[str, Any]) -> dict[str, Any]:
-        """``alpacafarm annotate`` options → config block: ``--seed`` and ``--no-cache`` do not apply to this
-        deterministic, free judge and are dropped; the rest (``--set``) is validated by the config class."""
-        return {key: value for key, value in options.items() if key not in ("seed", "cache")}
 
     async def aannotate(self, pairs: Sequence[Pair],
                         progress: ProgressCallback | None = None) -> list[Annotation]:

@@ -43,7 +43,7 @@ class LengthWinRate(Method):
 
     def run(self, context: StageContext) -> Artifact:
         config: LengthWinRateConfig = self.config
-        outputs = context.records("policy")
+        outputs = context.outputs("policy")  # an outputs file, or a folder that names one
         references = {_key(r): str(r[config.reference_field]) for r in load_source(config.references)
                       if isinstance(r.get(config.reference_field), str)}
         matched = [r for r in outputs if _key(r) in references]

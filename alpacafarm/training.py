@@ -1,0 +1,131 @@
+"""What trainer-based methods share: machine-aware config defaults, per-stage trainer arguments, resume, saving.
+
+For any method built on a ``transformers.Trainer`` / TRL trainer (the built-in ones and third-party plugins):
+
+* :class:`TrainingDefaults` — inherit it first in a ``TrainingArguments`` subclass
+  (``@dataclass class MyConfig(TrainingDefaults, trl.DPOConfig)``): ``bf16`` and gradient checkpointing are then
+  chosen for the machine (TRL's configs default to ``bf16=True`` and checkpointing on; both are wrong on a CPU:
+  bf16 makes ``TrainingArguments`` refuse to build there, checkpointing only slows a small model down);
+* :func:`stage_training_args` — the config for this stage (``output_dir`` = the stage folder, the stage seed);
+* :func:`resume_checkpoint` — the checkpoint an interrupted attempt left, for ``trainer.train(resume_from_...)``;
+* :func:`save_policy` — the one rule for saving what was trained from the SFT model (policies and reward models);
+* :func:`train_summary`, :func:`limit`.
+
+Heavy imports (torch, transformers) happen inside functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("alpacafarm")
+
+
+@dataclass
+class TrainingDefaults:
+    """Mixin for ``TrainingArguments`` subclasses: ``bf16`` / ``gradient_checkpointing`` ``None`` = automatic."""
+
+    bf16: bool | None = None
+    gradient_checkpointing: bool | None = None
+
+    def __post_init__(self) -> None:
+        apply_device_defaults(self)
+        super().__post_init__()  # type: ignore[misc]  # TrainingArguments.__post_init__
+
+
+def apply_device_defaults(config: object) -> None:
+    """Resolve ``bf16`` and gradient checkpointing for this machine; runs before ``TrainingArguments.__post_init__``.
+
+    ``bf16: None`` (the default) means bfloat16 only on a GPU that supports it. An explicit ``bf16: true``
+    where no such GPU exists is turned off with a note (so a GPU recipe still loads and checks on a laptop).
+    Gradient checkpointing left unset is on with CUDA (memory is what matters there) and off elsewhere.
+    """
+    import torch
+
+    cuda = torch.cuda.is_available()
+    bf16_ok = cuda and torch.cuda.is_bf16_supported()
+    notes: list[str] = []
+    if config.bf16 is None:
+        config.bf16 = bf16_ok and not config.fp16
+    elif config.bf16 and not bf16_ok:
+        notes.append("bf16: true needs a GPU with bfloat16 support; this machine has none, so training runs in float32")
+        config.bf16 = False
+    if config.gradient_checkpointing is None and config.activation_checkpointing is None:
+        # Set the new name directly: setting the deprecated alias makes transformers warn on every config.
+        config.activation_checkpointing = cuda
+    object.__setattr__(config, "device_notes", notes)
+
+
+#: TrainingArguments' own default seed; a config still holding it gets the stage's seed instead.
+DEFAULT_TRAINER_SEED = 42
+
+
+def stage_training_args(config: Any, context: Any, **overrides: Any) -> Any:
+    """A copy of the method's config for this stage: ``output_dir`` is the stage folder, the seed the stage's.
+
+    ``output_dir`` is always the stage directory (checkpoints must live where the pipeline can resume them);
+    a user-given one is ignored with a note. A ``seed`` left at the trainer default takes the stage seed,
+    which the pipeline derives from the recipe seed and the stage name.
+    """
+    stage_dir = str(context.stage_dir)
+    if config.output_dir not in (None, "trainer_output", stage_dir):
+        context.logger.warning("stage %s: output_dir %r ignored; checkpoints go to the stage folder %s",
+                               context.stage, config.output_dir, stage_dir)
+    for note in getattr(config, "device_notes", ()):
+        context.logger.warning("stage %s: %s", context.stage, note)
+    seed = context.seed if config.seed == DEFAULT_TRAINER_SEED else config.seed
+    # dataclasses.replace re-runs __post_init__ on already-normalised values, which TrainingArguments accepts;
+    # the recipe's config object itself stays untouched (it is part of the stage fingerprint).
+    return dataclasses.replace(config, output_dir=stage_dir, seed=seed, **overrides)
+
+
+def resume_checkpoint(context: Any) -> str | None:
+    """The last ``checkpoint-N`` folder of an interrupted attempt of this stage, if any."""
+    if not context.resuming:
+        return None
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(str(context.stage_dir)) if Path(context.stage_dir).is_dir() else None
+    if last:
+        context.logger.info("stage %s: resuming from %s", context.stage, last)
+    return last
+
+
+def train_summary(trainer: Any, result: Any) -> dict[str, Any]:
+    """Loss and step count of a finished ``trainer.train()`` (plus the last logged loss, which is per-step)."""
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {
+        "train_loss": round(float(result.training_loss), 6),
+        "final_logged_loss": losses[-1] if losses else None,
+        "steps": int(trainer.state.global_step),
+        "epochs": round(float(trainer.state.epoch or 0.0), 4),
+        "train_runtime_s": round(float(result.metrics.get("train_runtime", 0.0)), 3),
+    }
+
+
+def limit(records: list[dict[str, Any]], max_examples: int | None) -> list[dict[str, Any]]:
+    """The first ``max_examples`` records (all of them when ``None``)."""
+    return records if max_examples is None else records[:max_examples]
+
+
+def save_policy(trainer: Any, spec: Any, model_path: str, directory: str | Path, logger: Any = None) -> bool:
+    """Save the trained policy (weights or adapters, and tokenizer) to ``directory``; returns whether it merged.
+
+    New adapters trained on top of a merged SFT adapter folder describe a model that no folder on disk holds
+    (their ``base_model_name_or_path`` is the pre-SFT base), so they are merged and saved as full weights.
+    ``trainer.model`` may be a causal LM or a sequence classifier (a reward model).
+    """
+    from alpacafarm.modeling import is_adapter_folder, save_model
+
+    stacked = spec.lora is not None and is_adapter_folder(model_path)
+    merge = bool(spec.lora is not None and (spec.merge_adapters or stacked))
+    if stacked and not spec.merge_adapters and logger is not None:
+        logger.info(
+            "the SFT model is an adapter folder: the new adapters are merged and saved as full weights"
+        )
+    save_model(trainer.model, trainer.processing_class, directory, merge_adapters=merge)
+    return merge

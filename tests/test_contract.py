@@ -1,0 +1,104 @@
+"""What the pipeline asks of a plugin's method, and what it promises back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import alpacafarm
+from alpacafarm.errors import RecipeError
+from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.pipeline import Pipeline
+from alpacafarm.plugins import get_registry
+from alpacafarm.recipe import load_recipe
+
+RUNS: list[str] = []
+
+
+@dataclass
+class CountConfig:
+    start: int = 0
+    step: int = 1
+
+
+class Count(Method):
+    config_class = CountConfig
+    provides = "count"
+
+    def run(self, context: StageContext) -> Artifact:
+        RUNS.append(context.stage)
+        return Artifact("report", None, {"value": self.config.start + self.config.step})
+
+
+class Forgetful(Method):  # declares no ``provides``
+    def run(self, context: StageContext) -> Artifact:
+        return Artifact("report")
+
+
+class Plugin:
+    @alpacafarm.hookimpl
+    def register_methods(self, register):
+        register("count", Count)
+        register("forgetful", Forgetful)
+
+
+@pytest.fixture
+def counting(register_test_plugin, tmp_path: Path) -> Path:
+    register_test_plugin(Plugin(), "counting-plugin")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: c\nstages:\n  - {name: one, method: count, config: {start: 2}}\n", encoding="utf-8")
+    return recipe
+
+
+def test_a_new_plugin_version_reruns_its_stages(counting: Path, tmp_path: Path):
+    registry = get_registry()
+    RUNS.clear()
+    Pipeline(load_recipe(counting, registry=registry), registry, tmp_path / "run").run()
+    Pipeline(load_recipe(counting, registry=registry), registry, tmp_path / "run").run()
+    assert RUNS == ["one"]  # unchanged: skipped
+    registry.plugin_versions["counting-plugin"] = "2.0"  # the plugin was upgraded
+    outcomes = Pipeline(load_recipe(counting, registry=registry), registry, tmp_path / "run").run()
+    assert RUNS == ["one", "one"] and outcomes[0].status == "ran"
+
+
+def test_a_method_without_provides_is_refused_naming_its_plugin(counting: Path, tmp_path: Path):
+    recipe = tmp_path / "f.yaml"
+    recipe.write_text("name: f\nstages:\n  - {name: x, method: forgetful}\n", encoding="utf-8")
+    with pytest.raises(RecipeError, match=r"f\.yaml:3: stages\[0\]\.method: method 'forgetful' of plugin "
+                                          r"'counting-plugin' declares no 'provides'"):
+        load_recipe(recipe)
+
+
+def test_an_unknown_key_of_a_dataclass_config_lists_the_allowed_keys(counting: Path, tmp_path: Path):
+    recipe = tmp_path / "k.yaml"
+    recipe.write_text("name: k\nstages:\n  - {name: one, method: count, config: {stride: 2}}\n", encoding="utf-8")
+    with pytest.raises(RecipeError, match=r"k\.yaml:3: stages\[0\]\.config\.stride: unknown key 'stride' "
+                                          r"for CountConfig; did you mean 'step'\? \(allowed: start, step\)"):
+        load_recipe(recipe)
+
+
+def test_plugins_json_carries_what_each_name_is(capsys: pytest.CaptureFixture[str]):
+    import json
+
+    from alpacafarm import cli
+
+    assert cli.main(["plugins", "--json"]) == 0
+    plugins = {p["name"]: p for p in json.loads(capsys.readouterr().out)["plugins"]}
+    trl = plugins["trl"]
+    assert set(trl["descriptions"]["method"]) == set(trl["registers"]["method"])
+    assert "GRPOTrainer" in trl["descriptions"]["method"]["grpo"]
+
+
+def test_a_shared_annotator_option_the_annotator_has_no_field_for_is_named(tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture[str]):
+    from alpacafarm import cli
+    from alpacafarm.testing import write_records
+
+    pairs = write_records(tmp_path / "pairs.json", [{"instruction": "a", "output_1": "x", "output_2": "yy"}])
+    code = cli.main(["annotate", str(pairs), "--annotator", "offline", "-o", str(tmp_path / "out.json"),
+                     "--base-url", "http://127.0.0.1:9/v1"])
+    assert code == 2 and not (tmp_path / "out.json").exists()
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: annotator 'offline' takes no --base-url (its config fields: batch_size, references)"]
