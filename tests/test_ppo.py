@@ -445,38 +445,3 @@ def test_quantization_without_lora_is_refused(tiny_model_dir: str):
                           ModelSpec(name=tiny_model_dir, quantization="4bit"), tiny_model_dir, tiny_model_dir,
                           PROMPTS)
 
-
-# ----------------------------------------------------------------------------------------------- conditioning
-
-
-@pytest.mark.parametrize("conditioned", [True, False], ids=["conditioned", "plain"])
-def test_rollouts_are_sampled_behind_the_sft_folders_prompt_conditioning(
-        conditioned: bool, tiny_model_dir: str, tmp_path: Path, generated_prompts: list[list[int]]):
-    """A reward-conditioned SFT folder (``<good>`` before every prompt) is sampled behind its control token,
-    and the trained policy keeps the conditioning file (it was trained behind it)."""
-    from alpacafarm.prompts import CONDITIONING_FILE, PromptConditioning
-    from alpacafarm.testing import tiny_tokenizer
-
-    model = tmp_path / "sft"
-    shutil.copytree(tiny_model_dir, model)
-    if conditioned:
-        PromptConditioning(prompt_prefix="<good>\n").save(model)
-    prompts = generated_prompts
-    instructions = write_records(tmp_path / "instructions.jsonl", PROMPTS[:4])
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(
-        f"name: ppo-conditioning\nmodel: {{name: {model}}}\ndata:\n  instructions: {{path: {instructions}}}\n"
-        "stages:\n"
-        "  - {name: ppo, method: ppo, inputs: {instruction_splits: instructions, reward_model: base_model},"
-        " config: {max_steps: 1, rollout_batch_size: 4, mini_batch_size: 4, per_device_train_batch_size: 4,"
-        " generation_batch_size: 4, max_new_tokens: 3, save_strategy: 'no'}}\n",
-        encoding="utf-8")
-    artifact = run_recipe(recipe, tmp_path / "run")["ppo"]
-
-    prefix = tiny_tokenizer()("<good>\n", add_special_tokens=False)["input_ids"]
-    assert len(prompts) == 4
-    assert all((p[:len(prefix)] == prefix) is conditioned for p in prompts)
-    assert (Path(artifact.path) / CONDITIONING_FILE).is_file() is conditioned
-    if conditioned:
-        assert PromptConditioning.load(artifact.path) == PromptConditioning(prompt_prefix="<good>\n")
-
