@@ -48,8 +48,8 @@ class Generator:
     """
 
     prompt_format: PromptFormat = PromptFormat()
-    #: non-padding tokens generated per completion by the last call (for throughput figures), if known
-    last_token_counts: list[list[int]] = []
+    #: tokens generated per completion by the last call (for throughput figures); empty when the backend cannot tell
+    last_token_counts: Sequence[Sequence[int]] = ()
 
     def generate(self, prompts: Sequence[str], sampling: SamplingConfig,
                  progress: GenerationProgress | None = None) -> list[list[str]]:

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from alpacafarm.generation import SamplingConfig, generate_records, write_completions
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import OUTPUTS_FILE, Artifact, Method, StageContext
 
 
 class GenerateOutputsConfig(BaseModel):
@@ -37,7 +37,7 @@ class GenerateOutputs(Method):
         with context.progress(f"generating ({config.backend})", len(records)) as advance:
             rows = generate_records(generator, records, sampling, progress=advance)
         seconds = time.perf_counter() - started
-        path = context.stage_dir / "outputs.jsonl"
+        path = context.stage_dir / OUTPUTS_FILE
         write_completions(path, rows)
         tokens = sum(map(sum, generator.last_token_counts or [[0]]))
         return Artifact("outputs", str(path), {"n_instructions": len(records), "n_outputs": len(rows),
