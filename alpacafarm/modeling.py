@@ -136,22 +136,24 @@ def _merged(load: Any, spec: ModelSpec, path: str, *, classifier: bool = False) 
     return PeftModel.from_pretrained(base, path, config=config).merge_and_unload()
 
 
-def load_merged_causal_lm(spec: ModelSpec, path: str) -> Any:
+def load_merged_causal_lm(spec: ModelSpec, path: str, *, trainable: bool = False) -> Any:
     """The causal LM in ``path`` as plain weights: full weights as they are, peft adapters merged into their base.
 
     The one rule for starting from a trained policy: a trainer given a ``peft_config`` on a model whose adapters
     were attached would replace them with fresh ones and silently start from the base model instead.
+    ``trainable``: the copy that trains, loaded with float32 master weights (:meth:`ModelSpec.for_training`).
     """
-    return _merged(load_causal_lm, spec, path)
+    return _merged(load_causal_lm, spec.for_training() if trainable else spec, path)
 
 
-def load_classifier(spec: ModelSpec, path: str) -> Any:
+def load_classifier(spec: ModelSpec, path: str, *, trainable: bool = False) -> Any:
     """A one-output sequence classifier from ``path``: full weights, or peft adapters merged into their base.
 
     An adapter folder (an un-merged LoRA SFT or reward model) names its base model; the classifier is built on
     that base and the adapters (and a saved ``score`` head, if any) are merged in, so callers get plain weights.
+    ``trainable`` as for :func:`load_merged_causal_lm`.
     """
-    return _merged(load_sequence_classifier, spec, path, classifier=True)
+    return _merged(load_sequence_classifier, spec.for_training() if trainable else spec, path, classifier=True)
 
 
 def enable_activation_checkpointing(model: Any) -> None:
@@ -164,11 +166,38 @@ def enable_activation_checkpointing(model: Any) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def save_model(model: Any, tokenizer: Any, directory: str | Path, *, merge_adapters: bool = False) -> str:
-    """Save weights (or adapters) and tokenizer; with ``merge_adapters`` a peft model is merged first."""
+def save_dtype(spec: ModelSpec) -> Any:
+    """The torch dtype full weights are written in: ``save_dtype``, else ``dtype`` resolved as for loading."""
+    import torch
+
+    return getattr(torch, spec.save_dtype) if spec.save_dtype is not None else torch_dtype(spec)
+
+
+def save_model(model: Any, tokenizer: Any, directory: str | Path, *, merge_adapters: bool = False,
+               dtype: Any = None) -> str:
+    """Save weights (or adapters) and tokenizer; with ``merge_adapters`` a peft model is merged first.
+
+    ``dtype`` (a torch dtype) is the dtype full weights are written in; the model in memory is not touched (its
+    float32 master weights may still be training). Adapters (a peft model that is not merged) and quantized
+    weights are written as they are.
+    """
     directory = Path(directory)
     if merge_adapters and hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
-    model.save_pretrained(directory)
+    is_adapters = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+    quantized = getattr(model, "is_quantized", False) or getattr(model, "quantization_method", None) is not None
+    if dtype is None or is_adapters or quantized:
+        model.save_pretrained(directory)
+    else:
+        import json
+
+        state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+                 for name, tensor in model.state_dict().items()}
+        model.save_pretrained(directory, state_dict=state)
+        # save_pretrained records the in-memory dtype; config.json must say how the weights were written
+        config_file = directory / "config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     tokenizer.save_pretrained(directory)
     return str(directory)

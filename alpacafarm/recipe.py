@@ -42,6 +42,9 @@ class ModelSpec(_Strict):
     #: dtype for sampling and reward scoring only (training keeps ``dtype``): ``bfloat16`` about doubles CPU
     #: generation speed on CPUs with AVX512-BF16/AMX, where training must stay in float32.
     inference_dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    #: dtype of the full weights a training stage writes (``null``: ``dtype``, resolved as for loading).
+    #: Trainable weights always train as float32 master copies; LoRA adapters are always saved in float32.
+    save_dtype: Literal["float32", "float16", "bfloat16"] | None = None
     device: str = "auto"
     lora: LoraSpec | None = None
     quantization: Literal["4bit", "8bit"] | None = None
@@ -53,6 +56,19 @@ class ModelSpec(_Strict):
     def for_inference(self) -> ModelSpec:
         """This block as used to sample and score: ``dtype`` replaced by ``inference_dtype`` when one is set."""
         return self if self.inference_dtype is None else self.model_copy(update={"dtype": self.inference_dtype})
+
+    def for_training(self) -> ModelSpec:
+        """This block as used to load a model whose weights all train: ``dtype`` float32 (the master copy).
+
+        ``dtype`` then only says what the frozen copies (reference, reward model, generation) and the compute
+        (bf16 autocast where the hardware has it, via the trainer's ``bf16``) use: AdamW updates at the paper's
+        learning rates (1e-6 to 1e-5) are mostly below bfloat16's resolution and round away on bf16 weights.
+        With ``lora`` or ``quantization`` the base is frozen and keeps ``dtype``; the adapters (and any other
+        trainable tensor) are made float32 by :func:`alpacafarm.training.fp32_master_weights`.
+        """
+        if self.lora is not None or self.quantization is not None or self.dtype == "float32":
+            return self
+        return self.model_copy(update={"dtype": "float32"})
 
 
 class DataSource(_Strict):

@@ -5,12 +5,14 @@ through :func:`sample`: prompts left-padded (generation appends on the right), l
 little and memory peaks at the start, every batch seeded from ``seed`` and its position (a run is
 reproducible), each response cut after its first stop token (which is kept: a trained policy must learn to
 stop). Decoding settings are given explicitly: nothing is inherited from a checkpoint's ``generation_config``
-but its stop tokens.
+but its stop tokens. (transformers fills every setting a ``GenerationConfig`` leaves unset from the model's own
+``generation_config.json``, e.g. a ``repetition_penalty``; :func:`exact_generation_config` stops that.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +59,23 @@ def left_pad(queries: Sequence[Sequence[int]], pad_id: int, device: Any = "cpu")
     return ids.to(device), mask.to(device)
 
 
+@contextlib.contextmanager
+def exact_generation_config(model: Any) -> Iterator[None]:
+    """While open, every ``generation_config`` inside ``model`` (a peft wrapper holds the transformers model) is
+    a blank one, so ``generate`` uses exactly the settings it is given and the library's neutral defaults."""
+    from transformers import GenerationConfig
+
+    holders = [m for m in model.modules() if isinstance(getattr(m, "generation_config", None), GenerationConfig)]
+    saved = [m.generation_config for m in holders]
+    for holder in holders:
+        holder.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        for holder, config in zip(holders, saved, strict=True):
+            holder.generation_config = config
+
+
 def sample(model: Any, tokenizer: Any, queries: Sequence[Sequence[int]], *, n: int = 1, temperature: float = 1.0,
            top_p: float = 1.0, max_new_tokens: int = 256, batch_size: int = 8, seed: int = 0,
            stop_ids: Sequence[int] | None = None, generate: Callable[..., Any] | None = None,
@@ -87,7 +106,7 @@ def sample(model: Any, tokenizer: Any, queries: Sequence[Sequence[int]], *, n: i
         indices = order[start:start + batch_size]
         input_ids, attention_mask = left_pad([queries[i] for i in indices], pad_id, device)
         torch.manual_seed(stable_seed(seed, start))
-        with torch.no_grad():
+        with torch.no_grad(), exact_generation_config(model):
             output = generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
         new = output[:, input_ids.shape[1]:].tolist()
         for row, index in enumerate(indices):

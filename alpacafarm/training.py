@@ -119,7 +119,7 @@ def save_policy(trainer: Any, spec: Any, model_path: str, directory: str | Path,
     (their ``base_model_name_or_path`` is the pre-SFT base), so they are merged and saved as full weights.
     ``trainer.model`` may be a causal LM or a sequence classifier (a reward model).
     """
-    from alpacafarm.modeling import is_adapter_folder, save_model
+    from alpacafarm.modeling import is_adapter_folder, save_dtype, save_model
 
     stacked = spec.lora is not None and is_adapter_folder(model_path)
     merge = bool(spec.lora is not None and (spec.merge_adapters or stacked))
@@ -127,5 +127,33 @@ def save_policy(trainer: Any, spec: Any, model_path: str, directory: str | Path,
         logger.info(
             "the SFT model is an adapter folder: the new adapters are merged and saved as full weights"
         )
-    save_model(trainer.model, trainer.processing_class, directory, merge_adapters=merge)
+    save_model(trainer.model, trainer.processing_class, directory, merge_adapters=merge, dtype=save_dtype(spec))
     return merge
+
+
+def fp32_master_weights(model: Any) -> int:
+    """Make every trainable floating-point parameter float32 in place; returns how many tensors were cast.
+
+    Call it on the model a trainer will optimise (after peft wrapped it, before the optimizer exists). Frozen
+    tensors keep their dtype (a bf16 or 4-bit base under LoRA). A cast leaf module (a LoRA reward model's score
+    head copied by peft in the base's dtype) gets its inputs cast to float32, so it also runs where no autocast
+    mixes the dtypes (a CPU). The compute dtype is the trainer's business: ``bf16`` autocast on a GPU.
+    """
+    import torch
+
+    cast = 0
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False)
+               if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32]
+        for parameter in own:
+            parameter.data = parameter.data.float()
+            cast += 1
+        if own and not any(True for _ in module.children()):
+            module.register_forward_pre_hook(_inputs_to_float32)
+    return cast
+
+
+def _inputs_to_float32(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    import torch
+
+    return tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)

@@ -25,6 +25,7 @@ from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.modeling import load_merged_causal_lm
 from alpacafarm.training import (
     TrainingDefaults,
+    fp32_master_weights,
     limit,
     resume_checkpoint,
     save_policy,
@@ -94,8 +95,8 @@ def build_dpo_trainer(
     ref_model = None
     if peft_config is None and not config.precompute_ref_log_probs:
         ref_model = load_merged_causal_lm(spec, model_path)
-    return DPOTrainer(
-        model=load_merged_causal_lm(spec, model_path),
+    trainer = DPOTrainer(
+        model=load_merged_causal_lm(spec, model_path, trainable=True),
         ref_model=ref_model,
         args=config,
         train_dataset=Dataset.from_list(rows),
@@ -104,6 +105,8 @@ def build_dpo_trainer(
         peft_config=peft_config,
         callbacks=callbacks,
     )
+    fp32_master_weights(trainer.model)
+    return trainer
 
 
 def last_logged(log_history: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, float]:

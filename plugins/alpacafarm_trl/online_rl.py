@@ -109,7 +109,14 @@ def run_online_rl(context: StageContext, config: Any, trainer_class: Any, algori
     from alpacafarm.data import write_json
     from alpacafarm.modeling import is_adapter_folder, load_merged_causal_lm, load_tokenizer, lora_config
     from alpacafarm.prompts import PromptFormat
-    from alpacafarm.training import limit, resume_checkpoint, save_policy, stage_training_args, train_summary
+    from alpacafarm.training import (
+        fp32_master_weights,
+        limit,
+        resume_checkpoint,
+        save_policy,
+        stage_training_args,
+        train_summary,
+    )
 
     spec, model_path = context.recipe.model, context.input("sft_model").path
     args = stage_training_args(config, context)
@@ -124,9 +131,10 @@ def run_online_rl(context: StageContext, config: Any, trainer_class: Any, algori
     rewards = reward_sources(context, args)
     tokenizer = load_tokenizer(spec, model_path)
     rows = prompt_rows(records, PromptFormat.for_model(spec.prompt_format, model_path, tokenizer), tokenizer)
-    trainer = trainer_class(model=load_merged_causal_lm(spec, model_path), reward_funcs=rewards, args=args,
-                            train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+    trainer = trainer_class(model=load_merged_causal_lm(spec, model_path, trainable=True), reward_funcs=rewards,
+                            args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                             peft_config=lora_config(spec))
+    fp32_master_weights(trainer.model)
     context.logger.info("stage %s: %s on %d prompts, %d completions each, beta %g, rewards: %s", context.stage,
                         algorithm, len(rows), args.num_generations, args.beta, ", ".join(r.__name__ for r in rewards))
     result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))

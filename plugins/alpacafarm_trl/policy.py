@@ -16,6 +16,7 @@ from typing import Any
 
 from alpacafarm.errors import UserError
 from alpacafarm.modeling import load_merged_causal_lm
+from alpacafarm.training import fp32_master_weights
 
 
 def build_sft_trainer_on_rows(
@@ -33,14 +34,16 @@ def build_sft_trainer_on_rows(
 
     if not rows:
         raise UserError("there is nothing to train on: no preference pair has a usable preference")
-    return SFTTrainer(
-        model=load_merged_causal_lm(spec, model_path),
+    trainer = SFTTrainer(
+        model=load_merged_causal_lm(spec, model_path, trainable=True),
         args=config,
         train_dataset=Dataset.from_list(rows),
         processing_class=load_tokenizer(spec, model_path),
         peft_config=lora_config(spec),
         callbacks=callbacks,
     )
+    fp32_master_weights(trainer.model)
+    return trainer
 
 
 def train_and_save_policy(context: Any, trainer: Any, spec: Any, model_path: str, dropped: int,

@@ -20,6 +20,7 @@ from alpacafarm.modeling import load_classifier
 from alpacafarm.rewards import RewardScorer
 from alpacafarm.training import (
     TrainingDefaults,
+    fp32_master_weights,
     limit,
     resume_checkpoint,
     save_policy,
@@ -102,14 +103,17 @@ def build_reward_trainer(config: RewardModelConfig, spec: Any, model_path: str, 
     from alpacafarm.modeling import load_tokenizer, lora_config
 
     tokenizer = load_tokenizer(spec, model_path)
-    model = load_classifier(spec, model_path)
+    model = load_classifier(spec, model_path, trainable=True)
     model.config.pad_token_id = tokenizer.pad_token_id  # the head reads the last token that is not padding
     if config.trainable_layers is not None:
         if spec.lora is not None:
             raise UserError("trainable_layers and a lora block both choose what trains: use one of them")
         freeze_below(model, config.trainable_layers)
-    return RewardTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                         peft_config=lora_config(spec, task_type="SEQ_CLS"), callbacks=callbacks)
+    trainer = RewardTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows),
+                            processing_class=tokenizer, peft_config=lora_config(spec, task_type="SEQ_CLS"),
+                            callbacks=callbacks)
+    fp32_master_weights(trainer.model)
+    return trainer
 
 
 class RewardModel(Method):
@@ -157,7 +161,7 @@ class RewardModel(Method):
                        eval_rows: list[dict[str, str]], dropped: int) -> Artifact:
         """``trainable_layers: 0``: features once per distinct text, then the head (see ``reward_head``)."""
         from alpacafarm.data import write_json
-        from alpacafarm.modeling import save_model
+        from alpacafarm.modeling import save_dtype, save_model
         from alpacafarm_trl.reward_head import train_head_only
 
         spec = context.recipe.model
@@ -170,7 +174,7 @@ class RewardModel(Method):
             model, tokenizer, fitted = train_head_only(args, spec, model_path, train_rows, seed=context.seed,
                                                        progress=advance)
         model_dir = Path(context.stage_dir) / "model"
-        save_model(model, tokenizer, model_dir)
+        save_model(model, tokenizer, model_dir, dtype=save_dtype(spec))
         history = fitted.pop("log_history")
         metrics: dict[str, Any] = {**fitted, "head_only": True, "n_pairs": len(rows), "n_train": len(train_rows),
                                    "n_eval": len(eval_rows), "n_dropped_no_preference": dropped}

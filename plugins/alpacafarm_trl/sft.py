@@ -102,7 +102,7 @@ class SFT(Method):
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json
-        from alpacafarm.modeling import save_model
+        from alpacafarm.modeling import save_dtype, save_model
 
         spec = context.recipe.model
         args = stage_training_args(self.config, context)
@@ -111,7 +111,8 @@ class SFT(Method):
         context.logger.info("stage %s: SFT on %d examples", context.stage, len(trainer.train_dataset))
         result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
-        save_model(trainer.model, trainer.processing_class, model_dir, merge_adapters=spec.merge_adapters)
+        save_model(trainer.model, trainer.processing_class, model_dir, merge_adapters=spec.merge_adapters,
+                   dtype=save_dtype(spec))
         metrics = {**train_summary(trainer, result), "n_examples": len(trainer.train_dataset),
                    "lora": spec.lora is not None, "merged": bool(spec.merge_adapters and spec.lora)}
         write_json(Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": trainer.state.log_history})

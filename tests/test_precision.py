@@ -1,0 +1,114 @@
+"""Trainable weights keep float32 master copies whatever ``model.dtype`` says; frozen copies keep ``dtype``;
+saved full weights are written in ``model.save_dtype`` (default ``dtype``).
+
+Pure-bf16 training loses most AdamW updates at the paper's learning rates (1e-6 to 1e-5): a step moves a
+weight by about the learning rate, far below bfloat16's resolution for a typical weight.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from alpacafarm.recipe import LoraSpec, ModelSpec
+from alpacafarm.testing import save_tiny_causal_lm
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SFT_RECORDS = [{"instruction": f"Name colour number {i}.", "input": "", "output": f"Colour {i} is a shade of blue."}
+               for i in range(8)]
+PAIRS = [{"prompt": f"Question {i}: ", "chosen": f"A kind helpful answer {i}.", "rejected": "No."} for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def fp32_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny model whose weights are written in float32 (the dtype the tests compare against)."""
+    return save_tiny_causal_lm(tmp_path_factory.mktemp("fp32-model"))
+
+
+def _initial(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def _changed_fraction(model: Any, initial: dict[str, torch.Tensor]) -> float:
+    changed = total = 0
+    for name, tensor in model.state_dict().items():
+        if name in initial and tensor.is_floating_point():
+            changed += int((tensor.float() != initial[name].float()).sum())
+            total += tensor.numel()
+    return changed / total
+
+
+def _sft_trainer(path: str, tmp_path: Path, dtype: str, *, lora: bool = False, steps: int = 20) -> Any:
+    from alpacafarm_trl.sft import SFTMethodConfig, build_sft_trainer
+
+    spec = ModelSpec(name=path, dtype=dtype, lora=LoraSpec(r=4, alpha=8) if lora else None)
+    config = SFTMethodConfig(output_dir=str(tmp_path / dtype), max_steps=steps, learning_rate=1e-5,
+                             per_device_train_batch_size=2, lr_scheduler_type="constant", warmup_steps=0,
+                             save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
+    return build_sft_trainer(config, spec, path, SFT_RECORDS)
+
+
+def test_sft_at_the_paper_learning_rate_moves_bf16_weights_as_float32_ones(fp32_model_dir: str, tmp_path: Path):
+    initial = _initial(fp32_model_dir)
+    moved = {}
+    for dtype in ("float32", "bfloat16"):
+        trainer = _sft_trainer(fp32_model_dir, tmp_path, dtype)
+        assert {p.dtype for p in trainer.model.parameters() if p.requires_grad} == {torch.float32}
+        trainer.train()
+        moved[dtype] = _changed_fraction(trainer.model, initial)
+    assert moved["float32"] > 0.3  # 20 AdamW steps at lr 1e-5 move most float32 weights
+    assert moved["bfloat16"] >= 0.9 * moved["float32"], moved  # pure bf16 moved ~1/6 as many
+
+
+def test_lora_keeps_the_frozen_base_in_bf16_and_trains_float32_adapters(fp32_model_dir: str, tmp_path: Path):
+    trainer = _sft_trainer(fp32_model_dir, tmp_path, "bfloat16", lora=True, steps=2)
+    trainable = {n: p.dtype for n, p in trainer.model.named_parameters() if p.requires_grad}
+    frozen = {p.dtype for p in trainer.model.parameters() if not p.requires_grad}
+    assert trainable and set(trainable.values()) == {torch.float32} and frozen == {torch.bfloat16}
+    trainer.train()
+
+
+def test_lora_reward_model_head_trains_in_float32_over_a_bf16_base(fp32_model_dir: str, tmp_path: Path):
+    from alpacafarm_trl.reward_model import RewardModelConfig, build_reward_trainer
+
+    spec = ModelSpec(name=fp32_model_dir, dtype="bfloat16", lora=LoraSpec(r=4, alpha=8))
+    config = RewardModelConfig(output_dir=str(tmp_path / "rm"), max_steps=2, per_device_train_batch_size=4,
+                               learning_rate=1e-5, save_strategy="no", report_to="none", disable_tqdm=True)
+    trainer = build_reward_trainer(config, spec, fp32_model_dir, PAIRS)
+    trainable = {n: p.dtype for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert any("score" in n for n in trainable) and set(trainable.values()) == {torch.float32}
+    trainer.train()  # the float32 head runs on the bf16 backbone's features without autocast (a CPU)
+
+
+def test_dpo_trains_a_float32_policy_against_a_frozen_bf16_reference(fp32_model_dir: str, tmp_path: Path):
+    from alpacafarm_trl.dpo import DPOMethodConfig, build_dpo_trainer
+
+    spec = ModelSpec(name=fp32_model_dir, dtype="bfloat16")
+    config = DPOMethodConfig(output_dir=str(tmp_path / "dpo"), max_steps=1, per_device_train_batch_size=4,
+                             save_strategy="no", report_to="none", disable_tqdm=True)
+    trainer = build_dpo_trainer(config, spec, fp32_model_dir, PAIRS)
+    assert {p.dtype for p in trainer.model.parameters() if p.requires_grad} == {torch.float32}
+    assert {p.dtype for p in trainer.ref_model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize(("save_dtype", "expected"), [(None, "bfloat16"), ("float32", "float32")])
+def test_saved_full_weights_use_the_save_dtype_and_leave_the_master_copy_alone(
+        fp32_model_dir: str, tmp_path: Path, save_dtype: str | None, expected: str):
+    from safetensors.torch import load_file
+
+    from alpacafarm.training import save_policy
+
+    trainer = _sft_trainer(fp32_model_dir, tmp_path, "bfloat16", steps=1)
+    spec = ModelSpec(name=fp32_model_dir, dtype="bfloat16", save_dtype=save_dtype)
+    save_policy(trainer, spec, fp32_model_dir, tmp_path / "saved")
+    written = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert {str(t.dtype).removeprefix("torch.") for t in written.values()} == {expected}
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["dtype"] == expected
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}  # still training in float32
