@@ -112,3 +112,34 @@ def test_saved_full_weights_use_the_save_dtype_and_leave_the_master_copy_alone(
     assert {str(t.dtype).removeprefix("torch.") for t in written.values()} == {expected}
     assert json.loads((tmp_path / "saved" / "config.json").read_text())["dtype"] == expected
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}  # still training in float32
+
+
+@pytest.mark.parametrize("sft_layout", ["adapters", "full"])
+def test_a_lora_reward_model_scores_after_reload_as_it_did_in_training(fp32_model_dir: str, tmp_path: Path,
+                                                                       sft_layout: str):
+    """An RM trained with LoRA on a LoRA SFT model (adapter folder) reloads on the SFT weights, not the pre-SFT
+    base that its adapters' ``base_model_name_or_path`` names; on a full-weights SFT model it stays adapters."""
+    from alpacafarm.modeling import is_adapter_folder, save_model
+    from alpacafarm.rewards import RewardScorer
+    from alpacafarm.training import save_policy
+    from alpacafarm_trl.reward_model import RewardModelConfig, build_reward_trainer
+
+    sft = _sft_trainer(fp32_model_dir, tmp_path, "float32", lora=sft_layout == "adapters", steps=3)
+    sft.args.learning_rate = 1e-2  # SFT weights far from the base, so scoring on the wrong base shows
+    sft.train()
+    sft_dir = tmp_path / "sft"
+    save_model(sft.model, sft.processing_class, sft_dir)
+    assert is_adapter_folder(sft_dir) == (sft_layout == "adapters")
+
+    spec = ModelSpec(name=fp32_model_dir, dtype="float32", lora=LoraSpec(r=4, alpha=8))
+    config = RewardModelConfig(output_dir=str(tmp_path / "rm"), max_steps=3, per_device_train_batch_size=4,
+                               learning_rate=1e-2, save_strategy="no", report_to="none", disable_tqdm=True)
+    trainer = build_reward_trainer(config, spec, str(sft_dir), PAIRS)
+    trainer.train()
+    texts = [p["prompt"] + p[side] for p in PAIRS[:4] for side in ("chosen", "rejected")]
+    in_training = RewardScorer(trainer.model.eval(), trainer.processing_class, prompt_format="alpaca")
+    expected = in_training.score_texts(texts, batch_size=4)
+    save_policy(trainer, spec, str(sft_dir), tmp_path / "rm-model")
+    reloaded = RewardScorer.from_path(str(tmp_path / "rm-model"), spec).score_texts(texts, batch_size=4)
+    assert reloaded == pytest.approx(expected, abs=1e-4)
+    assert len(set(round(x, 4) for x in expected)) > 1  # a trained head, not a constant
