@@ -9,6 +9,8 @@ For any method built on a ``transformers.Trainer`` / TRL trainer (the built-in o
 * :func:`stage_training_args` — the config for this stage (``output_dir`` = the stage folder, the stage seed);
 * :func:`resume_checkpoint` — the checkpoint an interrupted attempt left, for ``trainer.train(resume_from_...)``;
 * :func:`save_policy` — the one rule for saving what was trained from the SFT model (policies and reward models);
+* :func:`fp32_master_weights` — trainable tensors as float32 master copies (load the trained model with
+  ``trainable=True``, see :meth:`alpacafarm.recipe.ModelSpec.for_training`; frozen copies keep ``dtype``);
 * :func:`train_summary`, :func:`limit`.
 
 Heavy imports (torch, transformers) happen inside functions.
