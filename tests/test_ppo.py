@@ -5,6 +5,7 @@ prompt conditioning."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import shlex
 import shutil
@@ -70,19 +71,76 @@ def steps_of(history: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return {e["step"]: e for e in history if "score" in e}
 
 
+def assert_value_is_the_reward(trainer: Any, spec: ModelSpec, rm_path: str, *, equal: bool = True) -> None:
+    """The critic's value of each whole sequence (read where its next token would be predicted) equals the score
+    of the reward model folder, loaded on its own, for that sequence."""
+    from alpacafarm.modeling import load_classifier
+    from alpacafarm_trl.ppo_core import collate
+
+    tokenizer, pad = trainer.tokenizer, trainer.pad_id
+    answers = ["A fine answer.", "No.", "Item 3 is useful and interesting."]
+    sequences = [q + tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                 for q, a in zip(trainer.queries, answers, strict=False)]
+    batch = collate(sequences, [[pad]] * len(sequences), pad)
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([s + [pad] * (width - len(s)) for s in sequences])
+    with torch.no_grad():
+        values = trainer.models.values(batch)[:, 0]
+        scores = load_classifier(spec, rm_path)(input_ids=ids, attention_mask=(ids != pad).long()).logits
+    if equal:
+        torch.testing.assert_close(values, scores.squeeze(-1).float(), atol=1e-4, rtol=0)
+    else:
+        assert not torch.allclose(values, scores.squeeze(-1).float(), atol=1e-3)
+
+
+class Notes:
+    """A logger that keeps what it is told."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def info(self, message: str, *args: Any) -> None:
+        self.lines.append(message % args)
+
+    warning = info
+
+
 # --------------------------------------------------------------------------------------------- the arithmetic
 
 
+#: The hand-computed example: two responses (3 and 2 tokens), their log-probabilities and scores.
+MASK = [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
+LOGPROBS = [[-1.0, -2.0, -3.0], [-1.0, -1.0, -5.0]]
+REF_LOGPROBS = [[-1.5, -1.5, -3.5], [-2.0, -1.0, -1.0]]
+SCORES = [2.0, -1.0]
+
+
 def test_kl_shaped_rewards_and_gae_match_hand_computed_values():
-    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-    logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -5.0]])
-    ref_logprobs = torch.tensor([[-1.5, -1.5, -3.5], [-2.0, -1.0, -1.0]])
-    scores = torch.tensor([2.0, -1.0])
-    rewards, kl = ppo_core.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1)
+    mask, logprobs, ref_logprobs = torch.tensor(MASK), torch.tensor(LOGPROBS), torch.tensor(REF_LOGPROBS)
+    scores = torch.tensor(SCORES)
+    rewards, kl, penalized = ppo_core.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1,
+                                                           penalty="k1")
     # kl = logp - ref on real tokens; the score lands on each row's last real token, padding stays 0.
     close(kl, [[0.5, -0.5, 0.5], [1.0, 0.0, 0.0]])
+    close(penalized, [[0.5, -0.5, 0.5], [1.0, 0.0, 0.0]])
     assert rewards.tolist()[0] == pytest.approx([-0.05, 0.05, 1.95])
     assert rewards.tolist()[1] == pytest.approx([-0.1, -1.0, 0.0])
+
+    # The default (the released implementation's): the penalty is charged on max(logp - ref, 0), so the token
+    # the policy finds less likely than the reference (-0.5) earns no bonus. The sampled KL is unchanged.
+    rewards, kl, penalized = ppo_core.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1)
+    close(kl, [[0.5, -0.5, 0.5], [1.0, 0.0, 0.0]])
+    close(penalized, [[0.5, 0.0, 0.5], [1.0, 0.0, 0.0]])
+    assert rewards.tolist()[0] == pytest.approx([-0.05, 0.0, 1.95])
+    assert rewards.tolist()[1] == pytest.approx([-0.1, -1.0, 0.0])
+    with pytest.raises(ValueError, match="unknown KL penalty"):
+        ppo_core.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1, penalty="k3")
+
+    # Whitened over the five real tokens, mean kept: mean 0.16, population variance 0.9374.
+    mean, std = 0.16, 0.9374 ** 0.5
+    whitened = ppo_core.masked_whiten(rewards, mask, shift_mean=False)
+    close(whitened, [[(-0.05 - mean) / std + mean, (0.0 - mean) / std + mean, (1.95 - mean) / std + mean],
+                     [(-0.1 - mean) / std + mean, (-1.0 - mean) / std + mean, 0.0]])
 
     rewards = torch.tensor([[0.1, -0.2, 1.0], [0.3, 2.0, 9.0]])  # 9.0 and 7.0 sit on padding: ignored
     values = torch.tensor([[0.5, 0.4, 0.3], [1.0, -1.0, 7.0]])
@@ -133,6 +191,45 @@ def test_clipped_losses_match_hand_computed_values():
     logits = torch.log(torch.tensor([[[0.5, 0.25, 0.25]]]))
     assert float(ppo_core.entropy_of(logits)) == pytest.approx(1.5 * torch.log(torch.tensor(2.0)).item())
     close(ppo_core.logprobs_of(logits, torch.tensor([[1]])), [[torch.log(torch.tensor(0.25)).item()]])
+
+
+def test_the_trainer_by_default_clamps_the_kl_penalty_and_whitens_the_shaped_rewards():
+    """The released implementation's defaults, on the hand-computed example: clamped KL, whitened rewards."""
+    from types import SimpleNamespace
+
+    from alpacafarm.sampling import Sample
+    from alpacafarm_trl.ppo_config import PPOMethodConfig
+    from alpacafarm_trl.ppo_core import Rollouts
+    from alpacafarm_trl.ppo_trainer import PPOTrainer
+
+    def rollouts() -> Rollouts:
+        samples = [Sample([1], [5, 6, 7], "abc", True), Sample([1], [5, 6], "ab", True)]
+        zeros = torch.zeros(2, 3)
+        return Rollouts([{}, {}], samples, torch.tensor(SCORES), torch.tensor(MASK), torch.tensor(LOGPROBS),
+                        torch.tensor(REF_LOGPROBS), zeros, zeros)
+
+    args = PPOMethodConfig(output_dir="unused", rollout_batch_size=2, mini_batch_size=2, kl_coef=0.1)
+    assert (args.kl_penalty, args.whiten_rewards, args.adam_epsilon) == ("clamped", True, 1e-5)
+    trainer = SimpleNamespace(args=args)
+    done = PPOTrainer.compute_advantages(trainer, rollouts())
+    mean, std = 0.16, 0.9374 ** 0.5  # of the clamped shaped rewards -0.05, 0, 1.95 | -0.1, -1.0
+    expected = [[(-0.05 - mean) / std + mean, (0.0 - mean) / std + mean, (1.95 - mean) / std + mean],
+                [(-0.1 - mean) / std + mean, (-1.0 - mean) / std + mean, 0.0]]
+    close(done.rewards, expected)
+    # Values are 0 and gamma = lambda = 1: returns are the whitened rewards to go.
+    close(done.returns, [[sum(expected[0]), sum(expected[0][1:]), expected[0][2]],
+                         [sum(expected[1]), expected[1][1], 0.0]])
+    stats = PPOTrainer.rollout_stats(trainer, done)
+    # kl: the sampled estimate (0.5 and 1.0); penalized_kl: what was charged (1.0 twice); the penalty applied.
+    assert (stats["kl"], stats["penalized_kl"]) == (pytest.approx(0.75), pytest.approx(1.0))
+    assert stats["non_score_reward"] == pytest.approx(-0.1) and stats["reward"] == pytest.approx(0.4)
+
+    # The other behaviours stay one option away: the plain k1 estimate, unwhitened rewards.
+    plain = dataclasses.replace(args, kl_penalty="k1", whiten_rewards=False)
+    done = PPOTrainer.compute_advantages(SimpleNamespace(args=plain), rollouts())
+    close(done.rewards, [[-0.05, 0.05, 1.95], [-0.1, -1.0, 0.0]])
+    with pytest.raises(ValueError, match="kl_penalty must be one of"):
+        PPOMethodConfig(output_dir="unused", rollout_batch_size=2, mini_batch_size=2, kl_penalty="k2")
 
 
 # ------------------------------------------------------------------------------------------------ learning
@@ -233,7 +330,10 @@ def test_value_model_starts_from_the_reward_model(full_run, tiny_model_dir: str)
     spec = ModelSpec(name=tiny_model_dir)
     rm_path = full_run["artifacts"]["rm"].path
     args = PPOMethodConfig(output_dir="unused", max_steps=1, rollout_batch_size=4, mini_batch_size=4)
-    trainer = build_ppo_trainer(args, spec, tiny_model_dir, rm_path, PROMPTS[:4])
+    notes = Notes()
+    trainer = build_ppo_trainer(args, spec, tiny_model_dir, rm_path, PROMPTS[:4], logger=notes)
+    assert any("a trainable copy of the reward model" in line for line in notes.lines)
+    assert_value_is_the_reward(trainer, spec, rm_path)
     classifier = load_classifier(spec, rm_path)
     value = trainer.models.value
     assert torch.equal(value.head.weight, classifier.score.weight)
@@ -305,6 +405,9 @@ def test_paper_recipe_checks_and_its_offline_smoke_overrides_load(tmp_path: Path
     assert (ppo.rollout_batch_size, ppo.mini_batch_size, ppo.ppo_epochs) == (512, 256, 2)
     paper = (0.002, 1e-5, 1.0, 1.0, 1.0)
     assert (ppo.kl_coef, ppo.learning_rate, ppo.gamma, ppo.lam, ppo.max_grad_norm) == paper
+    released = ("clamped", True, 0.2, 0.2, 0.1, 1e-5)  # where the paper is silent
+    assert (ppo.kl_penalty, ppo.whiten_rewards, ppo.cliprange, ppo.cliprange_value, ppo.vf_coef,
+            ppo.adam_epsilon) == released
     assert loaded.recipe.model.name == "huggyllama/llama-7b"
     stages = {s.name: s for s in loaded.recipe.stages}
     assert stages["ppo"].inputs == {"instruction_splits": "unlabeled"}
@@ -358,26 +461,35 @@ def test_lora_recipe_saves_a_policy_adapter_that_generation_loads(lora_run, tiny
 
 
 def _lora_trainer(lora_run: dict[str, Any], tiny_model_dir: str, spec: ModelSpec, **config: Any) -> Any:
+    return _trainer(tiny_model_dir, lora_run["artifacts"]["rm"].path, spec, **config)
+
+
+def _trainer(sft_path: str, rm_path: str, spec: ModelSpec, logger: Any = None, **config: Any) -> Any:
     from alpacafarm_trl.ppo_config import PPOMethodConfig
     from alpacafarm_trl.ppo_trainer import build_ppo_trainer
 
-    settings = {"max_steps": 2, "rollout_batch_size": 8, "mini_batch_size": 4,
+    settings = {"max_steps": 2, "rollout_batch_size": 8, "mini_batch_size": 4, "output_dir": "unused",
                 "per_device_train_batch_size": 4, "generation_batch_size": 8, "max_new_tokens": 6,
                 "learning_rate": 1e-2, "save_strategy": "no", **config}
-    args = PPOMethodConfig(output_dir="unused", **settings)
-    return build_ppo_trainer(args, spec, tiny_model_dir, lora_run["artifacts"]["rm"].path, PROMPTS[:8])
+    return build_ppo_trainer(PPOMethodConfig(**settings), spec, sft_path, rm_path, PROMPTS[:8], logger=logger)
 
 
 def test_lora_keeps_one_base_with_policy_value_and_reward_adapters(lora_run, tiny_model_dir: str):
     from transformers import AutoModelForCausalLM
 
+    from alpacafarm.modeling import is_adapter_folder
     from alpacafarm.rewards import RewardScorer
     from alpacafarm_trl.ppo_core import collate
 
     spec = ModelSpec(name=tiny_model_dir, lora={"r": 4, "alpha": 8})
-    trainer = _lora_trainer(lora_run, tiny_model_dir, spec)
+    rm_path = lora_run["artifacts"]["rm"].path
+    assert is_adapter_folder(rm_path)  # LoRA reward adapters trained on the SFT model itself
+    notes = Notes()
+    trainer = _trainer(tiny_model_dir, rm_path, spec, logger=notes)
     models = trainer.models
-    assert set(models.peft_model.peft_config) == {"policy", "value", "reward"}
+    assert set(models.peft_model.peft_config) == {"policy", "value", "reward"} and models.critic is None
+    assert any("LoRA adapters and score head, copied onto the shared SFT base" in n for n in notes.lines)
+    assert_value_is_the_reward(trainer, spec, rm_path)
     assert len(_llama_backbones(trainer)) == 1  # policy, reference, value and reward share one base
     trained = set(trainer.params)
     assert trained and all(".policy." in n or ".value." in n or n.startswith("value_head.") for n in trained)
@@ -410,14 +522,20 @@ def test_lora_keeps_one_base_with_policy_value_and_reward_adapters(lora_run, tin
     assert models.peft_model.active_adapter == "policy"
 
 
-def test_activation_checkpointing_does_not_change_the_shared_update(lora_run, tiny_model_dir: str):
-    """Checkpointed layers are recomputed during backward: the value backward must use the value adapter."""
+@pytest.mark.parametrize("reward_model", ["lora", "full"])
+def test_activation_checkpointing_does_not_change_the_shared_update(reward_model: str, tiny_model_dir: str,
+                                                                    request: pytest.FixtureRequest):
+    """Checkpointed layers are recomputed during backward: the value backward must use the value adapter (on the
+    shared base with LoRA reward adapters, on the reward model's own backbone with a full-weight one)."""
+    run = request.getfixturevalue(f"{reward_model}_run")
     spec = ModelSpec(name=tiny_model_dir, lora={"r": 4, "alpha": 8})
     trained = []
     for checkpointing in (False, True):
-        trainer = _lora_trainer(lora_run, tiny_model_dir, spec, max_steps=1,
-                                gradient_checkpointing=checkpointing)
-        layers = trainer.models.backbone.layers
+        trainer = _trainer(tiny_model_dir, run["artifacts"]["rm"].path, spec, max_steps=1,
+                           gradient_checkpointing=checkpointing)
+        layers = list(trainer.models.backbone.layers)
+        if trainer.models.critic is not None:
+            layers += list(trainer.models.critic.backbone.get_base_model().layers)
         assert all(layer.gradient_checkpointing == checkpointing for layer in layers)
         trainer.train()
         trained.append({n: p.detach().clone() for n, p in trainer.params.items()})
@@ -445,3 +563,103 @@ def test_quantization_without_lora_is_refused(tiny_model_dir: str):
                           ModelSpec(name=tiny_model_dir, quantization="4bit"), tiny_model_dir, tiny_model_dir,
                           PROMPTS)
 
+
+
+# ------------------------------------------------------------------- LoRA policy, reward model on its own base
+
+
+def test_lora_policy_with_a_full_weight_reward_model_starts_the_critic_as_the_reward_model(
+        full_run, tiny_model_dir: str, tmp_path: Path):
+    """The common case (a LoRA reward model trained on a LoRA SFT model is saved merged): the value model is the
+    reward model with a fresh adapter, and the reward model scores through the same backbone, adapter off."""
+    from alpacafarm.modeling import is_adapter_folder
+    from alpacafarm.rewards import RewardScorer
+
+    spec = ModelSpec(name=tiny_model_dir, lora={"r": 4, "alpha": 8})
+    rm_path = full_run["artifacts"]["rm"].path
+    assert not is_adapter_folder(rm_path)
+    notes = Notes()
+    trainer = _trainer(tiny_model_dir, rm_path, spec, logger=notes, output_dir=str(tmp_path / "ppo"),
+                       save_strategy="steps", save_steps=1)
+    models = trainer.models
+    assert any("fresh zero-initialised LoRA adapter" in line for line in notes.lines), notes.lines
+    assert set(models.peft_model.peft_config) == {"policy"} and models.critic is not None
+    assert_value_is_the_reward(trainer, spec, rm_path)
+    assert len(_llama_backbones(trainer)) == 2  # the SFT base and the reward model's: no third copy
+    trained = set(trainer.params)
+    assert all(".policy." in n or ".value." in n or n.startswith("critic.head.") for n in trained)
+    assert any(n.startswith("critic.head.") for n in trained) and any(".value." in n for n in trained)
+
+    records, completions = PROMPTS[:3], ["A fine answer.", "No.", "Item 3 is useful and interesting."]
+    alone = RewardScorer.from_path(rm_path, spec).score_records(records, completions)
+    assert trainer.reward_fn(records, completions) == pytest.approx(alone, abs=1e-5)
+    trainer.train()
+    # The critic trained; the reward model (the same backbone with the adapter off) did not.
+    assert trainer.reward_fn(records, completions) == pytest.approx(alone, abs=1e-5)
+    assert_value_is_the_reward(trainer, spec, rm_path, equal=False)
+
+    # A checkpoint of this layout resumes into a fresh trainer with the same trained tensors.
+    resumed = _trainer(tiny_model_dir, rm_path, spec, output_dir=str(tmp_path / "ppo"))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "ppo/checkpoint-2"))
+    for name, param in trainer.params.items():
+        assert torch.equal(resumed.params[name], param), name
+
+
+def test_reward_adapters_on_another_base_are_loaded_merged_and_seed_the_critic(lora_run, tmp_path: Path):
+    from alpacafarm.testing import save_tiny_causal_lm
+
+    sft = save_tiny_causal_lm(tmp_path / "other-sft", seed=1)  # not the base the reward adapters were trained on
+    spec = ModelSpec(name=sft, lora={"r": 4, "alpha": 8})
+    rm_path = lora_run["artifacts"]["rm"].path
+    notes = Notes()
+    trainer = _trainer(sft, rm_path, spec, logger=notes)
+    assert any("not on the SFT model" in line for line in notes.lines), notes.lines
+    assert trainer.models.critic is not None and set(trainer.models.peft_model.peft_config) == {"policy"}
+    assert_value_is_the_reward(trainer, spec, rm_path)
+
+
+# ------------------------------------------------------------------------------ precision: fp32 master weights
+
+
+def test_bfloat16_models_train_float32_master_weights_that_move_at_the_paper_learning_rate(
+        full_run, tiny_model_dir: str, tmp_path: Path):
+    """``dtype: bfloat16`` is for the frozen copies: at lr 1e-5 updates are below bfloat16's resolution, so the
+    trained weights must be float32 or most of them never move."""
+    from safetensors.torch import load_file
+
+    from alpacafarm_trl.ppo import save_trained_policy
+
+    rm_path = full_run["artifacts"]["rm"].path
+
+    def train(dtype: str) -> tuple[Any, float]:
+        spec = ModelSpec(name=tiny_model_dir, dtype=dtype)
+        trainer = _trainer(tiny_model_dir, rm_path, spec, learning_rate=1e-5, seed=3)
+        before = {n: p.detach().clone() for n, p in trainer.params.items()
+                  if n.startswith("policy.") and "embed_tokens" not in n}
+        trainer.train()
+        changed = sum(int((trainer.params[n].detach() != p).sum()) for n, p in before.items())
+        return trainer, changed / sum(p.numel() for p in before.values())
+
+    trainer, moved_bf16 = train("bfloat16")
+    models = trainer.models
+    assert all(p.dtype == torch.float32 for p in trainer.params.values())
+    assert any(n.startswith("value.") for n in trainer.params)
+    assert {p.dtype for p in models.reference.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in trainer.reward_fn.model.parameters()} == {torch.bfloat16}
+    _, moved_fp32 = train("float32")
+    assert moved_fp32 > 0.5 and moved_bf16 >= 0.8 * moved_fp32, (moved_bf16, moved_fp32)
+
+    # Saved in the recipe's dtype; the float32 master weights in memory are left as they are.
+    save_trained_policy(trainer, ModelSpec(name=tiny_model_dir, dtype="bfloat16"), tiny_model_dir,
+                        tmp_path / "model")
+    assert {t.dtype for t in load_file(str(tmp_path / "model/model.safetensors")).values()} == {torch.bfloat16}
+    assert {p.dtype for p in models.policy.parameters()} == {torch.float32}
+
+    # LoRA: the adapters and the value head are float32, the two frozen bases bfloat16; a step runs on a CPU.
+    spec = ModelSpec(name=tiny_model_dir, dtype="bfloat16", lora={"r": 4, "alpha": 8})
+    trainer = _trainer(tiny_model_dir, rm_path, spec, max_steps=1, learning_rate=1e-5)
+    assert all(p.dtype == torch.float32 for p in trainer.params.values())
+    frozen = [p for m in trainer.models.modules() for n, p in m.named_parameters() if "lora_" not in n
+              and not p.requires_grad]
+    assert frozen and {p.dtype for p in frozen} == {torch.bfloat16}
+    assert trainer.train().global_step == 1

@@ -7,8 +7,10 @@ resumes from the stage's last ``checkpoint-N``, and the trained policy is saved 
 
 Where the pieces live, as in TRL: the config in :mod:`alpacafarm_trl.ppo_config`, the trainer (rollouts,
 advantages, updates, checkpoints) in :mod:`alpacafarm_trl.ppo_trainer`, the model layouts (separate models, or
-one LoRA base with policy, value and reward adapters) in :mod:`alpacafarm_trl.ppo_models`, the arithmetic in
-:mod:`alpacafarm_trl.ppo_core`.
+one LoRA base with the policy adapter, and a critic that starts as the reward model) in
+:mod:`alpacafarm_trl.ppo_models`, built from the stage's folders by :mod:`alpacafarm_trl.ppo_build`, the
+arithmetic in :mod:`alpacafarm_trl.ppo_core`. Trained weights are float32 master copies; the saved policy is
+written in the model block's save dtype.
 """
 
 from __future__ import annotations
@@ -40,6 +42,22 @@ class ProgressCallback(TrainerCallback):
         self.advance(1)
 
 
+def save_trained_policy(trainer: Any, spec: Any, sft_path: str, directory: str | Path) -> bool:
+    """Save the trained policy to ``directory``; returns whether LoRA adapters were merged into full weights.
+
+    Full weights are written in the model block's save dtype (:func:`alpacafarm.modeling.save_dtype`; the
+    float32 master weights in memory are not touched), adapters as they are (float32). New adapters on an SFT
+    model that was itself adapters cannot name their base: they are saved merged.
+    """
+    from alpacafarm.modeling import is_adapter_folder, save_dtype, save_model
+
+    merge = bool(spec.lora and (spec.merge_adapters or is_adapter_folder(sft_path)))
+    full_weights = spec.lora is None or merge
+    save_model(trainer.models.policy_export(), trainer.tokenizer, directory, merge_adapters=merge,
+               dtype=save_dtype(spec) if full_weights else None)
+    return merge
+
+
 class PPO(Method):
     """PPO of the SFT policy against the reward model on the unlabeled prompts; writes ``model/``, metrics."""
 
@@ -51,7 +69,6 @@ class PPO(Method):
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json
-        from alpacafarm.modeling import is_adapter_folder, save_model
 
         spec = context.recipe.model
         args = stage_training_args(self.config, context)
@@ -66,9 +83,7 @@ class PPO(Method):
             trainer.add_callback(ProgressCallback(advance))
             result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
-        # New adapters on an SFT model that was itself adapters cannot name their base: save merged weights.
-        merge = bool(spec.lora and (spec.merge_adapters or is_adapter_folder(sft_path)))
-        save_model(trainer.models.policy_export(), trainer.tokenizer, model_dir, merge_adapters=merge)
+        merge = save_trained_policy(trainer, spec, sft_path, model_dir)
         if trainer.prompt_format.conditioning != PromptConditioning():  # trained behind it: sample behind it
             trainer.prompt_format.conditioning.save(model_dir)
         steps = [e for e in trainer.state.log_history if "score" in e]

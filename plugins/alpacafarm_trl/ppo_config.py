@@ -7,24 +7,37 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from alpacafarm.training import TrainingDefaults
+from alpacafarm_trl.ppo_core import KL_PENALTIES
 
 
 @dataclass
 class PPOMethodConfig(TrainingDefaults, TrainingArguments):
     """Every ``transformers.TrainingArguments`` field, plus PPO's.
 
-    Defaults are the paper's (Appendix B.1): 512 rollouts per PPO step in 2 epochs of mini-batches of 256,
-    learning rate 1e-5 decaying linearly to 0, gradient clipping at norm 1, 10 passes over the prompts,
-    ``gamma = lambda = 1``, a fixed KL coefficient of 0.002 (simulated feedback; 0.02 for human feedback).
+    Where each default comes from:
+
+    * **the paper** (Appendix B.1): 512 rollouts per PPO step in 2 epochs of mini-batches of 256, learning rate
+      1e-5 decaying linearly to 0, gradient clipping at norm 1, 10 passes over the prompts,
+      ``gamma = lambda = 1``, a fixed KL coefficient of 0.002 (simulated feedback; 0.02 for human feedback),
+      advantages whitened over the whole rollout batch, the value model initialised from the reward model;
+    * **the released AlpacaFarm implementation**, where the paper is silent (its KL coefficients were tuned with
+      it): the per-token KL penalty is charged on ``max(log p - log p_ref, 0)`` (``kl_penalty: clamped``; ``k1``
+      charges the plain sampled estimate, negative terms included); the KL-shaped per-token rewards are
+      whitened over the rollout batch before GAE, their mean kept (``whiten_rewards: true``); ``vf_coef`` 0.1,
+      ``cliprange`` 0.2, ``cliprange_value`` 0.2; AdamW epsilon 1e-5 (``adam_epsilon``; transformers'
+      default is 1e-8);
+    * **our assumptions**: ``max_new_tokens`` 300 (the paper's models answer in under 300 tokens), sampling at
+      temperature 1, the reward-model score as it is (``reward_scale`` 1, no ``reward_clip``, no
+      ``missing_eos_penalty``).
+
     A PPO step is one rollout batch: ``max_steps`` counts PPO steps, ``total_episodes`` counts rollouts, and
     otherwise ``num_train_epochs`` passes over the prompts decide the length. ``per_device_train_batch_size``
     is the micro-batch of every forward pass; gradients accumulate over a mini-batch (so
     ``gradient_accumulation_steps`` is not used). Dropout is turned off (it would bias the PPO ratio).
-    The optimizer is AdamW with the arguments' betas, epsilon and weight decay (``optim`` is not used);
-    checkpoints follow ``save_strategy: steps`` / ``save_steps`` / ``save_total_limit``. The clip ranges and
-    ``vf_coef`` are not given by the paper; 0.2 / 0.2 / 0.1 are common PPO settings (our assumption).
-    ``bf16`` and activation checkpointing are automatic
-    (:class:`~alpacafarm.training.TrainingDefaults`).
+    The optimizer is AdamW with the arguments' betas, epsilon and weight decay (``optim`` is not used) over
+    float32 master weights (the model block's ``dtype`` is for the frozen copies; ``bf16`` autocasts the
+    compute on a GPU); checkpoints follow ``save_strategy: steps`` / ``save_steps`` / ``save_total_limit``.
+    ``bf16`` and activation checkpointing are automatic (:class:`~alpacafarm.training.TrainingDefaults`).
     """
 
     split: str = field(default="train",
@@ -37,14 +50,18 @@ class PPOMethodConfig(TrainingDefaults, TrainingArguments):
     total_episodes: int | None = field(default=None,
                                        metadata={"help": "total rollouts (overrides num_train_epochs)"})
     kl_coef: float = field(default=0.002, metadata={"help": "per-token KL penalty coefficient (fixed)"})
+    kl_penalty: str = field(default="clamped", metadata={
+        "help": "per-token KL the penalty is charged on: 'clamped' = max(log p - log p_ref, 0) (the released "
+                "AlpacaFarm implementation), 'k1' = log p - log p_ref (the plain sampled estimate)"})
     cliprange: float = field(default=0.2, metadata={"help": "policy ratio clip range"})
     cliprange_value: float = field(default=0.2,
                                    metadata={"help": "value clip range around the rollout values"})
     vf_coef: float = field(default=0.1, metadata={"help": "weight of the value loss"})
     gamma: float = field(default=1.0, metadata={"help": "discount of GAE"})
     lam: float = field(default=1.0, metadata={"help": "lambda of GAE"})
-    whiten_rewards: bool = field(default=False,
-                                 metadata={"help": "whiten per-token rewards over the batch (mean kept)"})
+    whiten_rewards: bool = field(default=True, metadata={
+        "help": "whiten the KL-shaped per-token rewards over the rollout batch before GAE (variance 1, mean kept; "
+                "the released AlpacaFarm implementation); false: GAE on the raw shaped rewards"})
     reward_scale: float = field(default=1.0, metadata={"help": "multiply reward-model scores by this"})
     reward_clip: float | None = field(default=None, metadata={"help": "clip scaled scores to [-c, c]"})
     missing_eos_penalty: float | None = field(default=None,
@@ -55,6 +72,7 @@ class PPOMethodConfig(TrainingDefaults, TrainingArguments):
     score_batch_size: int = field(default=8, metadata={"help": "batch size of reward-model scoring"})
 
     learning_rate: float = 1e-5
+    adam_epsilon: float = 1e-5  # the released implementation's (OpenAI's PPO code's); transformers' is 1e-8
     num_train_epochs: float = 10.0
     lr_scheduler_type: str = "linear"
     logging_steps: float = 1
@@ -71,6 +89,8 @@ class PPOMethodConfig(TrainingDefaults, TrainingArguments):
                              f"mini_batch_size ({self.mini_batch_size})")
         if self.temperature <= 0:
             raise ValueError("temperature must be positive: PPO samples from the policy")
+        if self.kl_penalty not in KL_PENALTIES:
+            raise ValueError(f"kl_penalty must be one of {', '.join(KL_PENALTIES)}, not {self.kl_penalty!r}")
         if self.kl_coef < 0 or self.cliprange <= 0 or self.cliprange_value <= 0 or self.vf_coef < 0:
             raise ValueError("kl_coef and vf_coef must be >= 0; cliprange and cliprange_value > 0")
         for name in ("max_instructions", "total_episodes", "max_prompt_length"):

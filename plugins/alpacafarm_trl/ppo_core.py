@@ -3,7 +3,9 @@
 Conventions: per-token tensors are ``[batch, response_length]`` and right-padded; ``mask`` is 1 on the
 real response tokens (a contiguous run from position 0) and 0 on the padding after them. Token ``t``'s value
 is the critic's estimate before token ``t`` is emitted; token ``t``'s reward is the per-token KL penalty, plus
-the sequence's reward-model score on the last real token (the paper's Eq. 3 spread over tokens).
+the sequence's reward-model score on the last real token (the paper's Eq. 3 spread over tokens). The penalty
+is charged on the per-token KL clamped at zero by default, as the released AlpacaFarm implementation does
+(:func:`kl_penalized_rewards`).
 
 :class:`Batch` and :func:`collate` pack prompt and response token ids into the tensors that every forward
 pass of the trainer and of the model layouts (:mod:`alpacafarm_trl.ppo_models`) reads; :class:`Rollouts` holds
@@ -71,6 +73,7 @@ class Rollouts:
     entropy: torch.Tensor
     rewards: torch.Tensor | None = None
     kl: torch.Tensor | None = None
+    penalized_kl: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
 
@@ -136,19 +139,38 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     return (mask.sum(-1).long() - 1).clamp(min=0)
 
 
-def kl_penalized_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-                         mask: torch.Tensor, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards ``-kl_coef * (log p_policy - log p_ref)``, plus ``scores`` on each row's last token.
+#: The per-token KL estimates the penalty can be charged on (``PPOMethodConfig.kl_penalty``).
+KL_PENALTIES = ("clamped", "k1")
 
-    Returns ``(rewards, kl)``, both ``[batch, length]`` and zero on padding; ``kl.sum(-1)`` is the sampled
-    estimate of each response's KL divergence from the reference (the ``k1`` estimator).
+
+class ShapedRewards(NamedTuple):
+    """Per-token rewards and the KL terms behind them, all ``[batch, length]`` and zero on padding."""
+
+    #: ``-kl_coef * penalized_kl``, plus the sequence's score on its last real token
+    rewards: torch.Tensor
+    #: ``log p_policy - log p_ref``: its row sums are the sampled (``k1``) estimates of each response's KL
+    kl: torch.Tensor
+    #: the per-token KL the penalty is charged on: ``kl`` clamped at zero (``clamped``) or ``kl`` itself (``k1``)
+    penalized_kl: torch.Tensor
+
+
+def kl_penalized_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                         mask: torch.Tensor, kl_coef: float, *, penalty: str = "clamped") -> ShapedRewards:
+    """Per-token rewards ``-kl_coef * KL_t``, plus ``scores`` on each row's last real token.
+
+    ``KL_t`` is ``max(log p_policy - log p_ref, 0)`` with ``penalty="clamped"`` (what AlpacaFarm's released PPO
+    charges, and what its KL coefficients were tuned with: a token the policy finds *less* likely than the
+    reference earns no bonus) or the plain sampled estimate ``log p_policy - log p_ref`` with ``"k1"``.
     """
+    if penalty not in KL_PENALTIES:
+        raise ValueError(f"unknown KL penalty {penalty!r}: one of {', '.join(KL_PENALTIES)}")
     kl = (logprobs - ref_logprobs) * mask
-    rewards = -kl_coef * kl
+    penalized = kl.clamp(min=0.0) if penalty == "clamped" else kl
+    rewards = -kl_coef * penalized
     has_tokens = (mask.sum(-1) > 0).to(rewards.dtype)
     final = (scores.to(rewards.dtype) * has_tokens).unsqueeze(-1)
     rewards = rewards.scatter_add(-1, last_token_index(mask).unsqueeze(-1), final)
-    return rewards, kl
+    return ShapedRewards(rewards, kl, penalized)
 
 
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0,

@@ -1,9 +1,22 @@
 """The model layouts of the PPO trainer: who holds the policy, the value model, the reference and the reward.
 
-Without LoRA (:class:`SeparateModels`): a trainable policy, a frozen reference copy and a value model built on
-the reward model's backbone and head. With ``lora:`` (and optionally 4-bit) in the model block
-(:class:`SharedBaseModels`, built by :func:`build_shared_models`): ONE base carries ``policy``, ``value`` and
-``reward`` adapters, and the reference is the base with its adapters disabled. The trainer
+In every layout the value model starts as the reward model (the paper's second modification of PPO): its value
+of a whole sequence equals the reward model's score of it at step 0.
+
+* Without LoRA (:class:`SeparateModels`): a trainable policy, a frozen reference copy and a value model that is
+  a trainable copy of the reward model (:class:`ValueModel`: its backbone and its head read at every token).
+* With ``lora:`` (and optionally 4-bit) in the model block (:class:`SharedBaseModels`): ONE base, the SFT
+  model, carries the ``policy`` adapter, and the reference is that base with its adapters disabled. The critic
+  then depends on the reward model's folder:
+
+  - LoRA reward adapters trained on that same base: the base also carries ``value`` and ``reward`` adapters,
+    both copies of the reward model's, with copies of its head;
+  - full reward-model weights (a LoRA reward model trained on a LoRA SFT model is saved merged), or reward
+    adapters on another base: :class:`RewardModelCritic`, the reward model itself (frozen, in the model
+    block's dtype, quantized if asked) with a fresh zero-initialised LoRA ``value`` adapter on its backbone
+    and a trainable copy of its head; the reward is scored by the same backbone with the adapter off.
+
+The layouts are built from folders by :mod:`alpacafarm_trl.ppo_build`; the trainer
 (:mod:`alpacafarm_trl.ppo_trainer`) only talks to the :class:`PolicyAndValue` interface.
 """
 
@@ -21,7 +34,6 @@ import torch
 from torch import nn
 
 from alpacafarm.errors import UserError
-from alpacafarm.modeling import enable_activation_checkpointing
 from alpacafarm_trl.ppo_core import Batch
 
 #: Adapters on the shared base in the LoRA layout; the first two train.
@@ -98,6 +110,10 @@ class PolicyAndValue:
         """What :func:`alpacafarm.modeling.save_model` saves as the trained policy."""
         raise NotImplementedError
 
+    def reward_model(self) -> nn.Module | None:
+        """A sequence classifier scoring with the reward model these models already hold (None: load it)."""
+        return None
+
     def set_training(self, training: bool) -> None:
         for module in self.modules():
             module.train(training)
@@ -161,16 +177,21 @@ class SeparateModels(PolicyAndValue):
 
 
 class SharedBaseModels(PolicyAndValue):
-    """LoRA/QLoRA: one base model with ``policy``, ``value`` (+ value head) and frozen ``reward`` adapters.
+    """LoRA/QLoRA: one base model with a ``policy`` adapter; the reference is the base with adapters disabled.
 
-    The reference policy is the base with every adapter disabled, so no second copy of the weights exists.
+    The critic is either on the same base (``value`` adapter + ``value_head``, with a frozen ``reward`` adapter
+    + ``reward_head`` scoring the rewards), or a :class:`RewardModelCritic` on the reward model's own backbone
+    (``critic``). No second copy of the policy's weights exists.
     """
 
-    def __init__(self, peft_model: Any, value_head: nn.Linear, *, base_name: str,
-                 reward_head: nn.Linear | None = None) -> None:
+    def __init__(self, peft_model: Any, *, base_name: str, value_head: nn.Linear | None = None,
+                 reward_head: nn.Linear | None = None, critic: RewardModelCritic | None = None) -> None:
+        if (value_head is None) == (critic is None):
+            raise ValueError("give the value head of a value adapter on the shared base, or a critic")
         self.peft_model = self.policy_module = peft_model
         self.value_head = value_head
         self.reward_head = reward_head
+        self.critic = critic
         self.base_name = base_name
         causal_lm = peft_model.get_base_model()
         self.backbone = getattr(causal_lm, causal_lm.base_model_prefix)
@@ -212,7 +233,7 @@ class SharedBaseModels(PolicyAndValue):
             self._activate(previous or POLICY)
 
     def value_scope(self) -> contextlib.AbstractContextManager:
-        return self.adapter(VALUE)
+        return self.adapter(VALUE) if self.critic is None else contextlib.nullcontext()
 
     def generate(self, **kwargs: Any) -> torch.Tensor:
         with self.adapter(POLICY):
@@ -231,6 +252,8 @@ class SharedBaseModels(PolicyAndValue):
                              use_cache=False).last_hidden_state
 
     def values(self, batch: Batch) -> torch.Tensor:
+        if self.critic is not None:
+            return self.critic(batch)
         n = batch.response_ids.shape[1]
         with self.adapter(VALUE):
             hidden = self.hidden_states(batch.input_ids, batch.attention_mask, batch.position_ids)
@@ -240,16 +263,22 @@ class SharedBaseModels(PolicyAndValue):
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         params = {f"model.{n}": p for n, p in self.peft_model.named_parameters()
                   if "lora_" in n and any(f".{a}." in n for a in TRAINED_ADAPTERS)}
-        params.update({f"value_head.{n}": p for n, p in self.value_head.named_parameters()})
+        if self.critic is not None:
+            params.update({f"critic.{n}": p for n, p in self.critic.named_parameters() if p.requires_grad})
+        else:
+            params.update({f"value_head.{n}": p for n, p in self.value_head.named_parameters()})
         return params
 
     def modules(self) -> list[nn.Module]:
-        return [m for m in (self.peft_model, self.value_head, self.reward_head) if m is not None]
+        held = (self.peft_model, self.value_head, self.reward_head, self.critic)
+        return [m for m in held if m is not None]
 
     def policy_export(self) -> PolicyAdapterExport:
         return PolicyAdapterExport(self)
 
-    def reward_classifier(self) -> SharedRewardClassifier:
+    def reward_model(self) -> nn.Module:
+        if self.critic is not None:
+            return self.critic.reward_model()
         if self.reward_head is None:
             raise ValueError("this shared model has no reward adapter")
         return SharedRewardClassifier(self, self.reward_head)
@@ -285,6 +314,54 @@ class SharedRewardClassifier(nn.Module):
         return SimpleNamespace(logits=pooled.unsqueeze(-1))
 
 
+class RewardModelCritic(nn.Module):
+    """The critic as the reward model plus a fresh LoRA ``value`` adapter: equal to the reward model at step 0.
+
+    ``classifier`` is the reward model (frozen, as loaded: in the model block's dtype, quantized if asked).
+    Its backbone gets a ``value`` adapter (``adapter_config``; LoRA's B matrices start at zero, so the adapter
+    changes nothing yet) and the critic reads a trainable float32 copy of the score head at every token.
+    :meth:`reward_model` scores with the same backbone, adapter off, and the original head: the reward model
+    exactly as trained, without a second copy of its weights.
+    """
+
+    def __init__(self, classifier: Any, adapter_config: Any) -> None:
+        from peft import get_peft_model
+
+        super().__init__()
+        head = classifier_head(classifier)
+        classifier.requires_grad_(False)
+        backbone = getattr(classifier, classifier.base_model_prefix)
+        self.backbone = get_peft_model(backbone, adapter_config, adapter_name=VALUE)
+        self.head = copy.deepcopy(head).float()
+        self.head.requires_grad_(True)
+        self._classifier = [classifier]  # a list: its backbone is registered once, as self.backbone's base
+        disable_dropout(self.backbone)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        n = batch.response_ids.shape[1]
+        hidden = self.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                               position_ids=batch.position_ids, use_cache=False).last_hidden_state
+        hidden = hidden[:, -(n + 1):-1]
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+
+    def reward_model(self) -> AdapterOffClassifier:
+        return AdapterOffClassifier(self._classifier[0], self.backbone)
+
+
+class AdapterOffClassifier(nn.Module):
+    """A sequence classifier run with the adapters of ``adapted`` (a peft model inside it) disabled."""
+
+    def __init__(self, classifier: Any, adapted: Any) -> None:
+        super().__init__()
+        self.classifier = classifier
+        self.config = classifier.config
+        self._adapted = [adapted]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self._adapted[0].disable_adapter():
+            return self.classifier(*args, **kwargs)
+
+
 class PolicyAdapterExport:
     """The ``policy`` adapter of a shared model, saved as a plain top-level LoRA folder (as LoRA SFT saves).
 
@@ -317,75 +394,3 @@ class PolicyAdapterExport:
             if name in peft_model.peft_config:
                 peft_model.delete_adapter(name)
         return peft_model.merge_and_unload()
-
-
-def build_shared_models(spec: Any, sft_path: str, reward_path: str, *, gradient_checkpointing: bool,
-                        logger: Any = None) -> SharedBaseModels:
-    """One base (the SFT model, quantized if asked) with ``policy``, ``value`` and ``reward`` adapters.
-
-    The value and reward adapters and heads start as the reward model: its LoRA weights when it is an
-    adapter folder (a LoRA reward stage on this base), else fresh adapters and its head only (the reward is
-    then scored by the separately loaded reward model: see
-    :func:`alpacafarm_trl.ppo_trainer.build_ppo_trainer`).
-    """
-    from peft import (
-        PeftConfig,
-        get_peft_model,
-        prepare_model_for_kbit_training,
-        set_peft_model_state_dict,
-    )
-    from peft.utils import load_peft_weights
-
-    from alpacafarm.modeling import is_adapter_folder, load_classifier, load_merged_causal_lm, lora_config
-    from alpacafarm.models import resolve_model_path
-
-    # An un-merged LoRA SFT stage is merged into its base, so "adapters off" means the SFT model.
-    base = load_merged_causal_lm(spec, sft_path)
-    if is_adapter_folder(sft_path):
-        base_name = PeftConfig.from_pretrained(sft_path).base_model_name_or_path
-    else:
-        base_name = str(resolve_model_path(sft_path))
-    if spec.quantization is not None:
-        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=bool(gradient_checkpointing),
-                                               gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif gradient_checkpointing:
-        enable_activation_checkpointing(base)
-    peft_model = get_peft_model(base, lora_config(spec), adapter_name=POLICY)
-    device = base.get_input_embeddings().weight.device
-    hidden = base.config.hidden_size
-
-    if is_adapter_folder(reward_path):
-        rm_config = PeftConfig.from_pretrained(reward_path)
-        state = load_peft_weights(reward_path, device="cpu")
-        head_state = {k.rsplit(".", 1)[-1]: v for k, v in state.items()
-                      if k.split(".")[-2] in ("score", "classifier")}
-        adapter_state = {k: v for k, v in state.items() if "lora_" in k}
-        adapter_config = copy.deepcopy(rm_config)
-        adapter_config.modules_to_save = None
-        adapter_config.task_type = "CAUSAL_LM"
-        adapter_config.inference_mode = False
-        for name in (VALUE, REWARD):
-            peft_model.add_adapter(name, copy.deepcopy(adapter_config))
-            result = set_peft_model_state_dict(peft_model, adapter_state, adapter_name=name)
-            unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
-            if unexpected:
-                raise UserError(f"the reward model's adapters do not fit the SFT model ({unexpected[0]} ...)")
-        if "weight" not in head_state:
-            raise UserError(f"the reward adapters in {reward_path} carry no score head")
-        source_head = nn.Linear(hidden, 1, bias="bias" in head_state)
-        source_head.load_state_dict(head_state)
-        shared_reward = True
-    else:  # a full-weights reward model: only its head can seed the critic
-        classifier = load_classifier(spec, reward_path)
-        source_head = copy.deepcopy(classifier_head(classifier)).float().cpu()
-        del classifier
-        peft_model.add_adapter(VALUE, lora_config(spec))
-        shared_reward = False
-        if logger is not None:
-            logger.info("the reward model is not a LoRA folder: the value adapter starts fresh "
-                        "(value head from the RM)")
-    value_head = copy.deepcopy(source_head).float().to(device)
-    value_head.requires_grad_(True)
-    reward_head = copy.deepcopy(source_head).float().to(device) if shared_reward else None
-    return SharedBaseModels(peft_model, value_head, base_name=base_name, reward_head=reward_head)
-

@@ -9,18 +9,22 @@ Appendices A.2 and B.1) from the algorithm:
   behind a control token, such as reward conditioning's ``<good>``, is sampled behind it);
 * the reward of a response is the reward function's score (the reward model's, an
   :class:`alpacafarm.rewards.RewardScorer`) on its last token minus a per-token KL penalty
-  ``kl_coef * (log p_policy - log p_SFT)`` (a fixed coefficient: 0.002 for simulated feedback, 0.02 for
-  human feedback);
-* advantages come from GAE with ``gamma = lambda = 1`` and are whitened over the whole rollout batch (not per
-  mini-batch, the paper's first modification); the value model starts from the reward model (its second);
+  ``kl_coef * max(log p_policy - log p_SFT, 0)`` (a fixed coefficient: 0.002 for simulated feedback, 0.02 for
+  human feedback; clamped at zero as in the released implementation, ``kl_penalty: k1`` for the plain
+  estimate);
+* the shaped per-token rewards are whitened over the rollout batch, their mean kept (``whiten_rewards``, the
+  released implementation); advantages come from GAE with ``gamma = lambda = 1`` and are whitened over the
+  whole rollout batch (not per mini-batch, the paper's first modification); the value model starts as the
+  reward model in every model layout (its second);
 * the policy and the value model then take ``ppo_epochs`` passes of clipped-loss updates over mini-batches.
 
-The models come in two layouts (:mod:`alpacafarm_trl.ppo_models`): separate policy, reference and value
-models, or with ``lora:`` (and optionally ``quantization: 4bit``) ONE base carrying ``policy``, ``value`` and
-``reward`` adapters. The trainer follows ``transformers.Trainer``'s conventions: a ``TrainingArguments``
-subclass for its config (:mod:`alpacafarm_trl.ppo_config`), ``TrainerState``/``log_history``,
-``TrainerCallback`` events (``on_step_end``, ``on_log``, ``on_save``, ...), ``checkpoint-N`` folders every
-``save_steps`` and ``train(resume_from_checkpoint=...)``.
+The models come in two layouts (:mod:`alpacafarm_trl.ppo_models`, built by :mod:`alpacafarm_trl.ppo_build`):
+separate policy, reference and value models, or with ``lora:`` (and optionally ``quantization: 4bit``) ONE base
+carrying the ``policy`` adapter (and the critic's, when the reward model is LoRA adapters on that base). The
+trainer follows ``transformers.Trainer``'s conventions: a ``TrainingArguments`` subclass for its config
+(:mod:`alpacafarm_trl.ppo_config`), ``TrainerState``/``log_history``, ``TrainerCallback`` events
+(``on_step_end``, ``on_log``, ``on_save``, ...), ``checkpoint-N`` folders every ``save_steps`` and
+``train(resume_from_checkpoint=...)``.
 """
 
 from __future__ import annotations
@@ -42,13 +46,18 @@ from alpacafarm.rewards import RewardFunction
 from alpacafarm.sampling import Sample, sample, stop_token_ids, tokenize_prompts
 from alpacafarm.seeding import stable_seed
 from alpacafarm_trl import ppo_core
+from alpacafarm_trl.ppo_build import build_models
 from alpacafarm_trl.ppo_config import PPOMethodConfig
 from alpacafarm_trl.ppo_core import Rollouts, collate
-from alpacafarm_trl.ppo_models import PolicyAndValue, SeparateModels, ValueModel, build_shared_models
+from alpacafarm_trl.ppo_models import PolicyAndValue
 
-#: Keys of every per-step log entry (besides ``step``), in the order they are documented.
+#: Keys of every per-step log entry (besides ``step``), in the order they are documented. ``kl`` is the sampled
+#: KL of a response from the reference (sum of ``log p - log p_ref`` over its tokens), ``penalized_kl`` the
+#: sum the penalty was charged on (per token clamped at zero with ``kl_penalty: clamped``), ``non_score_reward``
+#: the penalty applied (``-kl_coef * penalized_kl``) and ``reward`` the score plus it (before whitening); all
+#: are means over the rollouts of the logging window.
 LOG_KEYS = (
-    "score", "reward", "kl", "non_score_reward", "entropy", "response_length", "eos_fraction",
+    "score", "reward", "kl", "penalized_kl", "non_score_reward", "entropy", "response_length", "eos_fraction",
     "policy_loss", "value_loss", "loss", "clip_fraction", "value_clip_fraction", "approx_kl",
     "value_mean", "return_mean", "grad_norm", "rollout_time", "update_time",
     "learning_rate", "epoch",
@@ -241,13 +250,13 @@ class PPOTrainer:
         scores = scores * args.reward_scale
         if args.reward_clip is not None:
             scores = scores.clamp(-args.reward_clip, args.reward_clip)
-        rewards, kl = ppo_core.kl_penalized_rewards(scores, rollouts.logprobs, rollouts.ref_logprobs,
-                                                    rollouts.mask, args.kl_coef)
+        rewards, kl, penalized_kl = ppo_core.kl_penalized_rewards(
+            scores, rollouts.logprobs, rollouts.ref_logprobs, rollouts.mask, args.kl_coef, penalty=args.kl_penalty)
         if args.whiten_rewards:
             rewards = ppo_core.masked_whiten(rewards, rollouts.mask, shift_mean=False)
         advantages, returns = ppo_core.compute_gae(rewards, rollouts.values, rollouts.mask, gamma=args.gamma,
                                                    lam=args.lam)
-        rollouts.rewards, rollouts.kl = rewards, kl
+        rollouts.rewards, rollouts.kl, rollouts.penalized_kl = rewards, kl, penalized_kl
         rollouts.advantages = ppo_core.masked_whiten(advantages, rollouts.mask)
         rollouts.returns = returns
         return rollouts
@@ -314,12 +323,13 @@ class PPOTrainer:
 
     def rollout_stats(self, rollouts: Rollouts) -> dict[str, float]:
         mask = rollouts.mask
-        kl = rollouts.kl.sum(-1)
-        non_score = -self.args.kl_coef * kl
+        kl, penalized = rollouts.kl.sum(-1), rollouts.penalized_kl.sum(-1)
+        non_score = -self.args.kl_coef * penalized
         ended = rollouts.ended
         return {
             "score": float(rollouts.scores.mean()),
             "kl": float(kl.mean()),
+            "penalized_kl": float(penalized.mean()),
             "non_score_reward": float(non_score.mean()),
             "reward": float((rollouts.scores + non_score).mean()),
             "entropy": float(ppo_core.masked_mean(rollouts.entropy, mask)),
@@ -453,39 +463,22 @@ def build_ppo_trainer(config: PPOMethodConfig, spec: Any, sft_path: str, reward_
     ``config`` must carry its final ``output_dir`` (see :func:`~alpacafarm.training.stage_training_args`).
     Prompts are written for the SFT folder (its ``prompt_format`` and conditioning file, see
     :meth:`alpacafarm.prompts.PromptFormat.for_model`). Without ``reward_fn`` the reward is the reward model's
-    score (an :class:`~alpacafarm.rewards.RewardScorer`; on the shared base in the LoRA layout when it can).
+    score (an :class:`~alpacafarm.rewards.RewardScorer`), run by the reward model the layout already holds when it
+    holds one (the ``reward`` adapter on the shared base, or the critic's backbone with its adapter off).
     """
     from transformers import set_seed
 
-    from alpacafarm.modeling import (
-        enable_activation_checkpointing,
-        load_classifier,
-        load_merged_causal_lm,
-        load_tokenizer,
-    )
+    from alpacafarm.modeling import load_classifier, load_tokenizer
     from alpacafarm.rewards import RewardScorer
 
     set_seed(config.seed)  # new adapters are randomly initialised: same seed, same run
     tokenizer = load_tokenizer(spec, sft_path)
-    if spec.lora is None:
-        if spec.quantization is not None:
-            raise UserError("PPO cannot train quantized weights: add 'lora:' to the model block to use "
-                            "quantization")
-        policy = load_merged_causal_lm(spec, sft_path)
-        reference = load_merged_causal_lm(spec, sft_path)
-        value = ValueModel.from_classifier(load_classifier(spec, reward_path))
-        if config.gradient_checkpointing:
-            enable_activation_checkpointing(policy)
-            enable_activation_checkpointing(value.backbone)
-        models: PolicyAndValue = SeparateModels(policy, reference, value)
-        reward_classifier = None
-    else:
-        models = build_shared_models(spec, sft_path, reward_path, logger=logger,
-                                     gradient_checkpointing=bool(config.gradient_checkpointing))
-        reward_classifier = models.reward_classifier() if models.reward_head is not None else None
+    models = build_models(spec, sft_path, reward_path, logger=logger,
+                          gradient_checkpointing=bool(config.gradient_checkpointing))
     if reward_fn is None:
+        reward_classifier = models.reward_model()  # scored by what the layout holds, when it holds the RM
         if reward_classifier is None:
-            reward_classifier = load_classifier(spec, reward_path)
+            reward_classifier = load_classifier(spec, reward_path)  # frozen: the model block's dtype
         reward_fn = RewardScorer(reward_classifier, load_tokenizer(spec, reward_path),
                                  prompt_format=spec.prompt_format, batch_size=config.score_batch_size)
     prompt_format = PromptFormat.for_model(spec.prompt_format, sft_path, tokenizer)
