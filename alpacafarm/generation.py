@@ -50,6 +50,9 @@ class Generator:
     prompt_format: PromptFormat = PromptFormat()
     #: tokens generated per completion by the last call (for throughput figures); empty when the backend cannot tell
     last_token_counts: Sequence[Sequence[int]] = ()
+    #: per completion of the last call, whether it ended on its own (a stop token) rather than being cut at
+    #: ``max_new_tokens``; empty when the backend cannot tell (a method that needs it then fails, naming it)
+    last_finished: Sequence[Sequence[bool]] = ()
 
     def generate(self, prompts: Sequence[str], sampling: SamplingConfig,
                  progress: GenerationProgress | None = None) -> list[list[str]]:
@@ -70,6 +73,7 @@ class TransformersGenerator(Generator):
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.prompt_format = prompt_format or PromptFormat(tokenizer=tokenizer)
         self.last_token_counts = []
+        self.last_finished = []
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, path: str | None = None) -> TransformersGenerator:
@@ -91,6 +95,7 @@ class TransformersGenerator(Generator):
                          max_new_tokens=sampling.max_new_tokens, batch_size=sampling.batch_size,
                          seed=sampling.seed, progress=progress)
         self.last_token_counts = [[len(s.response_ids) for s in group] for group in samples]
+        self.last_finished = [[s.finished for s in group] for group in samples]
         return [[s.text for s in group] for group in samples]
 
 

@@ -30,7 +30,8 @@ def quark_args(tmp_path: Path, **overrides: Any) -> Any:
 
     values = {"output_dir": str(tmp_path / "trainer"), "rounds": 2, "prompts_per_round": 8,
               "rollouts_per_prompt": 4, "top_quantile": 0.25, "max_new_tokens": 10,
-              "generation_batch_size": 8, "per_device_train_batch_size": 8, "learning_rate": 5e-3,
+              "generation_batch_size": 8, "per_device_train_batch_size": 8, "step_batch_size": 16,
+              "learning_rate": 5e-3,
               "report_to": "none", "disable_tqdm": True, **overrides}
     return QuarkMethodConfig(**values)
 
@@ -73,7 +74,8 @@ def quark_recipe(tmp_path: Path, model: str, extra_model: str = "", quark_config
         " save_strategy: 'no', eval_fraction: 0.25}}\n"
         "  - name: quark\n    method: quark\n    inputs: {instruction_splits: unlabeled}\n"
         "    config: {rounds: 2, prompts_per_round: 4, rollouts_per_prompt: 2, top_quantile: 0.5,"
-        " max_new_tokens: 6, generation_batch_size: 4, per_device_train_batch_size: 4, learning_rate: 1.0e-3,"
+        " max_new_tokens: 6, generation_batch_size: 4, per_device_train_batch_size: 4, step_batch_size: 8,"
+        " learning_rate: 1.0e-3,"
         f" disable_tqdm: true{quark_config}}}\n"
         "  - name: outputs\n    method: generate_outputs\n"
         "    inputs: {sft_model: quark, instruction_splits: unlabeled}\n"
@@ -85,18 +87,24 @@ def quark_recipe(tmp_path: Path, model: str, extra_model: str = "", quark_config
 # ------------------------------------------------------------------------------------------------ config
 
 
-def test_config_defaults_follow_the_paper_and_bad_values_are_errors(tmp_path: Path):
+def test_config_defaults_follow_the_paper_and_the_released_run_and_bad_values_are_errors(tmp_path: Path):
     from alpacafarm_trl.quark_config import QuarkMethodConfig
+    from alpacafarm_trl.quark_trainer import kept_count
 
     config = QuarkMethodConfig(output_dir=str(tmp_path))
-    paper = (0.05, 3e-6, 2.0, 1.0)
-    assert (config.kl_coef, config.learning_rate, config.num_train_epochs, config.max_grad_norm) == paper
-    assert config.lr_scheduler_type.value == "linear"
+    paper = (0.05, 3e-6, 1.0)
+    assert (config.kl_coef, config.learning_rate, config.max_grad_norm) == paper
+    assert config.lr_scheduler_type.value == "linear" and config.warmup_steps == 0
     assert (config.rounds, config.prompts_per_round) == (390, 512)
+    # Released: the top of 4 reward bins (floor(512 / 4) = 128 kept), one optimizer step of 256 per round.
+    assert (config.top_quantile, config.steps_per_round, config.step_batch_size) == (0.25, 1, 256)
+    assert kept_count(config.prompts_per_round * config.rollouts_per_prompt, config.top_quantile) == 128
     assert config.split == "train" and config.max_instructions is None
     assert config.bf16 is False and config.gradient_checkpointing is False  # automatic values on a CPU
     for bad in ({"top_quantile": 0.0}, {"top_quantile": 1.5}, {"rounds": 0}, {"kl_coef": -0.1},
-                {"temperature": 0.0},
+                {"temperature": 0.0}, {"steps_per_round": 0}, {"step_batch_size": 0},
+                {"step_batch_size": 12, "per_device_train_batch_size": 8}, {"num_train_epochs": 2},
+                {"max_steps": 5},
                 {"rollouts_per_prompt": 0}, {"max_instructions": 0}):
         with pytest.raises(ValueError):
             QuarkMethodConfig(output_dir=str(tmp_path), **bad)
@@ -116,11 +124,12 @@ def test_config_fields_are_recipe_settable(tiny_model_dir: str, tmp_path: Path):
 # ------------------------------------------------------------------------------------------------ the loop
 
 
-def test_kept_set_is_exactly_the_top_quantile():
+def test_kept_set_is_exactly_the_top_quantile_rounded_down():
     from alpacafarm_trl.quark_trainer import kept_count, top_quantile
 
-    assert [kept_count(n, 0.25) for n in (1, 3, 4, 8, 9)] == [1, 1, 1, 2, 3]
-    assert kept_count(10, 0.3) == 3 and kept_count(512, 0.2) == 103 and kept_count(5, 1.0) == 5
+    assert [kept_count(n, 0.25) for n in (1, 3, 4, 8, 9, 30)] == [1, 1, 1, 2, 2, 7]  # released: n // 4
+    assert kept_count(10, 0.3) == 3 and kept_count(512, 0.2) == 102 and kept_count(5, 1.0) == 5
+    assert kept_count(512, 0.25) == 128 and kept_count(511, 0.25) == 127
     rewards = [0.1, 0.9, 0.5, 0.9, -2.0, 0.7, 0.5, 0.0]
     assert top_quantile(rewards, 0.25) == [1, 3]
     assert top_quantile(rewards, 0.5) == [1, 2, 3, 5]  # the tie at 0.5 goes to the earlier index
@@ -140,7 +149,7 @@ def test_pool_files_keep_the_top_quantile_of_the_scorer(tmp_path: Path):
         assert [row["reward"] for row in pool] == score(None, [row["output"] for row in pool])
         k = kept_count(len(pool), 0.3)
         best = sorted(range(len(pool)), key=lambda i: -pool[i]["reward"])[:k]
-        assert {i for i, row in enumerate(pool) if row["kept"]} == set(best) and stat["n_kept"] == k == 10
+        assert {i for i, row in enumerate(pool) if row["kept"]} == set(best) and stat["n_kept"] == k == 9
         kept = [row["reward"] for row in pool if row["kept"]]
         assert stat["threshold"] == min(kept) > max(row["reward"] for row in pool if not row["kept"])
         assert stat["reward_kept_mean"] == pytest.approx(sum(kept) / k)
@@ -154,7 +163,7 @@ def test_loss_is_logged_parameters_change_and_kl_grows_from_zero(tmp_path: Path)
     from alpacafarm.sampling import Sample
     from alpacafarm_trl.quark_trainer import run_rounds, training_example
 
-    trainer = tiny_trainer(tmp_path, rounds=3)
+    trainer = tiny_trainer(tmp_path, rounds=3, steps_per_round=2)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     stats = run_rounds(trainer, INSTRUCTIONS, e_share, out_dir=tmp_path / "a")
     # The last round's kept samples, re-tokenized: the trained policy has drifted from the reference on them.
@@ -183,19 +192,82 @@ def test_loss_is_logged_parameters_change_and_kl_grows_from_zero(tmp_path: Path)
     assert all(torch.equal(p, q) for p, q in references)
     for stat in stats:
         losses = [e["loss"] for e in stat["log_history"] if "loss" in e]
-        assert len(losses) == stat["steps"] == 2  # 8 of 32 rollouts kept, batch 8, 2 epochs
+        assert len(losses) == stat["steps"] == 2  # steps_per_round: two steps of 16 draws from the 8 kept
         assert all("kl" in e and "nll" in e for e in stat["log_history"] if "loss" in e)
         assert stat["train_loss"] > 0 and stat["kl"] >= 0
     assert stats[0]["kl"] < stats[-1]["kl"]
 
 
+def test_each_round_takes_one_optimizer_step_on_the_step_batch_cycling_through_the_kept(tmp_path: Path):
+    """Released: keep floor(pool / 4), then one optimizer step of step_batch_size draws, in micro-batches."""
+    from transformers import TrainerCallback
+
+    from alpacafarm_trl.quark_trainer import run_rounds
+
+    trainer = tiny_trainer(tmp_path, rounds=2, prompts_per_round=6, rollouts_per_prompt=5)  # pool of 30
+    assert trainer.args.gradient_accumulation_steps == 2 and trainer.args.max_steps == 1  # 16 = 2 x 8
+
+    class Count(TrainerCallback):
+        optimizer_steps = 0
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            Count.optimizer_steps += 1
+
+    trainer.add_callback(Count)
+    rows, datasets = [], []
+    compute_loss, train = trainer.compute_loss, trainer.train
+
+    def spy_loss(model, inputs, *args, **kwargs):
+        if model.training:
+            rows.append(int(inputs["input_ids"].shape[0]))
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    def spy_train(*args, **kwargs):
+        datasets.append(list(trainer.train_dataset))
+        return train(*args, **kwargs)
+
+    trainer.compute_loss, trainer.train = spy_loss, spy_train
+    stats = run_rounds(trainer, INSTRUCTIONS, e_share, out_dir=tmp_path)
+    assert [s["n_pool"] for s in stats] == [30, 30] and [s["n_kept"] for s in stats] == [7, 7]  # floor(7.5)
+    assert [s["steps"] for s in stats] == [1, 1] and Count.optimizer_steps == 2  # one step per round
+    assert [s["n_trained"] for s in stats] == [16, 16] and rows == [8, 8, 8, 8]  # 2 micro-batches per step
+    for r, dataset in enumerate(datasets, start=1):
+        kept = [row for row in read_pool(tmp_path / f"round_{r}/pool.jsonl") if row["kept"]]
+        tokenizer = trainer.processing_class
+        drawn = [tokenizer.decode([t for t, label in zip(ex["input_ids"], ex["labels"], strict=True)
+                                   if label != -100], skip_special_tokens=True).strip() for ex in dataset]
+        # Cycling through a shuffled order: two full passes over the 7 kept, then 2 of a third pass.
+        assert sorted(drawn[:7]) == sorted(drawn[7:14]) == sorted(row["output"] for row in kept)
+        assert set(drawn[14:]) <= {row["output"] for row in kept} and len(drawn) == 16
+
+
+def test_draw_order_is_seeded_passes_of_fresh_permutations():
+    from alpacafarm_trl.quark_trainer import draw_order
+
+    order = draw_order(128, 256, seed=3)
+    assert sorted(order[:128]) == sorted(order[128:]) == list(range(128))  # the released 256 from 128
+    assert order[:128] != order[128:] and order == draw_order(128, 256, seed=3) != draw_order(128, 256, 4)
+    assert draw_order(5, 3, seed=0) == draw_order(5, 10, seed=0)[:3]
+
+
+def test_gradient_accumulation_is_derived_from_the_step_batch(tmp_path: Path):
+    from alpacafarm.errors import UserError
+
+    sizes = {"step_batch_size": 32, "per_device_train_batch_size": 4}
+    assert tiny_trainer(tmp_path, **sizes).args.gradient_accumulation_steps == 8
+    assert tiny_trainer(tmp_path, **sizes, gradient_accumulation_steps=8).args.gradient_accumulation_steps == 8
+    with pytest.raises(UserError, match="gradient_accumulation_steps is derived"):
+        tiny_trainer(tmp_path, **sizes, gradient_accumulation_steps=2)
+
+
 def test_learning_rate_decays_to_zero_over_all_rounds(tmp_path: Path):
     from alpacafarm_trl.quark_trainer import run_rounds
 
-    trainer = tiny_trainer(tmp_path, rounds=3, lr_scheduler_type="linear")
+    trainer = tiny_trainer(tmp_path, rounds=4, lr_scheduler_type="linear")
     stats = run_rounds(trainer, INSTRUCTIONS[:8], e_share, out_dir=tmp_path)
     rates = [e["learning_rate"] for s in stats for e in s["log_history"] if "learning_rate" in e]
-    assert len(rates) == 3 * stats[0]["steps"] and rates[0] == pytest.approx(5e-3)
+    # One optimizer step per round, so one scheduler step per round: 5e-3 x (1, 3/4, 1/2, 1/4), then 0.
+    assert rates == pytest.approx([5e-3, 3.75e-3, 2.5e-3, 1.25e-3])
     assert all(a > b for a, b in itertools.pairwise(rates))  # one schedule, not restarted each round
     assert stats[-1]["learning_rate"] == 0.0
 
@@ -223,11 +295,11 @@ def test_the_pool_is_rebuilt_every_round(tmp_path: Path):
         assert len(pool) == len(texts) == 16  # 4 prompts x 4 rollouts, never more: nothing accumulates
         assert [row["output"] for row in pool] == texts
         kept = [row for row in pool if row["kept"]]
-        assert len(dataset) == len(kept) == 4
+        assert len(kept) == 4 and len(dataset) == 16  # 16 draws: four passes over the 4 kept
         targets = [[t for t, label in zip(ex["input_ids"], ex["labels"], strict=True) if label != -100]
                    for ex in dataset]
-        trained = sorted(tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in targets)
-        assert trained == sorted(row["output"] for row in kept)
+        trained = [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in targets]
+        assert sorted(trained) == sorted(row["output"] for row in kept for _ in range(4))
     # Fresh rollouts on new prompts each round (4 of the 16 instructions at a time, cycling a seeded order).
     assert len({row["instruction"] for pool in pools for row in pool}) == 12
     assert not {row["output"] for row in pools[0]} & {row["output"] for row in pools[1]}
@@ -238,7 +310,7 @@ def test_mean_pool_reward_rises_across_rounds(tmp_path: Path):
     from alpacafarm_trl.quark_trainer import run_rounds
 
     trainer = tiny_trainer(tmp_path, rounds=8, prompts_per_round=16, top_quantile=0.25, max_new_tokens=12,
-                           lr_scheduler_type="constant")
+                           steps_per_round=4, step_batch_size=8, lr_scheduler_type="constant")
     stats = run_rounds(trainer, INSTRUCTIONS, e_share, out_dir=tmp_path)
     rewards = [s["reward_mean"] for s in stats]
     print("pool reward per round:", [round(r, 4) for r in rewards])
@@ -281,6 +353,32 @@ def test_lora_policy_has_no_reference_copy(tiny_model_dir: str, tmp_path: Path,
     assert all(torch.equal(p, base[n]) for n, p in policy.named_parameters() if "lora_" not in n)
 
 
+def test_policy_trains_float32_master_weights_against_a_reference_in_the_model_dtype(tiny_model_dir: str,
+                                                                                       tmp_path: Path):
+    import torch
+
+    from alpacafarm.modeling import load_tokenizer
+    from alpacafarm_trl.quark import load_policy_and_reference
+    from alpacafarm_trl.quark_trainer import build_quark_trainer, run_rounds
+
+    args = quark_args(tmp_path, rounds=1, prompts_per_round=4)
+    spec = ModelSpec(name=tiny_model_dir, dtype="bfloat16")
+    policy, reference, _ = load_policy_and_reference(spec, tiny_model_dir, args)
+    assert {p.dtype for p in policy.parameters()} == {torch.float32}
+    assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
+    trainer = build_quark_trainer(args, policy, load_tokenizer(spec, tiny_model_dir), reference)
+    stats = run_rounds(trainer, INSTRUCTIONS[:4], e_share, out_dir=tmp_path)  # mixed dtypes train (on a CPU)
+    assert stats[0]["steps"] == 1 and stats[0]["kl"] >= 0
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+
+    lora = ModelSpec.model_validate({"name": tiny_model_dir, "dtype": "bfloat16", "lora": {"r": 4, "alpha": 8}})
+    policy, reference, _ = load_policy_and_reference(lora, tiny_model_dir, args)
+    assert reference is None
+    trainable = {p.dtype for p in policy.parameters() if p.requires_grad}
+    frozen = {p.dtype for p in policy.parameters() if not p.requires_grad}
+    assert trainable == {torch.float32} and frozen == {torch.bfloat16}
+
+
 def test_sft_adapters_are_merged_into_the_policy_base(tiny_model_dir: str, tmp_path: Path):
     import torch
     from peft import LoraConfig, get_peft_model
@@ -308,16 +406,19 @@ def test_sft_adapters_are_merged_into_the_policy_base(tiny_model_dir: str, tmp_p
 
 def test_recipe_writes_model_metrics_and_pools_and_outputs_generate_from_it(tiny_model_dir: str,
                                                                             tmp_path: Path):
+    import torch
     from transformers import AutoModelForCausalLM
 
-    artifacts = run_recipe(quark_recipe(tmp_path, tiny_model_dir), tmp_path / "run")
+    artifacts = run_recipe(quark_recipe(tmp_path, tiny_model_dir, extra_model=", dtype: bfloat16"), tmp_path / "run")
     stage = tmp_path / "run/stages/quark"
     artifact = artifacts["quark"]
     assert artifact.kind == "model" and Path(artifact.path) == stage / "model"
     assert (stage / "model/model.safetensors").is_file() and (stage / "model/tokenizer.json").is_file()
-    AutoModelForCausalLM.from_pretrained(stage / "model")
+    saved = AutoModelForCausalLM.from_pretrained(stage / "model", dtype="auto")
+    assert {p.dtype for p in saved.parameters()} == {torch.bfloat16}  # trained in float32, saved in the dtype
     metrics = json.loads((stage / "metrics.json").read_text())
     assert metrics["rounds"] == 2 and metrics["reference"] == "frozen_copy" and metrics["kept_per_round"] == 4
+    assert metrics["trained_per_round"] == 8 and metrics["steps"] == 2
     assert [r["round"] for r in metrics["per_round"]] == [1, 2]
     for key in ("reward_mean", "reward_kept_mean", "threshold", "train_loss", "kl"):
         assert all(isinstance(r[key], float) for r in metrics["per_round"]), key
@@ -359,7 +460,7 @@ def test_4bit_policy_trains_adapters_against_the_reward_model(tiny_model_dir: st
     lora = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_B" in n}
     scorer = RewardScorer.from_path(tiny_model_dir, spec)  # a (random-head) classifier on the tiny model
     stats = run_rounds(trainer, INSTRUCTIONS[:4], scorer, out_dir=tmp_path)
-    assert stats[0]["steps"] == 2 and stats[0]["kl"] >= 0 and stats[0]["n_kept"] == 4
+    assert stats[0]["steps"] == 1 and stats[0]["kl"] >= 0 and stats[0]["n_kept"] == 4
     assert any(not torch.equal(p, lora[n]) for n, p in policy.named_parameters() if "lora_B" in n)
     save_model(trainer.model, trainer.processing_class, tmp_path / "model")
     assert (tmp_path / "model/adapter_config.json").is_file()

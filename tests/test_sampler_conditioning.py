@@ -19,7 +19,7 @@ STAGES = {  # one step / round over the four prompts; the reward model is any cl
     "ppo": "{max_steps: 1, rollout_batch_size: 4, mini_batch_size: 4, per_device_train_batch_size: 4, "
            "generation_batch_size: 4, max_new_tokens: 3, save_strategy: 'no'}",
     "quark": "{rounds: 1, prompts_per_round: 4, rollouts_per_prompt: 2, top_quantile: 0.5, max_new_tokens: 3, "
-             "generation_batch_size: 4, per_device_train_batch_size: 4, disable_tqdm: true}",
+             "generation_batch_size: 4, per_device_train_batch_size: 4, step_batch_size: 4, disable_tqdm: true}",
 }
 
 

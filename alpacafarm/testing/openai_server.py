@@ -172,10 +172,14 @@ class FakeOpenAIServer:
     requested model name in responses and names the one model of ``GET /v1/models``.
     """
 
-    def __init__(self, responder: Responder | None = None, *, latency_s: float = 0.0, model_prefix: str = ""):
+    def __init__(self, responder: Responder | None = None, *, latency_s: float = 0.0, model_prefix: str = "",
+                 enforce_max_tokens: bool = False):
         self.responder: Responder = responder or prefer_first_responder
         self.latency_s = latency_s
         self.model_prefix = model_prefix
+        #: cut each answer after ``max_tokens`` tokens (words and punctuation) with ``finish_reason: length``,
+        #: as a real server does; off by default, so judges with a small ``max_tokens`` keep their whole answer
+        self.enforce_max_tokens = enforce_max_tokens
         self.requests: list[RecordedRequest] = []
         self._lock = threading.Lock()
         self._script: collections.deque[Fault | None] = collections.deque()
@@ -292,9 +296,13 @@ class FakeOpenAIServer:
                        if "messages" in body else request_text(body))
         n = int(body.get("n") or 1)
         chat = path.endswith("chat/completions")
+        finish = "stop"
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        if self.enforce_max_tokens and limit is not None and len(_split_tokens(text)) > int(limit):
+            text, finish = "".join(_split_tokens(text)[:int(limit)]), "length"
         choices = []
         for i in range(n):
-            choice: dict[str, Any] = {"index": i, "finish_reason": "stop", "logprobs": None}
+            choice: dict[str, Any] = {"index": i, "finish_reason": finish, "logprobs": None}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text, "refusal": None}
                 if body.get("logprobs"):

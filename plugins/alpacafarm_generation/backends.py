@@ -70,23 +70,27 @@ class OpenAIGenerator(Generator):
                         progress: GenerationProgress | None) -> list[list[str]]:
         import openai
 
+        self.last_finished = []
+
         client = openai.AsyncOpenAI(base_url=self.config.base_url, api_key=self.api_key, max_retries=6,
                                     timeout=self.config.timeout_s)
         semaphore = asyncio.Semaphore(self.config.max_concurrency)
 
-        async def one(index: int, prompt: str) -> list[str]:
+        async def one(index: int, prompt: str) -> list[Any]:
             async with semaphore:
                 response = await client.completions.create(
                     model=self.model, prompt=prompt, n=sampling.n, max_tokens=sampling.max_new_tokens,
                     temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed + index)
             if progress:
                 progress(1)
-            return [choice.text.strip() for choice in sorted(response.choices, key=lambda c: c.index)]
+            return sorted(response.choices, key=lambda c: c.index)
 
         try:
-            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+            choices = list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
         finally:
             await client.close()
+        self.last_finished = [[c.finish_reason != "length" for c in group] for group in choices]
+        return [[c.text.strip() for c in group] for group in choices]
 
 
 class VLLMBackendConfig(BaseModel):
@@ -115,6 +119,7 @@ class VLLMGenerator(Generator):
         outputs = self.llm.generate(list(prompts), params)
         if progress:
             progress(len(prompts))
+        self.last_finished = [[o.finish_reason != "length" for o in out.outputs] for out in outputs]
         return [[o.text.strip() for o in out.outputs] for out in outputs]
 
 

@@ -5,10 +5,18 @@ these samples with supervised learning" — one round with n = 16 in the paper (
 repeats it: round r samples from round r-1's model and, with ``init: previous`` (the default), continues
 training it; ``init: sft`` restarts every round from the SFT model.
 
+A winner that was cut at ``max_new_tokens`` is not an answer that ends: its training target gets no EOS (an
+EOS there would teach the model to stop mid-sentence), while a winner that stopped on its own ends with EOS as
+in SFT. ``truncated_winners: drop`` leaves cut winners out of the fine-tuning instead. (Ours: the released
+implementation appends EOS to every target.) The backend says which samples were cut
+(:attr:`alpacafarm.generation.Generator.last_finished`: no stop token with transformers, ``finish_reason:
+length`` from an OpenAI-compatible server or vLLM); a backend that cannot tell is an error. The rows are
+tokenized here, because TRL's ``SFTTrainer`` appends EOS to every text completion it is given.
+
 Files (in the stage folder), all kept as artifacts of the run::
 
-    round_<r>/samples.jsonl    every sample with its reward
-    round_<r>/winners.jsonl    the SFT data of the round: the best sample per instruction
+    round_<r>/samples.jsonl    every sample with its reward and ``finished`` (False: cut at max_new_tokens)
+    round_<r>/winners.jsonl    the best sample per instruction (with ``finished``): the round's SFT data
     round_<r>/model/           the round's model (the last round's is the stage's output)
     round_<r>/metrics.json     the round's training log and reward figures
 
@@ -27,11 +35,14 @@ from typing import Any
 from alpacafarm.errors import UserError
 from alpacafarm.generation import SamplingConfig
 from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.prompts import format_prompt
 from alpacafarm.training import save_policy, stage_training_args, train_summary
 from alpacafarm_trl.best_of_n import mean, sample_and_score, select
-from alpacafarm_trl.sft import SFTMethodConfig, build_sft_trainer
+from alpacafarm_trl.sft import SFTMethodConfig
 
 ROUND_DONE = "round_complete.json"
+IGNORE_INDEX = -100
+TRUNCATED_WINNERS = ("keep", "drop")
 
 
 @dataclass
@@ -51,12 +62,16 @@ class ExpertIterationConfig(SFTMethodConfig):
                                                             "'sft': every round fine-tunes the SFT model"})
     backend: str = field(default="transformers", metadata={"help": "generation backend for the sampling"})
     backend_config: dict[str, Any] = field(default_factory=dict, metadata={"help": "the backend's own options"})
+    truncated_winners: str = field(default="keep", metadata={
+        "help": "winners cut at max_new_tokens: 'keep' (trained on, without EOS) or 'drop' (not trained on)"})
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.n < 1:
             raise ValueError("rounds and n must be at least 1")
         if self.init not in ("previous", "sft"):
             raise ValueError("init must be 'previous' or 'sft'")
+        if self.truncated_winners not in TRUNCATED_WINNERS:
+            raise ValueError(f"truncated_winners must be one of {', '.join(TRUNCATED_WINNERS)}")
         super().__post_init__()
 
     def sampling(self, seed: int) -> SamplingConfig:
@@ -64,10 +79,55 @@ class ExpertIterationConfig(SFTMethodConfig):
                               max_new_tokens=self.max_new_tokens, batch_size=self.generation_batch_size, seed=seed)
 
 
+def mark_finished(samples: list[list[dict[str, Any]]], generator: Any, backend: str) -> None:
+    """Set ``finished`` on every sample: False when it was cut at ``max_new_tokens``.
+
+    ``samples`` are grouped per instruction as :func:`~alpacafarm_trl.best_of_n.sample_and_score` returns them,
+    right after the one ``generate`` call that made them, whose :attr:`~alpacafarm.generation.Generator.last_finished`
+    they match (a stop token for transformers, ``finish_reason`` for OpenAI-compatible servers and vLLM).
+    """
+    finished = getattr(generator, "last_finished", None) or ()
+    if len(finished) != len(samples) or any(len(f) != len(g) for f, g in zip(finished, samples, strict=True)):
+        raise UserError(f"expert_iteration: the generation backend {backend!r} does not report which completions "
+                        "were cut at max_new_tokens (Generator.last_finished); a cut winner must not be trained "
+                        "to stop there")
+    for flags, group in zip(finished, samples, strict=True):
+        for flag, sample in zip(flags, group, strict=True):
+            sample["finished"] = bool(flag)
+
+
 def winners_as_demonstrations(winners: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The SFT records of a round: instruction, input and the winning sample as ``output``."""
+    """The SFT records of a round: instruction, input, the winning sample as ``output``, and ``finished``."""
     return [{"instruction": w["instruction"], "input": w.get("input") or "", "output": w["output"],
-             "reward": w["reward"]} for w in winners]
+             "reward": w["reward"], "finished": bool(w.get("finished", True))} for w in winners]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def training_rows(demonstrations: list[dict[str, Any]], tokenizer: Any, style: str) -> list[dict[str, list[int]]]:
+    """Tokenized SFT rows (``input_ids``, ``labels`` with the prompt ignored) of the demonstrations.
+
+    Tokenized as TRL tokenizes a prompt/completion row (prompt + completion as one text; the completion starts
+    where the tokenized prompt stops being a prefix), but the completion ends with EOS only when the demonstration
+    ``finished``: a response cut at the token limit is trained on as it is, without an end.
+    """
+    eos = tokenizer.eos_token or ""
+    rows = []
+    for d in demonstrations:
+        prompt = format_prompt(d["instruction"], d.get("input") or None, style=style, tokenizer=tokenizer)
+        finished = bool(d.get("finished", True))
+        prompt_ids = list(tokenizer(text=prompt)["input_ids"])
+        ids = list(tokenizer(text=prompt + d["output"] + (eos if finished else ""))["input_ids"])
+        if not finished and ids and ids[-1] == tokenizer.eos_token_id:  # a tokenizer that appends EOS itself
+            ids = ids[:-1]
+        start = _common_prefix(prompt_ids, ids)
+        rows.append({"input_ids": ids, "labels": [IGNORE_INDEX] * start + ids[start:]})
+    return rows
 
 
 class ExpertIteration(Method):
@@ -79,6 +139,8 @@ class ExpertIteration(Method):
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json, write_jsonl
+        from alpacafarm.modeling import load_tokenizer
+        from alpacafarm_trl.policy import build_sft_trainer_on_rows
 
         config: ExpertIterationConfig = self.config
         spec = context.recipe.model
@@ -98,26 +160,36 @@ class ExpertIteration(Method):
                 continue
             shutil.rmtree(round_dir, ignore_errors=True)
             round_dir.mkdir(parents=True)
+            start_from = sft_path if config.init == "sft" else policy_path
+            tokenizer = load_tokenizer(spec, start_from)
             generator = context.registry.create("generation_backend", config.backend, config.backend_config,
                                                 spec=spec, model_path=policy_path)
             with context.progress(f"round {r}: best-of-{config.n} sampling", len(records)) as advance:
                 samples = sample_and_score(generator, reward, records, config.sampling(context.seed + r),
                                            progress=advance)
+            mark_finished(samples, generator, config.backend)
             generator.close()
             del generator
             winners = select(samples, config.n)
             write_jsonl(round_dir / "samples.jsonl", [s for group in samples for s in group])
             demonstrations = winners_as_demonstrations(winners)
             write_jsonl(round_dir / "winners.jsonl", demonstrations)
+            truncated = sum(not d["finished"] for d in demonstrations)
+            if config.truncated_winners == "drop":
+                demonstrations = [d for d in demonstrations if d["finished"]]
+            if not demonstrations:
+                raise UserError(f"expert_iteration: round {r}: every winner was cut at max_new_tokens="
+                                f"{config.max_new_tokens}; raise it or set truncated_winners: keep")
 
-            start_from = sft_path if config.init == "sft" else policy_path
             args = dataclasses.replace(stage_training_args(config, context), output_dir=str(round_dir / "trainer"),
                                        response_field="output", max_examples=None)
-            trainer = build_sft_trainer(args, spec, start_from, demonstrations)
-            context.logger.info("stage %s: round %d, SFT on %d best-of-%d outputs "
-                                "(mean reward %.4f vs %.4f per sample)",
-                                context.stage, r, len(demonstrations), config.n, mean([w["reward"] for w in winners]),
-                                mean([s["reward"] for g in samples for s in g]))
+            rows = training_rows(demonstrations, tokenizer, spec.prompt_format)
+            trainer = build_sft_trainer_on_rows(args, spec, start_from, rows)
+            context.logger.info("stage %s: round %d, SFT on %d best-of-%d outputs (%d cut at the token limit, "
+                                "%s; mean reward %.4f vs %.4f per sample)",
+                                context.stage, r, len(demonstrations), config.n, truncated,
+                                "left out" if config.truncated_winners == "drop" else "trained without EOS",
+                                mean([w["reward"] for w in winners]), mean([s["reward"] for g in samples for s in g]))
             result = trainer.train()
             save_policy(trainer, spec, start_from, model_dir, context.logger)
             shutil.rmtree(round_dir / "trainer", ignore_errors=True)  # checkpoints of a finished round
@@ -125,6 +197,8 @@ class ExpertIteration(Method):
                        "mean_sample_reward": round(mean([s["reward"] for g in samples for s in g]), 6),
                        "mean_winner_reward": round(mean([w["reward"] for w in winners]), 6),
                        "winner_avg_length": round(mean([len(w["output"]) for w in winners]), 1),
+                       "n_truncated_winners": truncated, "truncated_winners": config.truncated_winners,
+                       "n_trained": len(rows),
                        **train_summary(trainer, result)}
             write_json(round_dir / "metrics.json", {**summary, "log_history": trainer.state.log_history})
             write_json(round_dir / ROUND_DONE, summary)

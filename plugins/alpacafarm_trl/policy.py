@@ -20,12 +20,14 @@ from alpacafarm.training import fp32_master_weights
 
 
 def build_sft_trainer_on_rows(
-    config: Any, spec: Any, model_path: str, rows: list[dict[str, str]], *, callbacks: list[Any] | None = None
+    config: Any, spec: Any, model_path: str, rows: list[dict[str, Any]], *, callbacks: list[Any] | None = None
 ) -> Any:
-    """A ready TRL ``SFTTrainer`` on ``{"prompt", "completion"}`` rows, starting from the SFT model in ``model_path``.
+    """A ready TRL ``SFTTrainer`` on rows built by the caller, starting from the SFT model in ``model_path``.
 
-    Like :func:`alpacafarm_trl.sft.build_sft_trainer` (same loss on the completion only, same LoRA and
-    quantization from the model block), but on rows built by the caller.
+    Rows are ``{"prompt", "completion"}`` texts (TRL tokenizes them; loss on the completion only) or already
+    tokenized ``{"input_ids", "labels"}`` (expert iteration, which decides itself where EOS goes). Like
+    :func:`alpacafarm_trl.sft.build_sft_trainer`: the same LoRA and quantization from the model block, and the
+    trainable weights as float32 master copies.
     """
     from datasets import Dataset
     from trl import SFTTrainer

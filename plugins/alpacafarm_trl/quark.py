@@ -7,16 +7,23 @@ Each round (a "Quark step" in the paper):
    *current* policy, behind the SFT folder's prompt conditioning if it has one;
 2. score every rollout with the surrogate reward model (``context.reward_function``, a
    :class:`alpacafarm.rewards.RewardScorer`);
-3. keep the top ``top_quantile`` of the pool by reward (the best bin; the other bins are not trained on);
-4. train the policy on the kept samples with ``NLL + kl_coef * KL(policy || reference)``, the reference being
-   the SFT model and the KL the exact per-token divergence of the two next-token distributions at each
-   response position of the kept samples, averaged over response tokens;
+3. keep the top ``top_quantile`` of the pool by reward, rounded down (the best of the released run's 4 bins:
+   128 of 512; the other bins are not trained on);
+4. take ``steps_per_round`` optimizer steps (released: 1) on the kept samples, each on ``step_batch_size``
+   examples (released: 256) drawn by cycling through them in a seeded shuffled order, with
+   ``NLL + kl_coef * KL(policy || reference)``, the reference being the SFT model and the KL the exact
+   per-token divergence of the two next-token distributions at each response position of the kept samples,
+   averaged over response tokens;
 5. discard the pool: the next round samples a fresh one (the paper's change to Quark, B.2: constant cost per
    round).
 
 Quark's control tokens play no part in the best-quantile variant (only one bin is trained on, so there is
 nothing to condition on) and, following B.2, there is no entropy term. The optimizer and the learning-rate
-schedule span the whole run (the peak rate decays to 0 over all rounds), not one round.
+schedule span the whole run (the peak rate decays linearly to 0 over all rounds), not one round.
+
+The policy trains on float32 master weights (full fine-tuning loads it in float32; LoRA adapters are cast to
+float32 on a base kept in the model block's ``dtype``); the frozen reference keeps ``dtype``. The saved model
+is written in the block's save dtype (:func:`alpacafarm.modeling.save_dtype`).
 
 With ``lora:`` in the model block the policy is the SFT model plus fresh LoRA adapters and the reference is
 the same network with the adapters switched off (``with model.disable_adapter():``): there is no second copy
@@ -46,18 +53,21 @@ from alpacafarm_trl.quark_trainer import build_quark_trainer, run_rounds
 def load_policy_and_reference(spec: Any, sft_path: str, args: QuarkMethodConfig) -> tuple[Any, Any, bool]:
     """``(policy, reference or None, sft_was_adapters)`` for the recipe's model block.
 
-    Full fine-tuning: the policy and a second, frozen copy of the SFT model. LoRA/QLoRA: the SFT model with
-    new trainable adapters, and no reference model (the trainer disables the adapters to get the reference).
-    An SFT adapter folder is merged into its base first (:func:`alpacafarm.modeling.load_merged_causal_lm`).
+    Full fine-tuning: the policy (float32 master weights) and a second, frozen copy of the SFT model in the
+    block's ``dtype``. LoRA/QLoRA: the SFT model with new trainable adapters (float32), and no reference model
+    (the trainer disables the adapters to get the reference). An SFT adapter folder is merged into its base
+    first (:func:`alpacafarm.modeling.load_merged_causal_lm`).
     """
     from alpacafarm.modeling import is_adapter_folder, load_merged_causal_lm, lora_config
+    from alpacafarm.training import fp32_master_weights
 
     if spec.quantization is not None and spec.lora is None:
         raise UserError(f"quark: quantization: {spec.quantization} trains adapters only; add lora: to the "
                         "model block")
     from_adapters = is_adapter_folder(sft_path)
-    policy = load_merged_causal_lm(spec, sft_path)
+    policy = load_merged_causal_lm(spec, sft_path, trainable=True)
     if spec.lora is None:
+        fp32_master_weights(policy)
         return policy, load_merged_causal_lm(spec, sft_path), from_adapters
     from peft import get_peft_model, prepare_model_for_kbit_training
 
@@ -67,7 +77,9 @@ def load_policy_and_reference(spec: Any, sft_path: str, args: QuarkMethodConfig)
     elif args.gradient_checkpointing:
         # Frozen embeddings: checkpointed blocks need an input that carries a gradient.
         policy.enable_input_require_grads()
-    return get_peft_model(policy, lora_config(spec)), None, from_adapters
+    policy = get_peft_model(policy, lora_config(spec))
+    fp32_master_weights(policy)  # after peft wrapping, before the trainer builds the optimizer
+    return policy, None, from_adapters
 
 
 class Quark(Method):
@@ -81,7 +93,7 @@ class Quark(Method):
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json
-        from alpacafarm.modeling import load_tokenizer, save_model
+        from alpacafarm.modeling import load_tokenizer, save_dtype, save_model
 
         spec = context.recipe.model
         save_strategy = getattr(self.config.save_strategy, "value", self.config.save_strategy)
@@ -114,13 +126,14 @@ class Quark(Method):
                                 context.stage)
         tokenizer.padding_side = "right"
         model_dir = Path(context.stage_dir) / "model"
-        save_model(trainer.model, tokenizer, model_dir, merge_adapters=merge)
+        save_model(trainer.model, tokenizer, model_dir, merge_adapters=merge, dtype=save_dtype(spec))
         if prompt_format.conditioning != PromptConditioning():  # trained behind it: sample behind it
             prompt_format.conditioning.save(model_dir)
         first, last = rounds[0], rounds[-1]
         metrics = {
             "rounds": len(rounds), "n_instructions": len(records), "pool_size": first["n_pool"],
-            "kept_per_round": first["n_kept"], "reward_mean_first": first["reward_mean"],
+            "kept_per_round": first["n_kept"], "trained_per_round": first["n_trained"],
+            "reward_mean_first": first["reward_mean"],
             "reward_mean_last": last["reward_mean"], "reward_kept_mean_last": last["reward_kept_mean"],
             "kl_last": last["kl"], "train_loss_last": last["train_loss"],
             "steps": sum(s["steps"] for s in rounds), "lora": spec.lora is not None, "merged": merge,

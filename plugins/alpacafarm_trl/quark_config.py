@@ -13,12 +13,22 @@ from alpacafarm.training import TrainingDefaults
 class QuarkMethodConfig(TrainingDefaults, TrainingArguments):
     """Every ``transformers.TrainingArguments`` field (they apply to each round's training), plus the loop's.
 
-    Defaults follow Appendix B.2: KL coefficient 0.05, peak learning rate 3e-6 decaying linearly to 0 over the
-    whole run, 512 rollouts per round, 2 epochs over each round's kept samples, gradient clipping at norm 1,
-    390 rounds (10 passes over the 20k unlabeled instructions). The share kept (``top_quantile`` 0.2, one of
-    five reward bins), the sampling temperature (1.0) and ``max_new_tokens`` (300, the paper's decoding cap)
-    are our assumptions: the paper does not state them for Quark. ``num_train_epochs`` / ``max_steps`` count
-    per round; ``output_dir`` is always the stage folder; checkpoints are off (a round's trainer state cannot
+    From the paper (Appendix B.2): KL coefficient 0.05, peak learning rate 3e-6 decaying to 0 over the whole
+    run, 512 rollouts per round, gradient clipping at norm 1, 390 rounds (10 passes over the 20k unlabeled
+    instructions), no entropy term.
+
+    From the released implementation (``alpaca_farm/rl/quark_trainer.py``), where the paper says less: the pool
+    is sorted by reward and cut into 4 bins of ``pool // 4`` samples, the top bin trained on (``top_quantile``
+    0.25, rounded *down*: 128 of 512); each round takes one optimizer step (``steps_per_round``) on a batch of
+    256 examples (``step_batch_size``) drawn by cycling through the kept samples in a freshly shuffled order
+    (128 kept, 256 drawn: the paper's "2 epochs of gradient updates with batch size 256"); the schedule is
+    linear with no warmup. ``per_device_train_batch_size`` is the micro-batch: ``gradient_accumulation_steps``
+    is derived (``step_batch_size / (per_device_train_batch_size x processes)``; set it only to that value or
+    leave it at 1). ``num_train_epochs`` and ``max_steps`` do not apply (leave them unset). The learning rate
+    steps once per optimizer step, so with one step per round it steps once per round, as released.
+
+    Ours (the paper states neither): sampling temperature 1.0 and ``max_new_tokens`` 300 (the paper's decoding
+    cap). ``output_dir`` is always the stage folder; checkpoints are off (a round's trainer state cannot
     resume the rollout loop). ``bf16`` and activation checkpointing are automatic
     (:class:`~alpacafarm.training.TrainingDefaults`).
     """
@@ -29,8 +39,15 @@ class QuarkMethodConfig(TrainingDefaults, TrainingArguments):
         default=512,
         metadata={"help": "instructions sampled per round, cycling through a seeded order (None: all)"})
     rollouts_per_prompt: int = field(default=1, metadata={"help": "samples drawn per instruction in a round"})
-    top_quantile: float = field(default=0.2,
-                                metadata={"help": "share of each round's pool kept (highest rewards)"})
+    top_quantile: float = field(
+        default=0.25,
+        metadata={"help": "share of each round's pool kept (highest rewards), rounded down, at least one; "
+                          "0.25 = the top of the released run's 4 reward bins"})
+    steps_per_round: int = field(default=1, metadata={"help": "optimizer steps per round (released: 1)"})
+    step_batch_size: int = field(
+        default=256,
+        metadata={"help": "examples per optimizer step, drawn cycling through the kept samples in a seeded "
+                          "shuffled order (released: 256); micro-batches of per_device_train_batch_size"})
     kl_coef: float = field(default=0.05, metadata={"help": "beta: weight of KL(policy || SFT reference)"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the rollouts"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling threshold of the rollouts"})
@@ -43,7 +60,7 @@ class QuarkMethodConfig(TrainingDefaults, TrainingArguments):
 
     learning_rate: float = 3e-6
     lr_scheduler_type: str = "linear"
-    num_train_epochs: float = 2.0
+    num_train_epochs: float = 1.0
     max_grad_norm: float = 1.0
     logging_steps: float = 1
     save_strategy: str = "no"
@@ -55,6 +72,14 @@ class QuarkMethodConfig(TrainingDefaults, TrainingArguments):
              "prompts_per_round must be at least 1"),
             (self.rollouts_per_prompt >= 1, "rollouts_per_prompt must be at least 1"),
             (0.0 < self.top_quantile <= 1.0, "top_quantile must be in (0, 1]"),
+            (self.steps_per_round >= 1, "steps_per_round must be at least 1"),
+            (self.step_batch_size >= 1, "step_batch_size must be at least 1"),
+            (self.step_batch_size % max(self.per_device_train_batch_size, 1) == 0,
+             "step_batch_size must be a multiple of per_device_train_batch_size (the micro-batch)"),
+            (self.num_train_epochs == 1.0, "num_train_epochs does not apply to quark: each round takes "
+             "steps_per_round optimizer steps of step_batch_size examples"),
+            (self.max_steps in (-1, 0, self.steps_per_round),
+             "max_steps does not apply to quark: set steps_per_round (optimizer steps per round) and rounds"),
             (self.kl_coef >= 0.0, "kl_coef must be non-negative"),
             (self.temperature > 0.0, "temperature must be positive (rollouts are sampled)"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),

@@ -6,11 +6,13 @@ next-token distributions at each response position, averaged over response token
 loop of the best-quantile variant (see :mod:`alpacafarm_trl.quark`): each round samples a fresh pool with the
 one core sampler (:func:`alpacafarm.sampling.sample`) on prompts written by
 :class:`alpacafarm.prompts.PromptFormat`, scores it with a reward function, keeps the top ``top_quantile``
-and trains on it; the pool is then discarded.
+(rounded down) and takes ``steps_per_round`` optimizer steps of ``step_batch_size`` examples drawn by cycling
+through the kept samples in a seeded shuffled order; the pool is then discarded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -31,14 +33,30 @@ IGNORE_INDEX = -100
 
 
 def kept_count(pool_size: int, quantile: float) -> int:
-    """How many of a pool form its top ``quantile``: ``ceil(quantile * pool_size)``, at least one."""
-    return min(pool_size, max(1, math.ceil(round(quantile * pool_size, 9))))
+    """How many of a pool form its top ``quantile``: ``floor(quantile * pool_size)``, at least one.
+
+    Rounded down as in the released implementation, whose top bin of ``b`` holds ``pool_size // b`` samples
+    (128 of 512 for its 4 bins); at least one, so a tiny pool still trains.
+    """
+    return min(pool_size, max(1, math.floor(round(quantile * pool_size, 9))))
 
 
 def top_quantile(rewards: Sequence[float], quantile: float) -> list[int]:
     """Indices (ascending) of the ``kept_count`` highest rewards; ties at the threshold go to earlier ones."""
     ranked = sorted(range(len(rewards)), key=lambda i: (-rewards[i], i))
     return sorted(ranked[:kept_count(len(rewards), quantile)])
+
+
+def draw_order(n_kept: int, n_draws: int, seed: int) -> list[int]:
+    """``n_draws`` indices into the kept samples: passes over them, each a fresh seeded permutation, cut at
+    ``n_draws`` (the released trainer's shuffled, cycling loader: 256 draws from 128 kept are two passes)."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    while len(order) < n_draws:
+        permutation = list(range(n_kept))
+        rng.shuffle(permutation)
+        order.extend(permutation)
+    return order[:n_draws]
 
 
 def training_example(sample: Sample) -> dict[str, list[int]]:
@@ -80,9 +98,10 @@ class QuarkTrainer(Trainer):
     """A ``Trainer`` with loss ``NLL(kept samples) + kl_coef * KL(policy || reference)`` per response token.
 
     ``ref_model`` is a frozen reference; ``None`` means the policy is a peft model whose reference is itself
-    with the adapters disabled. Each round sets ``train_dataset`` and calls :meth:`train` again: the optimizer
-    is kept, and the learning-rate schedule is built once for ``rounds`` times the first round's steps (every
-    round keeps the same number of samples), so the rate decays over the whole run.
+    with the adapters disabled. Each round sets ``train_dataset`` to the round's draws, in order (the sampler
+    is sequential: :func:`draw_order` already shuffled them), and calls :meth:`train` again for ``max_steps``
+    (= ``steps_per_round``) optimizer steps: the optimizer is kept, and the learning-rate schedule is built
+    once for ``rounds`` times the steps of a round, so the rate decays over the whole run.
     """
 
     loss_is_scaled_for_ga = True  # compute_loss divides by the response tokens of the whole accumulated batch
@@ -105,6 +124,11 @@ class QuarkTrainer(Trainer):
     def round_means(self) -> dict[str, float | None]:
         nll, kl, tokens = self.round_terms
         return {"nll": nll / tokens if tokens else None, "kl": kl / tokens if tokens else None}
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        from torch.utils.data import SequentialSampler
+
+        return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         from transformers import get_scheduler
@@ -197,9 +221,26 @@ class QuarkTrainer(Trainer):
         return {"nll": nll_sum / max(tokens, 1), "kl": kl_sum / max(tokens, 1), "tokens": tokens}
 
 
+def round_training_args(args: QuarkMethodConfig) -> QuarkMethodConfig:
+    """``args`` with what a round's ``train()`` needs: ``max_steps`` = ``steps_per_round`` and the gradient
+    accumulation that makes ``step_batch_size`` from micro-batches of ``per_device_train_batch_size`` on every
+    process. A ``gradient_accumulation_steps`` other than 1 must agree with it."""
+    micro = args.per_device_train_batch_size * args.world_size
+    if args.step_batch_size % micro:
+        raise UserError(f"quark: step_batch_size {args.step_batch_size} is not a multiple of "
+                        f"per_device_train_batch_size x processes = {micro}")
+    accumulation = args.step_batch_size // micro
+    if args.gradient_accumulation_steps not in (1, accumulation):
+        raise UserError(f"quark: gradient_accumulation_steps is derived from step_batch_size "
+                        f"({args.step_batch_size} = {accumulation} x {micro}); leave it unset, not "
+                        f"{args.gradient_accumulation_steps}")
+    return dataclasses.replace(args, gradient_accumulation_steps=accumulation, max_steps=args.steps_per_round)
+
+
 def build_quark_trainer(args: QuarkMethodConfig, model: Any, tokenizer: Any,
                         ref_model: Any = None) -> QuarkTrainer:
     """A :class:`QuarkTrainer` for ``args.rounds`` rounds; :func:`run_rounds` sets its dataset each round."""
+    args = round_training_args(args)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if ref_model is not None:
@@ -242,6 +283,9 @@ def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: 
                logger: Any = None, progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
     """The Quark loop: each round sample a fresh pool, score it, keep the top quantile, train; returns stats.
 
+    A round's training is ``steps_per_round`` optimizer steps, each on ``step_batch_size`` examples drawn from
+    the kept samples by :func:`draw_order` (seeded by ``seed`` and the round).
+
     ``prompt_format`` writes the prompts: a :class:`~alpacafarm.prompts.PromptFormat` (the method's carries
     the SFT folder's conditioning) or a style name (no conditioning). ``score`` is an
     :data:`alpacafarm.rewards.RewardFunction`. Writes ``round_<r>/pool.jsonl`` under ``out_dir``. Nothing
@@ -277,13 +321,17 @@ def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: 
              "kept": k in kept_set, "finished": s.finished, "n_tokens": len(s.response_ids)}
             for k, ((i, j, s), reward) in enumerate(zip(pool, rewards, strict=True))])
 
-        trainer.train_dataset = [training_example(pool[k][2]) for k in kept]
+        examples = [training_example(pool[k][2]) for k in kept]
+        draws = draw_order(len(examples), args.steps_per_round * args.step_batch_size,
+                           stable_seed(seed, "quark-order", r))
+        trainer.train_dataset = [examples[k] for k in draws]
         trainer.reset_round_terms()
         result = trainer.train()
         terms = trainer.round_means()
         kept_rewards = [rewards[k] for k in kept]
         stat = {
             "round": r, "n_prompts": len(indices), "n_pool": len(pool), "n_kept": len(kept),
+            "n_trained": len(draws),
             "reward_mean": _mean(rewards), "reward_kept_mean": _mean(kept_rewards),
             "threshold": min(kept_rewards),
             "reward_max": max(rewards), "train_loss": float(result.training_loss), "nll": terms["nll"],
@@ -303,6 +351,6 @@ def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: 
                         terms["nll"] or 0.0, terms["kl"] or 0.0)
         if progress is not None:
             progress(1)
-        del groups, pool, rewards, kept  # the pool is discarded: the next round samples a fresh one
+        del groups, pool, rewards, kept, examples  # the pool is discarded: the next round samples a fresh one
         trainer.train_dataset = None
     return stats
