@@ -3,12 +3,21 @@
 Implementations (prompted API judges, pools, the offline judge, local transformers judges) live in plugins and
 subclass :class:`Annotator`; they implement :meth:`Annotator.aannotate`. Identical outputs are a tie and are
 never sent anywhere (:func:`identical_tie`).
+
+Replicates: annotating the same pair twice gives the same label (the cache and every seeded draw are keyed on
+the pair), so an annotator's variance would read 0. ``annotate(pairs, replicate=k)`` asks for the k-th
+independent annotation instead: replicate 0 is the ordinary annotation; replicate k > 0 is a separate draw of
+everything random (a pool's member, order and label noise; an API judge's sampling, with its own cache key and
+request seed), cached and paid for once like any label. A deterministic annotator (the offline judge, a local
+judge, a greedy API judge) gives the same label for every replicate, which is its true variance of 0; an
+``aannotate`` that takes no ``replicate`` keyword cannot be asked for replicate k > 0 (:func:`aannotate_replicate`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,17 +38,44 @@ def identical_tie(pair: Pair, annotator: str) -> Annotation | None:
     return None
 
 
+def takes_replicate(annotator: Annotator) -> bool:
+    """Whether ``annotator.aannotate`` accepts the ``replicate`` keyword (or any keyword)."""
+    parameters = inspect.signature(annotator.aannotate).parameters.values()
+    return any(p.name == "replicate" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+async def aannotate_replicate(annotator: Annotator, pairs: Sequence[Pair], progress: ProgressCallback | None = None,
+                              replicate: int = 0) -> list[Annotation]:
+    """``annotator.aannotate(pairs, progress, replicate=replicate)``; replicate 0 is the plain call, so annotators
+    written before replicates existed keep working. Raises UserError for replicate k > 0 when the annotator's
+    ``aannotate`` takes no ``replicate`` (its repeats would silently be copies: a variance of 0)."""
+    from alpacafarm.errors import UserError
+
+    if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 0:
+        raise UserError(f"replicate must be an integer >= 0, got {replicate!r}")
+    if replicate == 0:
+        return await annotator.aannotate(pairs, progress)
+    if not takes_replicate(annotator):
+        raise UserError(f"annotator {annotator.name!r} cannot draw replicate annotations: its aannotate takes no "
+                        "'replicate' keyword (a deterministic annotator can accept and ignore it)")
+    return await annotator.aannotate(pairs, progress, replicate=replicate)
+
+
 class Annotator:
     """Base class. ``name`` identifies the annotator in outputs, the cache and the ledger."""
 
     name: str = "annotator"
 
-    async def aannotate(self, pairs: Sequence[Pair], progress: ProgressCallback | None = None) -> list[Annotation]:
+    async def aannotate(self, pairs: Sequence[Pair], progress: ProgressCallback | None = None, *,
+                        replicate: int = 0) -> list[Annotation]:
+        """One annotation per pair, in order; ``replicate`` k > 0 is the k-th independent repeat (see the module)."""
         raise NotImplementedError
 
-    def annotate(self, pairs: Sequence[Pair], progress: ProgressCallback | None = None) -> list[Annotation]:
-        """Annotate ``pairs`` (one annotation each, in order). Works inside and outside a running event loop."""
-        coroutine_factory = lambda: self.aannotate(list(pairs), progress)  # noqa: E731
+    def annotate(self, pairs: Sequence[Pair], progress: ProgressCallback | None = None, *,
+                 replicate: int = 0) -> list[Annotation]:
+        """Annotate ``pairs`` (one annotation each, in order; ``replicate``: which independent repeat, 0 = the
+        ordinary annotation). Works inside and outside a running event loop."""
+        coroutine_factory = lambda: aannotate_replicate(self, list(pairs), progress, replicate)  # noqa: E731
         try:
             asyncio.get_running_loop()
         except RuntimeError:

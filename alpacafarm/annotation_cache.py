@@ -1,6 +1,7 @@
 """The annotation cache and cost ledger: one SQLite file shared by every run (``$ALPACAFARM_CACHE_DIR``).
 
-- ``annotations``: content-addressed labels (key = hash of the annotator's fingerprint and the pair as sent).
+- ``annotations``: content-addressed labels (key = hash of the annotator's fingerprint, the pair as sent and, for
+  a repeated annotation, its replicate index: replicate k > 0 is a label of its own, requested and paid once).
   A batch's labels are committed together with its ledger row as soon as the response is parsed, so a killed
   run loses at most the batches that were in flight, and no label is ever paid for twice.
 - ``requests``: the ledger, one row per paid request: tokens in/out, price, latency, attempts.
@@ -39,11 +40,18 @@ CREATE INDEX IF NOT EXISTS requests_by_annotator ON requests (annotator, created
 """
 
 
-def pair_key(fingerprint: str, pair: Pair) -> str:
-    """The content address of one pair as presented to one annotator configuration."""
+def pair_key(fingerprint: str, pair: Pair, replicate: int = 0) -> str:
+    """The content address of one pair as presented to one annotator configuration.
+
+    ``replicate`` k > 0 addresses the k-th independent repeat of that annotation (its own key, so its own
+    request); replicate 0 has the key every annotation had before replicates existed, so old caches stay valid.
+    """
     import hashlib
 
-    payload = json.dumps([fingerprint, pair.instruction, pair.input, pair.output_1, pair.output_2], ensure_ascii=False)
+    parts: list[object] = [fingerprint, pair.instruction, pair.input, pair.output_1, pair.output_2]
+    if replicate:
+        parts.append(replicate)
+    payload = json.dumps(parts, ensure_ascii=False)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 

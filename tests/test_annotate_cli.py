@@ -102,3 +102,37 @@ def test_unknown_annotator_is_a_one_line_error(tmp_path: Path, env):
                      str(tmp_path / "o.json"), env=env)
     assert result.returncode == 2
     assert "unknown annotator 'gpt4_b55'; did you mean 'gpt4_b5'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_replicates_write_k_annotations_per_pair_each_paid_once(tmp_path: Path, env):
+    write_pairs(tmp_path / "pairs.jsonl", 12)
+    base = ["annotate", str(tmp_path / "pairs.jsonl"), "--annotator", "alpacafarm_ann", "--seed", "3"]
+    with FakeOpenAIServer(TagResponder()) as server:
+        single = run_cli(*base, "--base-url", server.base_url, "-o", str(tmp_path / "one.json"), env=env)
+        assert single.returncode == 0, single.stderr
+        paid = server.answered()
+        result = run_cli(*base, "--base-url", server.base_url, "--replicates", "3", "-o", str(tmp_path / "three.json"),
+                         env=env)
+        assert result.returncode == 0, result.stderr
+        after_replicates = server.answered()
+        again = run_cli(*base, "--base-url", server.base_url, "--replicates", "3", "-o", str(tmp_path / "again.json"),
+                        env=env)
+        assert again.returncode == 0, again.stderr
+        assert server.answered() == after_replicates > paid  # replicates 1, 2 were bought once, then cached
+    one, three = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "three"))
+    assert len(three) == 36 and [(r["id"], r["replicate"]) for r in three] == [(i, k) for i in range(12)
+                                                                              for k in range(3)]
+    keys = ["preference", "annotator", "swapped", "noise"]
+    zero = [r for r in three if r["replicate"] == 0]
+    assert [[r[k] for k in keys] for r in zero] == [[r[k] for k in keys] for r in one]  # replicate 0: as before
+    assert all(r["cached"] for r in zero if not r["noise"])
+    by_pair = [[r["preference"] for r in three[3 * i:3 * i + 3]] for i in range(12)]
+    assert any(len(set(labels)) > 1 for labels in by_pair)  # the pool's noise is drawn per replicate
+    assert json.loads((tmp_path / "again.json").read_text()) == [{**r, "cached": r["cached"] or not r["noise"]}
+                                                                 for r in three]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (summary["n"], summary["pairs"], summary["replicates"]) == (36, 12, 3)
+    variance = run_cli("compare", str(tmp_path / "three.json"), "--variance", "--json", env=env)
+    assert variance.returncode == 0, variance.stderr
+    measured = json.loads(variance.stdout)
+    assert (measured["pairs"], measured["labels_per_pair"]) == (12, 3) and measured["variance"] > 0

@@ -47,3 +47,11 @@ def test_concurrent_writers_from_several_processes(tmp_path: Path):
     assert cache.ledger().requests == 600
     keys = [pair_key("fp", Pair(f"w{w}", str(i), "x")) for w in range(4) for i in range(150)]
     assert len(cache.get_many(keys)) == 600
+
+
+def test_replicate_zero_keeps_the_key_from_before_replicates_and_k_gets_its_own():
+    pair = Pair("Name a colour.", "Red.", "Blue, obviously.", input="in")
+    old = "e738c8d9e851c60ee39d8d166bcef1b37046787452edc85af1d16337ae0a0c10"  # pair_key("fp", pair) before replicates
+    assert pair_key("fp", pair) == pair_key("fp", pair, 0) == old  # existing caches stay valid
+    keys = {pair_key("fp", pair, k) for k in range(1, 5)}
+    assert len(keys) == 4 and old not in keys

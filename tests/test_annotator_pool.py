@@ -9,7 +9,10 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+import pytest
+
 from alpacafarm.annotation import Annotator
+from alpacafarm.errors import UserError
 from alpacafarm.types import Annotation, Pair
 from alpacafarm_annotators.config import PoolConfig
 from alpacafarm_annotators.pool import AnnotatorPool
@@ -21,17 +24,29 @@ class LongerJudge(Annotator):
     def __init__(self, name: str) -> None:
         self.name = name
         self.seen: list[Pair] = []
+        self.replicates: set[int] = set()
 
-    async def aannotate(self, pairs: Sequence[Pair], progress=None) -> list[Annotation]:
+    async def aannotate(self, pairs: Sequence[Pair], progress=None, *, replicate: int = 0) -> list[Annotation]:
         self.seen.extend(pairs)
+        self.replicates.add(replicate)
         return [Annotation(1 if len(p.output_1) > len(p.output_2) else 2, self.name) for p in pairs]
 
 
 class FirstJudge(LongerJudge):
     """Always prefers whatever is shown first: pure position bias."""
 
-    async def aannotate(self, pairs: Sequence[Pair], progress=None) -> list[Annotation]:
+    async def aannotate(self, pairs: Sequence[Pair], progress=None, *, replicate: int = 0) -> list[Annotation]:
         self.seen.extend(pairs)
+        self.replicates.add(replicate)
+        return [Annotation(1, self.name) for _ in pairs]
+
+
+class LegacyJudge(Annotator):
+    """An annotator written before replicates existed: its aannotate takes no ``replicate``."""
+
+    name = "legacy"
+
+    async def aannotate(self, pairs: Sequence[Pair], progress=None) -> list[Annotation]:
         return [Annotation(1, self.name) for _ in pairs]
 
 
@@ -108,7 +123,10 @@ def test_identical_outputs_are_ties_without_a_request():
 
 DRAWS_SCRIPT = """
 import json, sys
+import pytest
+
 from alpacafarm.annotation import Annotator
+from alpacafarm.errors import UserError
 from alpacafarm.types import Pair
 from alpacafarm_annotators.config import PoolConfig
 from alpacafarm_annotators.pool import AnnotatorPool
@@ -133,3 +151,48 @@ def test_same_seed_gives_the_same_draws_in_two_processes():
     assert runs[0] == runs[1]
     other_seed = subprocess.run([sys.executable, "-c", DRAWS_SCRIPT, "6"], capture_output=True, text=True, timeout=120)
     assert json.loads(other_seed.stdout) != runs[0]
+
+
+# --- replicates: independent repeats of the same annotation -------------------------------------------------------
+
+# Computed with the code before replicates existed (seed 5, members m0-m2, DRAWS_SCRIPT's pairs 0-11):
+# [member, shown swapped, noise label]. Replicate 0 must stay exactly this.
+OLD_DRAWS = [[1, False, None], [1, True, 2], [0, False, None], [0, False, None], [0, False, 1], [1, True, 2],
+             [1, True, 1], [0, True, 2], [1, True, 2], [2, True, 1], [2, True, 1], [1, True, None]]
+
+
+def test_replicate_zero_draws_are_the_draws_before_replicates_existed():
+    names = ["m0", "m1", "m2"]
+    p = pool([LongerJudge(n) for n in names], p_label_flip=0.25, seed=5)
+    pairs = [Pair(f"instr {i}", f"out-a {i}", f"out-b {i * 7}") for i in range(12)]
+    assert [[p.member_index(q), *p._draws(q)[1:]] for q in pairs] == OLD_DRAWS
+    assert [[p.member_index(q, 0), *p._draws(q, 0)[1:]] for q in pairs] == OLD_DRAWS
+    assert [[p.member_index(q, 1), *p._draws(q, 1)[1:]] for q in pairs] != OLD_DRAWS
+
+
+def test_replicates_redraw_member_order_and_noise_independently():
+    judges = [LongerJudge("a"), LongerJudge("b"), LongerJudge("c")]
+    p = pool(judges, p_label_flip=0.25, seed=2)
+    pairs = make_pairs(1200)
+    first, second = p.annotate(pairs, replicate=0), p.annotate(pairs, replicate=1)
+    assert [a.preference for a in p.annotate(pairs)] == [a.preference for a in first]  # 0 is the default
+    assert [a.preference for a in p.annotate(pairs, replicate=1)] == [a.preference for a in second]  # seeded
+    assert {j for judge in judges for j in judge.replicates} == {0, 1}  # members are asked for the replicate
+    # every member says 2; half the labels are a coin, so P(label = 2) = 3/4 in each replicate, and two
+    # independent replicates disagree with probability 2 * 3/4 * 1/4 = 3/8 (identical draws: never)
+    disagree = sum(a.preference != b.preference for a, b in zip(first, second, strict=True)) / len(pairs)
+    low, high = binomial_bounds(len(pairs), 3 / 8)
+    assert low < disagree < high
+    both_sent = [(a, b) for a, b in zip(first, second, strict=True) if not a.noise and not b.noise]
+    assert any(a.annotator != b.annotator for a, b in both_sent)  # another crowd worker took the instruction
+    assert any(a.swapped != b.swapped for a, b in both_sent)  # shown in another order
+    assert all(a.preference == b.preference == 2 for a, b in both_sent)  # ... and still unswapped correctly
+
+
+def test_a_member_without_replicates_is_refused_for_replicate_k_only():
+    p = pool([LegacyJudge()])
+    assert [a.preference for a in p.annotate([Pair("i", "a", "b")])] in ([1], [2])
+    with pytest.raises(UserError, match="cannot draw replicate annotations"):
+        p.annotate([Pair("i", "a", "b")], replicate=1)
+    with pytest.raises(UserError, match="replicate must be an integer >= 0"):
+        p.annotate([Pair("i", "a", "b")], replicate=-1)

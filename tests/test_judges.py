@@ -53,6 +53,17 @@ def test_offline_pool_preset_adds_the_papers_noise(sample_pairs):
     assert all(a.annotator == "offline" and a.swapped in (True, False) for a in annotations if not a.noise)
 
 
+def test_replicates_of_the_offline_judge_are_equal_and_of_its_noisy_pool_are_not(offline, sample_pairs):
+    pairs = [Pair(f"{p.instruction} (variant {k})", p.output_1, p.output_2, p.input) for k in range(4)
+             for p in sample_pairs[:6]]
+    labels = [[a.preference for a in offline.annotate(pairs, replicate=k)] for k in range(3)]
+    assert labels[0] == labels[1] == labels[2]  # deterministic: its variance is truly 0
+    pool = get_registry().create("annotator", "offline_ann")
+    noisy = [[a.preference for a in pool.annotate(pairs, replicate=k)] for k in range(3)]
+    assert noisy[0] == [a.preference for a in pool.annotate(pairs)]  # replicate 0 is the ordinary annotation
+    assert noisy[0] != noisy[1] and noisy[1] != noisy[2]  # the pool's label noise is drawn anew per replicate
+
+
 def test_local_judge_is_order_independent_and_sign_consistent():
     tokenizer = tiny_tokenizer()
     judge = LocalJudge(LocalJudgeConfig(model="tiny", batch_size=3), model=tiny_causal_lm(tokenizer).eval(),

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 
 import pytest
-from annotator_server import TagResponder, tagged_pairs
+from annotator_server import TAG, TagResponder, tagged_pairs
 
 from alpacafarm.annotation_cache import AnnotationCache
-from alpacafarm.testing.openai_server import FakeOpenAIServer, Fault
+from alpacafarm.testing.openai_server import FakeOpenAIServer, Fault, request_text
 from alpacafarm.types import Pair
 from alpacafarm_annotators.config import Price, PromptedAnnotatorConfig
 from alpacafarm_annotators.prompted import PromptedAnnotator
@@ -149,3 +150,58 @@ def test_a_refused_key_is_a_clear_error(server, cache, monkeypatch):
 
     with pytest.raises(UserError, match=r"set \$TEST_JUDGE_KEY"):
         judge.annotate(tagged_pairs(1)[0])
+
+
+# --- replicates: independent repeats of the same annotation -------------------------------------------------------
+
+
+class SeededResponder:
+    """A stochastic judge, as an endpoint sampling at temperature 1 with a seed: a request without a ``seed`` gets
+    the right answers; a request with one gets answers drawn from that seed (the same seed, the same answers)."""
+
+    def __call__(self, body: dict) -> str:
+        shown: list[tuple[str, str]] = []  # pair tags in the order shown, the first shown output's side for each
+        for pair_id, side in TAG.findall(request_text(body)):
+            if pair_id not in {p for p, _ in shown}:
+                shown.append((pair_id, side))
+        rng = random.Random(body["seed"]) if "seed" in body else None
+        answers = [rng.choice((1, 2)) if rng else (1 if side == "good" else 2) for _, side in shown]
+        return "\n".join(f"Pair {k}: {c}" for k, c in enumerate(answers, start=1))
+
+
+def test_replicates_differ_for_a_stochastic_judge_and_each_is_paid_once(cache, monkeypatch):
+    pairs, labels = tagged_pairs(20)
+    with FakeOpenAIServer(SeededResponder()) as server:
+        judge = annotator(server, cache, monkeypatch)
+        zero = [a.preference for a in judge.annotate(pairs)]
+        assert zero == labels and all("seed" not in r.body for r in server.requests)  # replicate 0: as before
+        one = [a.preference for a in judge.annotate(pairs, replicate=1)]
+        two = [a.preference for a in judge.annotate(pairs, replicate=2)]
+        assert completions(server) == 12 and cache.ledger().requests == 12  # 4 batches per replicate
+        seeds = [r.body["seed"] for r in server.requests[4:]]
+        assert len(set(seeds)) == 8  # one seed per batch and replicate
+        assert one != zero and two != zero and one != two  # independent draws of a stochastic judge
+        # a second call (a fresh annotator on the same cache) is served from the cache: no new request
+        fresh = annotator(server, cache, monkeypatch)
+        again = {k: fresh.annotate(pairs, replicate=k) for k in (0, 1, 2)}
+        assert [[a.preference for a in again[k]] for k in (0, 1, 2)] == [zero, one, two]
+        assert all(a.cached for k in again for a in again[k]) and completions(server) == 12
+    # the replicate's seed is reproducible: another cache, the same answers from a seed-honouring endpoint
+    with FakeOpenAIServer(SeededResponder()) as server:
+        other = AnnotationCache(cache.path.with_name("other.sqlite"))
+        assert [a.preference for a in annotator(server, other, monkeypatch).annotate(pairs, replicate=1)] == one
+
+
+def test_a_configured_seed_is_sent_unchanged_for_replicate_zero_and_derived_for_k(server, cache, monkeypatch):
+    judge = annotator(server, cache, monkeypatch, decoding={"temperature": 1.0, "max_tokens": 100, "seed": 7})
+    assert judge.decoding() == judge.decoding(0) == {"temperature": 1.0, "max_tokens": 100, "seed": 7}
+    derived = {judge.decoding(k, attempt, ["key"])["seed"] for k in (1, 2) for attempt in (0, 1)}
+    assert len(derived) == 4 and 7 not in derived  # per replicate and per attempt (a re-ask samples afresh)
+
+
+def test_a_pair_given_twice_is_requested_once_and_copied(server, cache, monkeypatch):
+    pairs, labels = tagged_pairs(5)
+    annotations = annotator(server, cache, monkeypatch).annotate([*pairs, pairs[0], pairs[3]])
+    assert [a.preference for a in annotations] == [*labels, labels[0], labels[3]]
+    assert completions(server) == 1  # one batch of the 5 distinct pairs
+    assert annotations[5] is not annotations[0] and annotations[5].cached and not annotations[0].cached

@@ -14,7 +14,7 @@ from scipy import stats
 
 from alpacafarm import cli
 from alpacafarm.errors import UserError
-from alpacafarm_validation.agreement import AgreementConfig, AgreementValidator, measure, mode
+from alpacafarm_validation.agreement import AgreementConfig, AgreementValidator, measure, mode, self_variance
 from alpacafarm_validation.correlations import (
     PAPER_TABLE2,
     RankCorrelationConfig,
@@ -252,7 +252,8 @@ def test_agreement_bias_variance_by_hand() -> None:
     # P(longer): A's single 2 and all four 1s of B pick the longer output: 5/8; P(first): 3 + 4 of 8
     assert (annotator["p_prefer_longer"], annotator["p_prefer_first"]) == (0.625, 0.875)
     assert result.counts == {"pairs": 2, "human_labels": 8, "human_missing": 1, "pairs_single_label": 1,
-                             "annotator_labels": 8, "annotator_missing": 0, "annotator_pairs_matched": 2,
+                             "annotator_labels": 8, "annotator_missing": 0, "annotator_repeats": 0,
+                             "annotator_pairs_matched": 2,
                              "annotator_pairs_unmatched": 1, "human_pairs_unlabelled": 0}
 
 
@@ -335,3 +336,60 @@ def test_agreement_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert code == 2 and err.count("\n") == 1 and "'output_2'" in err and "bad.json" in err
     with pytest.raises(UserError, match="preference must be"):
         measure(rec("a", "b", "c", 1, 3), AgreementConfig())
+
+
+# --- variance from replicate annotations (alpacafarm annotate --replicates K) -----------------------------------
+
+
+def replicates(instruction: str, out1: str, out2: str, *labels: object) -> list[dict[str, object]]:
+    return [{"instruction": instruction, "output_1": out1, "output_2": out2, "preference": p, "replicate": k}
+            for k, p in enumerate(labels)]
+
+
+# A: 4 replicates, plus a record repeating replicate 0 (a pair given twice to annotate: the same annotation);
+# B: 2 replicates; C: one label only.
+REPLICATES = [*replicates(*PAIR_A, 1, 1, 2, 1), replicates(*PAIR_A, 1)[0], *replicates(*PAIR_B, 2, 2),
+              *replicates("C", "x", "y", 1)]
+
+
+def test_variance_from_replicates_by_hand() -> None:
+    result = self_variance(REPLICATES, AgreementConfig())
+    # A [1,1,2,1]: each 1 faces the majority of [1,2,1] or [1,1,2] = 1 (agree), the 2 faces [1,1,1] (disagree): 3/4.
+    # B [2,2]: each faces the other: 1. Self-agreement (3/4 + 1)/2 = 7/8, variance 1/8. (Had the repeated record
+    # been counted, A = [1,1,2,1,1] would agree 4/5 and the variance would read 0.1.)
+    assert result["variance"] == pytest.approx(0.125)
+    assert (result["pairs"], result["n_labels"], result["labels_per_pair"]) == (2, 6, 3.0)
+    assert (result["pairs_single_label"], result["repeats"], result["missing"]) == (1, 1, 0)
+    # two replicates per pair: the variance is the share of pairs whose two annotations disagree (2 of 4)
+    two = [*replicates("p", "a", "b", 1, 2), *replicates("q", "a", "b", 1, 1), *replicates("r", "a", "b", 2, 2),
+           *replicates("s", "a", "b", 2, 1)]
+    assert self_variance(two, AgreementConfig())["variance"] == 0.5
+    # a deterministic annotator's replicates are all equal: variance 0
+    assert self_variance(replicates("p", "a", "b", 2, 2, 2, 2), AgreementConfig())["variance"] == 0.0
+    with pytest.raises(UserError, match="--replicates K"):
+        self_variance([*replicates("p", "a", "b", 1), *replicates("q", "a", "b", 2)], AgreementConfig())
+
+
+def test_annotator_variance_against_humans_uses_one_label_per_replicate() -> None:
+    annotator = measure(HUMANS, AgreementConfig(), REPLICATES)
+    assert annotator.annotator is not None and annotator.annotator["variance"] == pytest.approx(0.125)
+    assert annotator.counts["annotator_repeats"] == 1 and annotator.counts["annotator_labels"] == 6
+    # records without a replicate field (e.g. several annotators' labels) are all kept, as before
+    plain = [{k: v for k, v in r.items() if k != "replicate"} for r in REPLICATES]
+    assert measure(HUMANS, AgreementConfig(), plain).counts["annotator_labels"] == 7
+
+
+def test_variance_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    labels = tmp_path / "sim.json"
+    labels.write_text(json.dumps(REPLICATES))
+    code, out, _ = in_process(capsys, "compare", str(labels), "--variance", "--json")
+    assert code == 0 and json.loads(out)["variance"] == 0.125
+    code, _, err = in_process(capsys, "compare", "--", "--variance", str(labels))
+    assert code == 0 and "0.125" in err and "variance" in err
+    code, _, err = in_process(capsys, "compare", str(labels), "--variance", "--x", "a")
+    assert code == 2 and "--variance takes the annotator's labels file only" in err
+    from alpacafarm_validation.cli import main as compare_main
+
+    with pytest.raises(SystemExit):
+        compare_main(["--help"])
+    assert "--replicates 4" in capsys.readouterr().out  # the help says how to measure a variance

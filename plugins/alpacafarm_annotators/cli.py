@@ -1,4 +1,15 @@
-"""``alpacafarm annotate INPUT --annotator NAME -o OUTPUT``: label pairs of outputs with any registered annotator."""
+"""``alpacafarm annotate INPUT --annotator NAME -o OUTPUT``: label pairs of outputs with any registered annotator.
+
+Variance: ``--replicates K`` writes K independent annotations per pair (records in input order, each repeated K
+times with ``replicate`` 0..K-1). Replicate 0 is the ordinary annotation (the same cache entries and seeded
+draws as a run without the flag); replicate k > 0 is a fresh draw of everything random (a pool's member, order
+and label noise; an API judge's sampling), cached under its own key, so it is paid for once and a later run
+with more replicates pays only for the new ones. A deterministic judge (``offline``, ``local_judge``, a greedy
+API judge) gives the same label to every replicate: its variance is 0. ``alpacafarm compare HUMAN.json
+--agreement --annotator-labels OUTPUT`` then reports the annotator's variance (each replicate against the
+majority of the others; the paper's variance uses 4 annotations per pair: ``--replicates 4``). An input record
+that repeats a pair gets the same annotation as its first occurrence (it is the same annotation, cached).
+"""
 
 from __future__ import annotations
 
@@ -13,10 +24,13 @@ from alpacafarm.errors import UserError
 def parse_args(argv: list[str]) -> argparse.Namespace:
     from alpacafarm.annotation import add_annotator_options
 
-    parser = argparse.ArgumentParser(prog="alpacafarm annotate", description=__doc__)
+    parser = argparse.ArgumentParser(prog="alpacafarm annotate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("input", help="JSON or JSONL records with instruction, optional input, output_1, output_2")
     parser.add_argument("--annotator", required=True, help="a registered annotator (see: alpacafarm plugins)")
     parser.add_argument("-o", "--output", required=True, help="output JSON file (records + preference and costs)")
+    parser.add_argument("--replicates", type=int, default=1, metavar="K",
+                        help="independent annotations per pair (default 1), to measure the annotator's variance")
     add_annotator_options(parser)
     return parser.parse_args(argv)
 
@@ -27,6 +41,8 @@ def main(argv: list[str]) -> int:
     from alpacafarm.types import Pair
 
     args = parse_args(argv)
+    if args.replicates < 1:
+        raise UserError(f"--replicates must be >= 1, got {args.replicates}")
     path = Path(args.input)
     if not path.is_file():
         raise UserError(f"input file not found: {path}")
@@ -35,6 +51,10 @@ def main(argv: list[str]) -> int:
         pairs = [Pair.from_record(r) for r in records]
     except ValueError as exc:
         raise UserError(f"{path}: {exc}") from None
+    repeated = len(pairs) - len({(p.instruction, p.input, p.output_1, p.output_2) for p in pairs})
+    if repeated:
+        console().print(f"note: {repeated} record(s) repeat a pair of an earlier record and get its annotation; "
+                        "use --replicates K for independent annotations of the same pair")
     from alpacafarm.annotation import annotator_from_options
     from alpacafarm.plugins import get_registry
 
@@ -44,29 +64,36 @@ def main(argv: list[str]) -> int:
 
     started = time.perf_counter()
     spent = [0.0]
+    by_replicate = []
     with Progress(TextColumn("annotating"), BarColumn(), MofNCompleteColumn(), TextColumn("${task.fields[cost]:.4f}"),
                   TimeElapsedColumn(), console=console()) as progress:
-        task = progress.add_task("annotate", total=len(pairs), cost=0.0)
+        task = progress.add_task("annotate", total=len(pairs) * args.replicates, cost=0.0)
 
         def advance(n: int, cost: float) -> None:
             spent[0] += cost
             progress.update(task, advance=n, cost=spent[0])
 
-        annotations = annotator.annotate(pairs, advance)
+        for replicate in range(args.replicates):
+            by_replicate.append(annotator.annotate(pairs, advance, replicate=replicate))
     seconds = time.perf_counter() - started
 
     out = []
-    for record, annotation in zip(records, annotations, strict=True):
-        row = annotation.to_json()
-        row.pop("metadata")
-        out.append({**record, **row})
+    annotations = []
+    for i, record in enumerate(records):
+        for replicate, replicate_annotations in enumerate(by_replicate):
+            annotation = replicate_annotations[i]
+            annotations.append(annotation)
+            row = annotation.to_json()
+            row.pop("metadata")
+            out.append({**record, **row, "replicate": replicate})
     write_json(Path(args.output), out)
     parsed = sum(a.preference is not None for a in annotations)
     ties = sum(a.preference == 0 for a in annotations)
     cost = sum(a.price_usd for a in annotations if not a.cached)
-    print_table(f"{args.annotator}: {args.output}", ["n", "parsed", "ties", "cached", "noise", "cost (USD)", "time"],
-                [[len(pairs), parsed, ties, sum(a.cached for a in annotations), sum(a.noise for a in annotations),
-                  f"{cost:.4f}", f"{seconds:.1f}s"]])
-    print(json.dumps({"n": len(pairs), "parsed": parsed, "ties": ties, "cost_usd": round(cost, 6),
-                      "seconds": round(seconds, 2)}))
+    print_table(f"{args.annotator}: {args.output}",
+                ["n", "replicates", "parsed", "ties", "cached", "noise", "cost (USD)", "time"],
+                [[len(annotations), args.replicates, parsed, ties, sum(a.cached for a in annotations),
+                  sum(a.noise for a in annotations), f"{cost:.4f}", f"{seconds:.1f}s"]])
+    print(json.dumps({"n": len(annotations), "pairs": len(pairs), "replicates": args.replicates, "parsed": parsed,
+                      "ties": ties, "cost_usd": round(cost, 6), "seconds": round(seconds, 2)}))
     return 0

@@ -95,7 +95,10 @@ class LocalJudge(Annotator):
             out.extend((logprobs[:, label_ids[0]] - logprobs[:, label_ids[1]]).tolist())
         return out
 
-    async def aannotate(self, pairs: Sequence[Pair], progress: ProgressCallback | None = None) -> list[Annotation]:
+    async def aannotate(self, pairs: Sequence[Pair], progress: ProgressCallback | None = None, *,
+                        replicate: int = 0) -> list[Annotation]:
+        """``replicate`` is accepted and ignored: the judge is deterministic, so every replicate is the same label
+        (a variance of 0). A pool with label noise around it has a variance."""
         results: list[Annotation | None] = [identical_tie(p, self.name) for p in pairs]
         todo = [i for i, r in enumerate(results) if r is None]
         shown = [pairs[i] for i in todo]

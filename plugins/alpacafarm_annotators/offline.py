@@ -53,7 +53,10 @@ class OfflineAnnotator(Annotator):
             return None
         return reference
 
-    async def aannotate(self, pairs: Sequence[Pair], progress: ProgressCallback | None = None) -> list[Annotation]:
+    async def aannotate(self, pairs: Sequence[Pair], progress: ProgressCallback | None = None, *,
+                        replicate: int = 0) -> list[Annotation]:
+        """``replicate`` is accepted and ignored: the judge is deterministic, so every replicate is the same label
+        (a variance of 0). A pool with label noise around it (``offline_ann``) has a variance."""
         results: list[Annotation | None] = [identical_tie(p, self.name) for p in pairs]
         todo = [i for i, r in enumerate(results) if r is None]
         instructions = [f"{pairs[i].instruction}\n\n{pairs[i].input}" if pairs[i].input else pairs[i].instruction

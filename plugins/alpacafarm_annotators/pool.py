@@ -9,6 +9,12 @@ For every pair, with draws seeded by a stable hash (identical in every process a
 - **label noise** (``p_label_flip``, 0.25 for p_sim^ann): with probability ``2 * p_label_flip`` the label is a fair
   coin instead of an annotation, so it flips with probability ``p_label_flip``. Such pairs are neither sent nor
   cached — training feedback costs half as much, as the paper notes.
+
+**Replicates** (``annotate(pairs, replicate=k)``): replicate 0 is the draw described above; replicate k > 0 adds
+k to every seed (a new member per instruction, a new order, a new coin) and asks its member for replicate k (an
+API judge then samples afresh, under its own cache key). Repeats of one pair thus vary as in the paper's
+variance measurement ("a held-out annotation against the majority vote over 3 random draws"), even over
+deterministic members once there is label noise or more than one member.
 """
 
 from __future__ import annotations
@@ -16,10 +22,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from alpacafarm.annotation import Annotator, ProgressCallback, identical_tie
+from alpacafarm.annotation import Annotator, ProgressCallback, aannotate_replicate, identical_tie
 from alpacafarm.seeding import stable_hash, stable_uniform
 from alpacafarm.types import Annotation, Pair, flip
 from alpacafarm_annotators.config import PoolConfig
+
+
+def _replicate_parts(replicate: int) -> tuple[object, ...]:
+    """What replicate k adds to a seed: nothing for 0 (the draws every pool made before replicates existed)."""
+    return ("replicate", replicate) if replicate else ()
 
 
 class AnnotatorPool(Annotator):
@@ -31,14 +42,15 @@ class AnnotatorPool(Annotator):
         self.members = [members[m] for m in config.annotators]
         self.name = name
 
-    def member_index(self, pair: Pair) -> int:
-        """Which member annotates this pair's instruction."""
-        return stable_hash(self.config.seed, "assign", pair.instruction, pair.input) % len(self.members)
+    def member_index(self, pair: Pair, replicate: int = 0) -> int:
+        """Which member annotates this pair's instruction (in replicate ``replicate``)."""
+        return stable_hash(self.config.seed, "assign", pair.instruction, pair.input,
+                           *_replicate_parts(replicate)) % len(self.members)
 
-    def _draws(self, pair: Pair) -> tuple[Pair, bool, int | None]:
+    def _draws(self, pair: Pair, replicate: int = 0) -> tuple[Pair, bool, int | None]:
         """(pair as shown, shown swapped relative to the caller's order, noise label in the caller's order or None)."""
         low, high = sorted((pair.output_1, pair.output_2))
-        key = (self.config.seed, pair.instruction, pair.input, low, high)
+        key = (self.config.seed, pair.instruction, pair.input, low, high, *_replicate_parts(replicate))
         canonical = Pair(pair.instruction, low, high, pair.input)
         caller_is_canonical = pair.output_1 == low
         noise: int | None = None
@@ -50,7 +62,8 @@ class AnnotatorPool(Annotator):
         shown = canonical.swapped() if stable_hash(*key, "swap") % 2 else canonical
         return shown, shown.output_1 != pair.output_1, noise
 
-    async def aannotate(self, pairs: Sequence[Pair], progress: ProgressCallback | None = None) -> list[Annotation]:
+    async def aannotate(self, pairs: Sequence[Pair], progress: ProgressCallback | None = None, *,
+                        replicate: int = 0) -> list[Annotation]:
         results: list[Annotation | None] = [None] * len(pairs)
         work: dict[int, list[tuple[int, Pair, bool]]] = {}
         for i, pair in enumerate(pairs):
@@ -58,16 +71,17 @@ class AnnotatorPool(Annotator):
             if tie is not None:
                 results[i] = tie
                 continue
-            shown, swapped, noise = self._draws(pair)
+            shown, swapped, noise = self._draws(pair, replicate)
             if noise is not None:
                 results[i] = Annotation(noise, "noise", noise=True, metadata={"p_label_flip": self.config.p_label_flip})
                 continue
-            work.setdefault(self.member_index(pair), []).append((i, shown, swapped))
+            work.setdefault(self.member_index(pair, replicate), []).append((i, shown, swapped))
         if progress and len(pairs) - sum(len(w) for w in work.values()):
             progress(len(pairs) - sum(len(w) for w in work.values()), 0.0)
 
         async def run_member(member: int, items: list[tuple[int, Pair, bool]]) -> None:
-            annotations = await self.members[member].aannotate([shown for _, shown, _ in items], progress)
+            annotations = await aannotate_replicate(self.members[member], [shown for _, shown, _ in items], progress,
+                                                    replicate)
             for (i, _, swapped), annotation in zip(items, annotations, strict=True):
                 if swapped:
                     annotation.preference = flip(annotation.preference)

@@ -4,11 +4,18 @@ Pairs are grouped into batches of ``batch_size`` per request, rendered with the 
 read back with its parser. A batch whose answers cannot be read (wrong count, garbage) is requested once more;
 if that also fails its pairs are marked unparsed (``None``), never guessed. Identical outputs are ties without a
 request. Every answered request is committed to the cache and ledger at once.
+
+Replicate k > 0 (``annotate(pairs, replicate=k)``) is an independent annotation of the same pairs: its cache key
+carries k (so it is requested and paid for once, separately from replicate 0) and its requests carry a sampling
+``seed`` drawn from k, the batch's keys and the attempt (derived from ``decoding.seed`` when one is set), so an
+endpoint that honours seeds samples afresh and reproducibly. Replicate 0 sends exactly the configured decoding.
+A greedy judge (temperature 0) gives every replicate the same answer, as it should.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -22,6 +29,7 @@ import yaml
 from alpacafarm.annotation import Annotator, ProgressCallback, identical_tie
 from alpacafarm.annotation_cache import AnnotationCache, pair_key
 from alpacafarm.errors import UserError
+from alpacafarm.seeding import stable_seed
 from alpacafarm.types import Annotation, Pair
 from alpacafarm_annotators import parsing, templates
 from alpacafarm_annotators.config import Price, PromptedAnnotatorConfig
@@ -33,6 +41,11 @@ PRICES_FILE = Path(__file__).parent / "prices.yaml"
 @cache
 def price_table() -> dict[str, Price]:
     return {name: Price(**value) for name, value in yaml.safe_load(PRICES_FILE.read_text()).items()}
+
+
+def _copy(annotation: Annotation, **changes: Any) -> Annotation:
+    """An independent copy (a pool flips the labels it gets in place)."""
+    return dataclasses.replace(annotation, metadata=dict(annotation.metadata), **changes)
 
 
 class PromptedAnnotator(Annotator):
@@ -87,18 +100,25 @@ class PromptedAnnotator(Annotator):
         return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=self.config.timeout_s)
 
     # ------------------------------------------------------------------ annotate
-    async def aannotate(self, pairs: Sequence[Pair], progress: ProgressCallback | None = None) -> list[Annotation]:
+    async def aannotate(self, pairs: Sequence[Pair], progress: ProgressCallback | None = None, *,
+                        replicate: int = 0) -> list[Annotation]:
         results: list[Annotation | None] = [None] * len(pairs)
-        keys = [pair_key(self.fingerprint, p) for p in pairs]
+        keys = [pair_key(self.fingerprint, p, replicate) for p in pairs]
         todo: list[int] = []
+        first: dict[str, int] = {}  # a pair given twice is requested once; the repeat gets a copy of its label
+        repeats: list[tuple[int, int]] = []
         cached = self.cache.get_many(keys) if self.cache else {}
         for i, pair in enumerate(pairs):
-            tie = identical_tie(pair, self.name)
-            results[i] = tie or cached.get(keys[i])
+            hit = cached.get(keys[i])
+            results[i] = identical_tie(pair, self.name) or (_copy(hit) if hit else None)  # callers may mutate
             if results[i] is None:
-                todo.append(i)
-        if progress and len(pairs) - len(todo):
-            progress(len(pairs) - len(todo), 0.0)
+                if keys[i] in first:
+                    repeats.append((i, first[keys[i]]))
+                else:
+                    first[keys[i]] = i
+                    todo.append(i)
+        if progress and len(pairs) - len(todo) - len(repeats):
+            progress(len(pairs) - len(todo) - len(repeats), 0.0)
 
         if not todo:
             return [r for r in results if r is not None]
@@ -114,7 +134,7 @@ class PromptedAnnotator(Annotator):
                     return
                 try:
                     annotations = await self._annotate_batch(client, [pairs[i] for i in indices],
-                                                             [keys[i] for i in indices], limiter)
+                                                             [keys[i] for i in indices], limiter, replicate)
                 except UserError as exc:  # budget or a refused request: stop scheduling, keep what is done
                     budget_error.append(exc)
                     return
@@ -130,23 +150,37 @@ class PromptedAnnotator(Annotator):
         if budget_error:
             done = sum(r is not None for r in results)
             raise type(budget_error[0])(f"{budget_error[0]} ({done}/{len(pairs)} pairs annotated)")
+        for i, j in repeats:  # not paid again: served like a cached label
+            original = results[j]
+            results[i] = _copy(original, cached=True) if original is not None else None
+        if progress and repeats:
+            progress(len(repeats), 0.0)
         return [r if r is not None else Annotation(None, self.name) for r in results]
 
+    def decoding(self, replicate: int = 0, attempt: int = 0, keys: Sequence[str] = ()) -> dict[str, Any]:
+        """The decoding parameters of one request: the config's for replicate 0; for replicate k > 0 the same with a
+        ``seed`` drawn from (``decoding.seed``, k, the batch's cache keys, attempt)."""
+        if not replicate:
+            return self.config.decoding
+        base = self.config.decoding.get("seed")
+        return {**self.config.decoding, "seed": stable_seed(base, "replicate", replicate, attempt, *keys)}
+
     async def _annotate_batch(self, client: Any, batch: list[Pair], keys: list[str],
-                              limiter: RateLimiter) -> list[Annotation]:
+                              limiter: RateLimiter, replicate: int = 0) -> list[Annotation]:
         prompt = templates.render(self.template, batch, self.config.style)
         total_in = total_out = 0
         latency = 0.0
         attempts = 0
         labels = None
         completion: Completion | None = None
-        for _ in range(2):  # the paper's annotators are asked again once when their answer cannot be read
+        for attempt in range(2):  # the paper's annotators are asked again once when their answer cannot be read
             estimate = self._estimate(prompt)
             self.budget.reserve(estimate)
             try:
                 completion = await complete(
                     client, style=self.config.style, model=self.model, prompt=prompt,
-                    decoding=self.config.decoding, logprobs=self.config.logprobs, max_retries=self.config.max_retries,
+                    decoding=self.decoding(replicate, attempt, keys), logprobs=self.config.logprobs,
+                    max_retries=self.config.max_retries,
                     timeout_s=self.config.timeout_s, limiter=limiter, backoff_s=self.config.retry_backoff_s)
             except RequestFailed as exc:
                 self.budget.settle(estimate, 0.0)

@@ -8,10 +8,10 @@ def register_validators(register):
     register("rank_correlation", "alpacafarm_validation.correlations:RankCorrelationValidator",
              description="Spearman, Pearson, Kendall, R² between two win-rate columns, bootstrap intervals")
     register("agreement", "alpacafarm_validation.agreement:AgreementValidator",
-             description="leave-one-out agreement, bias, variance, P(prefer longer), P(prefer first)")
+             description="leave-one-out agreement, bias, variance (from replicates), P(prefer longer), P(prefer first)")
 
 
 @hookimpl
 def register_commands(register):
     register("compare", "alpacafarm_validation.cli:main",
-             description="validate the simulator: correlate two win-rate columns, or annotator agreement")
+             description="validate the simulator: correlate two win-rate columns, annotator agreement or variance")

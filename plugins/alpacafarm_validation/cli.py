@@ -22,6 +22,20 @@ option as a plugin command's first argument; ``alpacafarm compare -- --agreement
     humans {agreement, bias, variance, p_prefer_longer, n_length_decided, p_prefer_first, n_labels},
     annotator {same keys} or null}; all rates are fractions in [0, 1]. See alpacafarm_validation.agreement for
     the exact definitions.
+
+    Annotator variance needs several independent annotations per pair by the same annotator. Annotating a pair
+    twice gives the same label (cache and seeded draws), so ask for replicates:
+        alpacafarm annotate pairs.json --annotator alpacafarm_ann --replicates 4 -o SIM.json
+    (one record per pair in pairs.json; SIM.json gets 4, with replicate 0-3). The annotator's variance is then
+    each label against the majority of its other labels of the pair: with 4, against the majority of 3, the
+    paper's definition (p_sim^ann 0.43, p_sim^eval 0.26, humans 0.35, greedy GPT-4 0.1); with 2, the rate at
+    which two annotations disagree. Records with equal pair and replicate are copies of one annotation: one is
+    kept (counts.annotator_repeats). A deterministic annotator (offline, a greedy judge) has variance 0.
+
+``alpacafarm compare --variance SIM.json [--json]`` (or ``compare SIM.json --variance``)
+    The variance of an annotator from its replicate labels alone, without human labels: {variance, p_prefer_longer,
+    n_length_decided, p_prefer_first, n_labels, pairs (with >= 2 labels), labels_per_pair, pairs_single_label,
+    missing, repeats}.
 """
 
 from __future__ import annotations
@@ -47,7 +61,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--n-bootstrap", type=int, default=2000, help="bootstrap resamples (0: no intervals)")
     parser.add_argument("--agreement", nargs="?", const=True, metavar="HUMAN.json",
                         help="multiply-annotated human preferences; without a value, TABLE is that file")
-    parser.add_argument("--annotator-labels", metavar="SIM.json", help="an annotator's labels on the same pairs")
+    parser.add_argument("--annotator-labels", metavar="SIM.json",
+                        help="an annotator's labels on the same pairs; several per pair (annotate --replicates K) "
+                             "give its variance")
+    parser.add_argument("--variance", nargs="?", const=True, metavar="SIM.json",
+                        help="an annotator's variance from its replicate labels alone (annotate --replicates K, "
+                             "K >= 2; 4 as in the paper); without a value, TABLE is that file")
     parser.add_argument("--reference", choices=["held_out", "all"], default="held_out",
                         help="annotator vs majority of n-1 humans (paper, default) or of all n (AlpacaEval)")
     parser.add_argument("--length-margin", type=int, default=0,
@@ -144,9 +163,38 @@ def cmd_agreement(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_variance(args: argparse.Namespace) -> int:
+    from alpacafarm.plugins import get_registry
+
+    if args.table or args.x or args.y or args.agreement or args.annotator_labels:
+        raise UserError("--variance takes the annotator's labels file only (for agreement with humans too, use "
+                        "--agreement HUMAN.json --annotator-labels SIM.json)")
+    validator = get_registry().create("validator", "agreement", {
+        "seed": args.seed, "length_margin": max(args.length_margin, 0)})
+    result = validator.variance(_records(args.variance, "annotator labels"), source=args.variance)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+
+    from alpacafarm.console import print_table
+
+    print_table(f"{Path(args.variance).name}: variance over its replicates (seed {args.seed})",
+                ["variance", "P(longer)", "P(first)", "labels", "pairs", "labels/pair", "single", "repeats"],
+                [[_fmt(result["variance"]), _fmt(result["p_prefer_longer"]), _fmt(result["p_prefer_first"]),
+                  result["n_labels"], result["pairs"], _fmt(result["labels_per_pair"], 2),
+                  result["pairs_single_label"], result["repeats"]]])
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``alpacafarm compare``; UserError becomes one ``error:`` line and exit status 2."""
     args = parse_args(list(argv))
+    if args.variance is True:  # ``compare SIM.json --variance``: the positional is the annotator's file
+        if not args.table:
+            raise UserError("--variance needs the annotator's labels file: --variance SIM.json")
+        args.variance, args.table = args.table, None
+    if args.variance:
+        return cmd_variance(args)
     if args.agreement is True:  # ``compare HUMAN.json --agreement``: the positional is the human file
         if not args.table:
             raise UserError("--agreement needs the human annotations file: --agreement HUMAN.json")
