@@ -314,7 +314,7 @@ class SharedRewardClassifier(nn.Module):
         return SimpleNamespace(logits=pooled.unsqueeze(-1))
 
 
-class RewardModelCritic(nn.Module):
+class RewardModelCritic(ValueModel):
     """The critic as the reward model plus a fresh LoRA ``value`` adapter: equal to the reward model at step 0.
 
     ``classifier`` is the reward model (frozen, as loaded: in the model block's dtype, quantized if asked).
@@ -327,22 +327,13 @@ class RewardModelCritic(nn.Module):
     def __init__(self, classifier: Any, adapter_config: Any) -> None:
         from peft import get_peft_model
 
-        super().__init__()
         head = classifier_head(classifier)
         classifier.requires_grad_(False)
         backbone = getattr(classifier, classifier.base_model_prefix)
-        self.backbone = get_peft_model(backbone, adapter_config, adapter_name=VALUE)
-        self.head = copy.deepcopy(head).float()
+        super().__init__(get_peft_model(backbone, adapter_config, adapter_name=VALUE), copy.deepcopy(head).float())
         self.head.requires_grad_(True)
         self._classifier = [classifier]  # a list: its backbone is registered once, as self.backbone's base
         disable_dropout(self.backbone)
-
-    def forward(self, batch: Batch) -> torch.Tensor:
-        n = batch.response_ids.shape[1]
-        hidden = self.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                               position_ids=batch.position_ids, use_cache=False).last_hidden_state
-        hidden = hidden[:, -(n + 1):-1]
-        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
 
     def reward_model(self) -> AdapterOffClassifier:
         return AdapterOffClassifier(self._classifier[0], self.backbone)
