@@ -143,3 +143,24 @@ def test_a_lora_reward_model_scores_after_reload_as_it_did_in_training(fp32_mode
     reloaded = RewardScorer.from_path(str(tmp_path / "rm-model"), spec).score_texts(texts, batch_size=4)
     assert reloaded == pytest.approx(expected, abs=1e-4)
     assert len(set(round(x, 4) for x in expected)) > 1  # a trained head, not a constant
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_reward_model_starts_the_same_whatever_ran_before_in_the_process(fp32_model_dir: str, tmp_path: Path,
+                                                                           lora: bool):
+    """The score head and LoRA adapters are drawn before the Trainer seeds itself; the builder seeds first, so a
+    resumed run (or one with other stages before it in the process) trains the same reward model."""
+    from alpacafarm_trl.reward_model import RewardModelConfig, build_reward_trainer
+
+    spec = ModelSpec(name=fp32_model_dir, dtype="float32", lora=LoraSpec(r=4, alpha=8) if lora else None)
+    config = RewardModelConfig(output_dir=str(tmp_path / "rm"), max_steps=1, save_strategy="no", report_to="none",
+                               disable_tqdm=True, seed=3)
+    initial = []
+    for noise in (1, 2):
+        torch.manual_seed(noise)
+        torch.rand(noise * 100)  # some other stage drew random numbers first
+        trainer = build_reward_trainer(config, spec, fp32_model_dir, PAIRS)
+        initial.append({n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad})
+    assert initial[0].keys() == initial[1].keys()
+    for name, tensor in initial[0].items():
+        assert torch.equal(tensor, initial[1][name]), name

@@ -85,6 +85,7 @@ def build_dpo_trainer(
     None and TRL keeps no second model.
     """
     from datasets import Dataset
+    from transformers import set_seed
     from trl import DPOTrainer
 
     from alpacafarm.modeling import load_tokenizer, lora_config
@@ -92,6 +93,7 @@ def build_dpo_trainer(
     if not rows:
         raise UserError("there is nothing to train on: no preference pair has a usable preference")
     peft_config = lora_config(spec)
+    set_seed(config.seed)  # fresh LoRA adapters are drawn before the Trainer seeds itself
     ref_model = None
     if peft_config is None and not config.precompute_ref_log_probs:
         ref_model = load_merged_causal_lm(spec, model_path)

@@ -105,6 +105,7 @@ def prompt_rows(records: list[dict[str, Any]], fmt: Any, tokenizer: Any) -> list
 def run_online_rl(context: StageContext, config: Any, trainer_class: Any, algorithm: str) -> Artifact:
     """Train the SFT model with ``trainer_class`` (GRPOTrainer / RLOOTrainer); writes ``model/``, ``metrics.json``."""
     from datasets import Dataset
+    from transformers import set_seed
 
     from alpacafarm.data import write_json
     from alpacafarm.modeling import is_adapter_folder, load_merged_causal_lm, load_tokenizer, lora_config
@@ -131,6 +132,7 @@ def run_online_rl(context: StageContext, config: Any, trainer_class: Any, algori
     rewards = reward_sources(context, args)
     tokenizer = load_tokenizer(spec, model_path)
     rows = prompt_rows(records, PromptFormat.for_model(spec.prompt_format, model_path, tokenizer), tokenizer)
+    set_seed(args.seed)  # fresh LoRA adapters are drawn before the Trainer seeds itself
     trainer = trainer_class(model=load_merged_causal_lm(spec, model_path, trainable=True), reward_funcs=rewards,
                             args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                             peft_config=lora_config(spec))

@@ -30,12 +30,14 @@ def build_sft_trainer_on_rows(
     trainable weights as float32 master copies.
     """
     from datasets import Dataset
+    from transformers import set_seed
     from trl import SFTTrainer
 
     from alpacafarm.modeling import load_tokenizer, lora_config
 
     if not rows:
         raise UserError("there is nothing to train on: no preference pair has a usable preference")
+    set_seed(config.seed)  # fresh LoRA adapters are drawn before the Trainer seeds itself
     trainer = SFTTrainer(
         model=load_merged_causal_lm(spec, model_path, trainable=True),
         args=config,

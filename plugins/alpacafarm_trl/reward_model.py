@@ -98,11 +98,15 @@ def build_reward_trainer(config: RewardModelConfig, spec: Any, model_path: str, 
     Shared by the method and the overhead benchmark.
     """
     from datasets import Dataset
+    from transformers import set_seed
     from trl import RewardTrainer
 
     from alpacafarm.modeling import load_tokenizer, lora_config
 
     tokenizer = load_tokenizer(spec, model_path)
+    # The score head (and LoRA adapters) are drawn before the Trainer seeds itself: seed first, or the reward
+    # model depends on whatever ran before in the process (a resumed run would train a different one).
+    set_seed(config.seed)
     model = load_classifier(spec, model_path, trainable=True)
     model.config.pad_token_id = tokenizer.pad_token_id  # the head reads the last token that is not padding
     if config.trainable_layers is not None:
