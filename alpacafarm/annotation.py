@@ -11,6 +11,12 @@ everything random (a pool's member, order and label noise; an API judge's sampli
 request seed), cached and paid for once like any label. A deterministic annotator (the offline judge, a local
 judge, a greedy API judge) gives the same label for every replicate, which is its true variance of 0; an
 ``aannotate`` that takes no ``replicate`` keyword cannot be asked for replicate k > 0 (:func:`aannotate_replicate`).
+
+Failing loudly: every annotation has an ``outcome`` (labelled, tie, unparsed, failed; see
+:class:`~alpacafarm.types.Annotation`). :func:`summarize` counts them and names the first failure and its
+endpoint; :func:`check_unlabelled` is the tolerance a pipeline stage applies (``max_unlabelled_fraction``): more
+pairs without a label (failed or unparsed; a tie is a label) than the tolerance raise :class:`AnnotationFailed`,
+one line, exit status 1, so the stage is never recorded complete and a re-run asks only for what is missing.
 """
 
 from __future__ import annotations
@@ -20,15 +26,83 @@ import asyncio
 import inspect
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from alpacafarm.types import Annotation, Pair
+from alpacafarm.annotation_cache import LedgerTotals
+from alpacafarm.errors import UserError
+from alpacafarm.types import OUTCOMES, Annotation, Pair
 
 if TYPE_CHECKING:
     from alpacafarm.registry import Registry
 
 #: ``progress(n_done, cost_usd)`` is called as annotations complete (drives progress bars).
 ProgressCallback = Callable[[int, float], None]
+
+
+class AnnotationFailed(UserError):
+    """Annotation work failed (pairs without a label past the tolerance, an endpoint that never answered): one line
+    naming the endpoint and the first error, exit status 1 ("the work failed"; 2 stays "the user's input is wrong")."""
+
+    exit_code = 1
+
+
+@dataclass
+class OutcomeSummary:
+    """Counts of the outcomes of a list of annotations, and the first failure (error text and endpoint)."""
+
+    n: int = 0
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    first_error: str | None = None
+    endpoint: str | None = None
+
+    @property
+    def failed(self) -> int:
+        return self.counts["failed"]
+
+    @property
+    def unparsed(self) -> int:
+        return self.counts["unparsed"]
+
+    @property
+    def unlabelled(self) -> int:
+        """Pairs without a usable label: failed (no answer) plus unparsed (an answer that could not be read)."""
+        return self.failed + self.unparsed
+
+    def cause(self) -> str:
+        """``first error: ... (endpoint URL)``, or '' when nothing failed."""
+        if self.first_error is None:
+            return ""
+        where = f" at {self.endpoint}" if self.endpoint else ""
+        return f"first error{where}: {self.first_error}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"n": self.n, **self.counts, "first_error": self.first_error, "endpoint": self.endpoint}
+
+
+def summarize(annotations: Sequence[Annotation]) -> OutcomeSummary:
+    """Outcome counts; the first error is the first failed annotation's (else the first unparsed one's)."""
+    summary = OutcomeSummary(n=len(annotations))
+    for outcome in ("failed", "unparsed"):
+        for annotation in annotations:
+            if annotation.outcome == outcome and summary.first_error is None:
+                summary.first_error = str(annotation.metadata.get("error") or outcome)
+                summary.endpoint = annotation.metadata.get("endpoint")
+    for annotation in annotations:
+        summary.counts[annotation.outcome or "unparsed"] += 1
+    return summary
+
+
+def check_unlabelled(annotations: Sequence[Annotation], max_fraction: float, what: str) -> OutcomeSummary:
+    """Raise :class:`AnnotationFailed` when more than ``max_fraction`` of ``annotations`` have no label (failed or
+    unparsed); ``what`` names the work (e.g. ``"stage 'prefs' (annotator 'gpt4_b5')"``). Returns the summary."""
+    summary = summarize(annotations)
+    if summary.n and summary.unlabelled > max_fraction * summary.n:
+        raise AnnotationFailed(
+            f"{what}: {summary.unlabelled} of {summary.n} pairs have no label ({summary.failed} failed, "
+            f"{summary.unparsed} unparsed; tolerance max_unlabelled_fraction={max_fraction:g}); {summary.cause()}; "
+            "the answers received are cached: re-run to ask only for the missing pairs")
+    return summary
 
 
 def identical_tie(pair: Pair, annotator: str) -> Annotation | None:
@@ -49,8 +123,6 @@ async def aannotate_replicate(annotator: Annotator, pairs: Sequence[Pair], progr
     """``annotator.aannotate(pairs, progress, replicate=replicate)``; replicate 0 is the plain call, so annotators
     written before replicates existed keep working. Raises UserError for replicate k > 0 when the annotator's
     ``aannotate`` takes no ``replicate`` (its repeats would silently be copies: a variance of 0)."""
-    from alpacafarm.errors import UserError
-
     if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 0:
         raise UserError(f"replicate must be an integer >= 0, got {replicate!r}")
     if replicate == 0:
@@ -95,6 +167,11 @@ class Annotator:
             raise result["error"]
         return result["value"]
 
+    def usage(self) -> LedgerTotals:
+        """Requests, tokens and dollars this annotator paid for since it was built (its run's share of the ledger;
+        zeros for a judge that costs nothing)."""
+        return LedgerTotals(0, 0, 0, 0.0)
+
     def close(self) -> None:
         """Release clients, files and models (called by the CLI and the pipeline when done)."""
 
@@ -120,7 +197,7 @@ def annotator_options(args: argparse.Namespace) -> dict[str, Any]:
     """The options given on the command line as one flat mapping (only those given)."""
     import yaml
 
-    from alpacafarm.errors import UserError
+    from alpacafarm.yamlsource import shown_override
 
     options: dict[str, Any] = {}
     if args.base_url:
@@ -139,8 +216,12 @@ def annotator_options(args: argparse.Namespace) -> dict[str, Any]:
     for setting in args.settings:
         key, sep, raw = setting.partition("=")
         if not sep or not key:
-            raise UserError(f"--set expects KEY=VALUE, got {setting!r}")
-        options[key] = yaml.safe_load(raw)
+            raise UserError(f"--set expects KEY=VALUE, got {shown_override(setting)}")
+        try:
+            options[key] = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise UserError(f"--set {shown_override(setting)}: the value is not valid YAML ({problem})") from None
     return options
 
 
@@ -163,7 +244,7 @@ def _config_fields(config_class: Any) -> set[str]:
 def annotator_from_options(registry: Registry, name: str, args: argparse.Namespace) -> Annotator:
     """Build annotator ``name`` from the command line: the target's ``cli_config(options)`` maps the options to
     its config block (without one, the options are the block), then ``registry.create`` validates and builds."""
-    from alpacafarm.errors import RecipeError, UserError
+    from alpacafarm.errors import RecipeError
 
     options = annotator_options(args)
     target = registry.get("annotator", name)

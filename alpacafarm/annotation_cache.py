@@ -1,10 +1,24 @@
-"""The annotation cache and cost ledger: one SQLite file shared by every run (``$ALPACAFARM_CACHE_DIR``).
+"""The annotation cache, cost ledger and claims: one SQLite file shared by every run (``$ALPACAFARM_CACHE_DIR``).
 
-- ``annotations``: content-addressed labels (key = hash of the annotator's fingerprint, the pair as sent and, for
+- ``annotations``: content-addressed answers (key = hash of the annotator's fingerprint, the pair as sent and, for
   a repeated annotation, its replicate index: replicate k > 0 is a label of its own, requested and paid once).
-  A batch's labels are committed together with its ledger row as soon as the response is parsed, so a killed
-  run loses at most the batches that were in flight, and no label is ever paid for twice.
-- ``requests``: the ledger, one row per paid request: tokens in/out, price, latency, attempts.
+  A row holds a label (1, 2, a tie 0) or, with ``outcome = 'unparsed'``, a pair whose *own* answers (asked alone,
+  then asked again) could not be read: a paid answer of this judge, served as unparsed and not bought again.
+  Failures (transport, HTTP) are never stored, and neither is a batch's unreadable answer: its pairs are asked
+  again one by one. A row with no label and no outcome (written before outcomes existed, when an unreadable batch
+  took its neighbours with it) is not served: those pairs are asked again and the row is replaced.
+  A request's labels are committed together with its ledger row as soon as the response is parsed, so a killed
+  run loses at most the requests that were in flight.
+- ``requests``: the ledger, one row per paid completion (a re-ask is a row of its own): tokens in/out, price,
+  latency, transport attempts, whether it parsed, the pair keys it was for and the run (annotator instance) that
+  paid, so ``ledger(run=...)`` gives one run's requests, tokens and dollars.
+- ``claims``: exactly-once payment across processes. Before requesting, a process claims the keys it will pay for
+  (:meth:`AnnotationCache.claim`, one transaction: keys already answered are reported done, keys claimed by a live
+  owner busy, the rest — unclaimed, or claimed by a dead owner — become its own). The owner's row holds its pid,
+  host and a heartbeat it refreshes while it works. Another process that meets a live claim waits for the answer
+  (polling) instead of paying. A claim is dead when its pid is gone on this host (SIGKILL included) or its heartbeat
+  is older than ``stale_after_s`` (another host, a reused pid); a dead claim is taken over. Answers delete their
+  claims in the transaction that stores them; a failed request releases its claims at once.
 
 WAL mode and a busy timeout make concurrent writers (several processes annotating at once) safe. No secret is
 ever written here: the annotator fingerprint holds the model and prompt, never the endpoint's key.
@@ -13,12 +27,14 @@ ever written here: the annotator fingerprint holds the model and prompt, never t
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sqlite3
 import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +53,19 @@ CREATE TABLE IF NOT EXISTS requests (
     attempts INTEGER NOT NULL, parsed INTEGER NOT NULL, created REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS requests_by_annotator ON requests (annotator, created);
+CREATE TABLE IF NOT EXISTS claims (
+    key TEXT PRIMARY KEY, owner TEXT NOT NULL, pid INTEGER NOT NULL, host TEXT NOT NULL, claimed REAL NOT NULL,
+    heartbeat REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS claims_by_owner ON claims (owner);
 """
+#: Columns added since the first release (caches written before them are migrated in place).
+ADDED_COLUMNS = {"annotations": {"outcome": "TEXT"}, "requests": {"keys": "TEXT", "run": "TEXT"}}
+#: Served from the cache: a label, a tie, or a pair given up alone (never a legacy NULL of a poisoned batch).
+SERVABLE = "(preference IS NOT NULL OR outcome = 'unparsed')"
+HOST = socket.gethostname()
+#: A claim whose heartbeat is older than this is dead even if its pid seems alive (another host, a reused pid).
+DEFAULT_STALE_AFTER_S = 120.0
 
 
 def pair_key(fingerprint: str, pair: Pair, replicate: int = 0) -> str:
@@ -62,6 +90,50 @@ class LedgerTotals:
     tokens_out: int
     price_usd: float
 
+    def add(self, tokens_in: int, tokens_out: int, price_usd: float, requests: int = 1) -> None:
+        self.requests += requests
+        self.tokens_in += tokens_in
+        self.tokens_out += tokens_out
+        self.price_usd += price_usd
+
+    def to_json(self) -> dict[str, Any]:
+        return {"requests": self.requests, "tokens_in": self.tokens_in, "tokens_out": self.tokens_out,
+                "cost_usd": round(self.price_usd, 6)}
+
+
+@dataclass
+class ClaimResult:
+    """What :meth:`AnnotationCache.claim` decided for each key."""
+
+    mine: list[str] = field(default_factory=list)  # claimed now: pay for these (then record or release them)
+    busy: dict[str, str] = field(default_factory=dict)  # key -> the live owner ("pid 123 on host"): wait
+    done: list[str] = field(default_factory=list)  # answered meanwhile: read them with get_many
+    taken_over: int = 0  # claims of dead owners among ``mine``
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host and is not a zombie (a killed, unreaped child)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs: trust kill(0)
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+
+def claim_alive(pid: int, host: str, heartbeat: float, now: float, stale_after_s: float) -> bool:
+    """A claim is live while its heartbeat is fresh and, on this host, its process exists."""
+    if now - heartbeat > stale_after_s:
+        return False
+    return pid_alive(pid) if host == HOST else True
+
 
 class AnnotationCache:
     """Thread-safe access to the cache file (one SQLite connection per thread)."""
@@ -70,8 +142,9 @@ class AnnotationCache:
         self.path = Path(path) if path else cache_dir() / "annotations.sqlite"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
-        with self._connect() as db:
-            db.executescript(SCHEMA)
+        db = self._connect()
+        db.executescript(SCHEMA)
+        self._migrate(db)
 
     def _connect(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
@@ -83,59 +156,159 @@ class AnnotationCache:
             self._local.db = db
         return db
 
+    @staticmethod
+    def _migrate(db: sqlite3.Connection) -> None:
+        for table, columns in ADDED_COLUMNS.items():
+            have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+            for column, kind in columns.items():
+                if column not in have:
+                    try:
+                        db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+                    except sqlite3.OperationalError as exc:  # another process added it first
+                        if "duplicate column" not in str(exc):
+                            raise
+
+    def _transaction(self) -> _Transaction:
+        return _Transaction(self._connect())
+
     def get_many(self, keys: Sequence[str]) -> dict[str, Annotation]:
-        """Cached annotations for the keys that have one."""
+        """Cached answers for the keys that have one (labels, ties, pairs given up as unparsed)."""
         found: dict[str, Annotation] = {}
         db = self._connect()
-        for start in range(0, len(keys), 500):
-            chunk = list(keys[start:start + 500])
-            marks = ",".join("?" * len(chunk))
+        for chunk in _chunks(keys):
             rows = db.execute(
-                f"SELECT key, annotator, preference, raw_completion, tokens_in, tokens_out, price_usd, latency_s "
-                f"FROM annotations WHERE key IN ({marks})", chunk).fetchall()
-            for key, annotator, preference, raw, t_in, t_out, price, latency in rows:
-                found[key] = Annotation(preference, annotator, raw, t_in, t_out, price, latency, cached=True)
+                f"SELECT key, annotator, preference, raw_completion, tokens_in, tokens_out, price_usd, latency_s, "
+                f"outcome FROM annotations WHERE key IN ({_marks(chunk)}) AND {SERVABLE}", chunk).fetchall()
+            for key, annotator, preference, raw, t_in, t_out, price, latency, outcome in rows:
+                found[key] = Annotation(preference, annotator, raw, t_in, t_out, price, latency, cached=True,
+                                        outcome=outcome or None)
         return found
 
     def record_batch(self, annotator: str, model: str, entries: Iterable[tuple[str, Annotation]], *,
                      tokens_in: int, tokens_out: int, price_usd: float, latency_s: float, attempts: int,
-                     parsed: bool) -> str:
-        """Store one paid request and its labels in a single transaction; returns the request id."""
+                     parsed: bool, keys: Sequence[str] | None = None, run: str | None = None,
+                     owner: str | None = None) -> str:
+        """Store one paid completion and its answers in a single transaction; returns the request id.
+
+        ``keys`` are the pairs the request was for (default: the entries' keys; a batch whose answer did not
+        parse stores no entry but names its keys); ``owner``'s claims on the entries are released with them.
+        Failed annotations are never stored."""
         request_id = uuid.uuid4().hex
         now = time.time()
-        entries = list(entries)
-        db = self._connect()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            db.execute("INSERT INTO requests VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                       (request_id, annotator, model, len(entries), tokens_in, tokens_out, price_usd, latency_s,
-                        attempts, int(parsed), now))
+        entries = [(key, a) for key, a in entries if a.outcome != "failed"]
+        keys = list(keys) if keys is not None else [key for key, _ in entries]
+        with self._transaction() as db:
+            db.execute("INSERT INTO requests (id, annotator, model, n_pairs, tokens_in, tokens_out, price_usd, "
+                       "latency_s, attempts, parsed, created, keys, run) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                       (request_id, annotator, model, len(keys), tokens_in, tokens_out, price_usd, latency_s,
+                        attempts, int(parsed), now, json.dumps(keys), run))
             db.executemany(
-                "INSERT OR REPLACE INTO annotations VALUES (?,?,?,?,?,?,?,?,?,?)",
+                "INSERT OR REPLACE INTO annotations (key, annotator, preference, raw_completion, tokens_in, "
+                "tokens_out, price_usd, latency_s, request_id, created, outcome) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                 [(key, a.annotator, a.preference, a.raw_completion, a.tokens_in, a.tokens_out, a.price_usd,
-                  a.latency_s, request_id, now) for key, a in entries])
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
+                  a.latency_s, request_id, now, a.outcome) for key, a in entries])
+            if owner is not None and entries:
+                db.executemany("DELETE FROM claims WHERE key = ? AND owner = ?", [(key, owner) for key, _ in entries])
         return request_id
 
-    def ledger(self, annotator: str | None = None, since: float | None = None) -> LedgerTotals:
-        """Totals of the paid requests (optionally of one annotator, and since a UNIX time)."""
+    # ------------------------------------------------------------------------------------------------ claims
+    def claim(self, keys: Sequence[str], owner: str, *, stale_after_s: float = DEFAULT_STALE_AFTER_S) -> ClaimResult:
+        """Claim ``keys`` for ``owner`` (this process) in one transaction; see the module for the protocol."""
+        result = ClaimResult()
+        now = time.time()
+        pid = os.getpid()
+        with self._transaction() as db:
+            for chunk in _chunks(keys):
+                marks = _marks(chunk)
+                done = {row[0] for row in db.execute(
+                    f"SELECT key FROM annotations WHERE key IN ({marks}) AND {SERVABLE}", chunk)}
+                held = {row[0]: row[1:] for row in db.execute(
+                    f"SELECT key, owner, pid, host, heartbeat FROM claims WHERE key IN ({marks})", chunk)}
+                take = []
+                for key in chunk:
+                    if key in done:
+                        result.done.append(key)
+                        continue
+                    if key in held:
+                        other, other_pid, other_host, heartbeat = held[key]
+                        if other != owner and claim_alive(other_pid, other_host, heartbeat, now, stale_after_s):
+                            result.busy[key] = f"pid {other_pid} on {other_host}"
+                            continue
+                        result.taken_over += other != owner
+                    take.append((key, owner, pid, HOST, now, now))
+                    result.mine.append(key)
+                db.executemany("INSERT OR REPLACE INTO claims VALUES (?,?,?,?,?,?)", take)
+        return result
+
+    def heartbeat(self, owner: str) -> None:
+        """Keep ``owner``'s claims alive."""
+        self._connect().execute("UPDATE claims SET heartbeat = ? WHERE owner = ?", (time.time(), owner))
+
+    def release(self, owner: str, keys: Sequence[str] | None = None) -> None:
+        """Give up ``owner``'s claims on ``keys`` (all of them without ``keys``): others may then pay for them."""
+        db = self._connect()
+        if keys is None:
+            db.execute("DELETE FROM claims WHERE owner = ?", (owner,))
+            return
+        for chunk in _chunks(keys):
+            db.execute(f"DELETE FROM claims WHERE owner = ? AND key IN ({_marks(chunk)})", [owner, *chunk])
+
+    def claims(self) -> list[dict[str, Any]]:
+        """Every claim held now (for inspection and tests)."""
+        rows = self._connect().execute("SELECT key, owner, pid, host, claimed, heartbeat FROM claims").fetchall()
+        return [dict(zip(("key", "owner", "pid", "host", "claimed", "heartbeat"), row, strict=True)) for row in rows]
+
+    # ------------------------------------------------------------------------------------------------ ledger
+    def ledger(self, annotator: str | None = None, since: float | None = None, run: str | None = None) -> LedgerTotals:
+        """Totals of the paid requests (optionally of one annotator, since a UNIX time, of one run)."""
         query = ("SELECT COUNT(*), COALESCE(SUM(tokens_in),0), COALESCE(SUM(tokens_out),0), COALESCE(SUM(price_usd),0) "
                  "FROM requests WHERE 1=1")
         args: list[Any] = []
-        if annotator is not None:
-            query += " AND annotator = ?"
-            args.append(annotator)
+        for column, value in (("annotator", annotator), ("run", run)):
+            if value is not None:
+                query += f" AND {column} = ?"
+                args.append(value)
         if since is not None:
             query += " AND created >= ?"
             args.append(since)
         n, t_in, t_out, price = self._connect().execute(query, args).fetchone()
         return LedgerTotals(n, t_in, t_out, price)
 
+    def paid_keys(self, parsed_only: bool = True) -> dict[str, int]:
+        """How many ledger rows paid for each pair key (parsed answers only by default): an audit of
+        exactly-once payment (a count above 1 is a pair bought twice)."""
+        counts: dict[str, int] = {}
+        query = "SELECT keys FROM requests" + (" WHERE parsed = 1" if parsed_only else "")
+        for (keys,) in self._connect().execute(query):
+            for key in json.loads(keys or "[]"):
+                counts[key] = counts.get(key, 0) + 1
+        return counts
+
     def close(self) -> None:
         db = getattr(self._local, "db", None)
         if db is not None:
             db.close()
             self._local.db = None
+
+
+class _Transaction:
+    """``BEGIN IMMEDIATE`` … ``COMMIT`` (``ROLLBACK`` on any exception) on one connection."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        self.db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+
+
+def _chunks(keys: Sequence[str], size: int = 500) -> Iterable[list[str]]:
+    for start in range(0, len(keys), size):
+        yield list(keys[start:start + size])
+
+
+def _marks(chunk: Sequence[str]) -> str:
+    return ",".join("?" * len(chunk))

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-#: A preference: 1 = output_1 is better, 2 = output_2 is better, 0 = tie, None = unparsed (never guessed).
+#: A preference: 1 = output_1 is better, 2 = output_2 is better, 0 = tie, None = no label (never guessed).
 Preference = int | None
+
+#: What became of one annotation request (see :class:`Annotation`).
+Outcome = Literal["labelled", "tie", "unparsed", "failed"]
+OUTCOMES: tuple[str, ...] = ("labelled", "tie", "unparsed", "failed")
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,15 @@ class Pair:
 
 @dataclass
 class Annotation:
-    """One pair's label with its provenance and cost."""
+    """One pair's label with its provenance and cost.
+
+    ``outcome`` says what became of the pair: ``labelled`` (1 or 2, or a continuous preference), ``tie`` (0),
+    ``unparsed`` (the judge answered, was asked again and its answer still could not be read: ``preference``
+    None, a paid answer of this judge) or ``failed`` (no answer: transport error, HTTP error, budget, a claim
+    that never resolved; ``preference`` None, never cached, asked again on the next run). Left out, it follows
+    from ``preference`` (None reads as ``unparsed``: what a None meant before outcomes existed). A failure
+    carries ``metadata["error"]`` and, for an endpoint, ``metadata["endpoint"]`` (its base URL, never a key).
+    """
 
     preference: Preference
     annotator: str
@@ -44,9 +56,28 @@ class Annotation:
     swapped: bool = False
     noise: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
+    outcome: Outcome | None = None
+
+    def __post_init__(self) -> None:
+        if self.outcome is None:
+            self.outcome = outcome_of(self.preference)
+        elif self.outcome not in OUTCOMES:
+            raise ValueError(f"unknown annotation outcome {self.outcome!r} (known: {', '.join(OUTCOMES)})")
+
+    @property
+    def has_label(self) -> bool:
+        """A label a method or an evaluator can use: a preference or a tie (not unparsed, not failed)."""
+        return self.outcome in ("labelled", "tie")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def outcome_of(preference: Preference) -> Outcome:
+    """The outcome a preference stands for when nothing else is known (None: unparsed)."""
+    if preference is None:
+        return "unparsed"
+    return "tie" if preference == 0 else "labelled"
 
 
 def flip(preference: Preference) -> Preference:

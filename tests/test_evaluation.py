@@ -298,3 +298,37 @@ def test_evaluator_reads_folder_artifacts(tmp_path: Path):
         context(Artifact("model", None)).outputs("policy")
     write_records(folder / "outputs.jsonl", _truncated_outputs(3))  # the conventional file, without metadata
     assert len(context(Artifact("model", str(folder))).outputs("policy")) == 3
+
+
+def test_an_evaluation_whose_judge_fails_is_never_complete_and_a_rerun_asks_only_the_missing(
+        tmp_path: Path, register_test_plugin, monkeypatch):
+    from alpacafarm.annotation import AnnotationFailed
+    from alpacafarm.pipeline import Pipeline
+    from alpacafarm.plugins import get_registry
+    from alpacafarm.recipe import load_recipe
+    from alpacafarm.testing.openai_server import FakeOpenAIServer, Fault
+
+    register_test_plugin(OutputsPlugin(), "evaluation-test")
+    monkeypatch.setenv("ALPACAFARM_CACHE_DIR", str(tmp_path / "cache"))
+    state = {"up": False}
+    with FakeOpenAIServer(lambda body: "Output (2)" if state["up"] else Fault("500")) as server:
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(
+            "name: eval-toy\nstages:\n  - name: policy\n    method: write_truncated_outputs\n"
+            "evaluation:\n  evaluator: win_rate\n  config: {max_instructions: 10}\n  annotator:\n"
+            "    name: gpt4_b1_noex\n"
+            f"    config: {{base_url: '{server.base_url}', max_retries: 0, api_key_env: null}}\n")
+        run_dir = tmp_path / "run"
+        expected = r"stage 'evaluate'.* of 10 pairs have no label.*127\.0\.0\.1"
+        with pytest.raises(AnnotationFailed, match=expected) as caught:
+            Pipeline(load_recipe(recipe), get_registry(), run_dir).run()
+        failed = int(str(caught.value).split(" of 10 pairs")[0].rsplit(" ", 1)[1])  # ties of identical outputs aside
+        manifest = run_dir / "stages" / "evaluate" / "manifest.json"
+        assert json.loads(manifest.read_text())["status"] != "complete"
+        state["up"] = True
+        asked = len(server.requests)
+        outcomes = {o.name: o for o in Pipeline(load_recipe(recipe), get_registry(), run_dir).run()}
+        assert outcomes["evaluate"].status == "ran" and len(server.requests) - asked == failed >= 5
+        assert json.loads(manifest.read_text())["status"] == "complete"
+        metrics = outcomes["evaluate"].artifact.metadata
+        assert metrics["n_total"] == 10 and metrics["n_failed"] == 0 and metrics["ledger"]["requests"] == failed

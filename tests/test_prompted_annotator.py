@@ -76,21 +76,24 @@ def test_a_wrong_answer_count_is_asked_again_once(server, cache, monkeypatch):
     server.responder_state.wrong_count_left = 1
     annotations = annotator(server, cache, monkeypatch).annotate(pairs)
     assert [a.preference for a in annotations] == labels
-    assert len(server.requests) == 2 and cache.ledger().requests == 1  # one ledger row holds both attempts
+    assert len(server.requests) == 2 and cache.ledger().requests == 2  # one ledger row per paid completion
     prompt_tokens = [r.body for r in server.requests]
     assert prompt_tokens[0] == prompt_tokens[1]  # the same prompt, asked again
     # both attempts billed
     assert cache.ledger().tokens_in == pytest.approx(sum(a.tokens_in for a in annotations), abs=5)
 
 
-def test_an_unreadable_batch_is_marked_unparsed_never_guessed(server, cache, monkeypatch):
+def test_an_unreadable_batch_is_asked_pair_by_pair_and_only_an_unreadable_pair_is_given_up(server, cache,
+                                                                                           monkeypatch):
     pairs, _ = tagged_pairs(5)
-    server.responder_state.always_wrong_count = True
+    server.responder_state.always_wrong_count = True  # every answer has one line too many or too few
     annotations = annotator(server, cache, monkeypatch).annotate(pairs)
-    assert [a.preference for a in annotations] == [None] * 5
-    assert len(server.requests) == 2  # asked once more, then given up
-    annotator(server, cache, monkeypatch).annotate(pairs)
-    assert len(server.requests) == 2  # the paid-for (unparsed) answer is cached, not bought again
+    assert [a.preference for a in annotations] == [None] * 5 and {a.outcome for a in annotations} == {"unparsed"}
+    assert len(server.requests) == 2 + 5 * 2  # the batch, asked once more, then each pair alone, twice
+    assert cache.ledger().requests == 12  # every paid completion is in the ledger
+    again = annotator(server, cache, monkeypatch).annotate(pairs)
+    assert len(server.requests) == 12  # each pair's own unreadable answer is cached (paid once), not bought again
+    assert all(a.cached and a.outcome == "unparsed" for a in again)
 
 
 def test_faults_are_retried_and_no_pair_is_lost_or_paid_twice(server, cache, monkeypatch):

@@ -41,11 +41,16 @@ class Fault:
     ``429``/``500``/``503``: an OpenAI error JSON with that status (``retry_after`` seconds as ``Retry-After``).
     ``hang``: wait ``seconds`` (longer than the client timeout), then answer normally. ``garbage``: HTTP 200
     with a JSON content type and a truncated, unparsable body. ``close``: drop the connection, no response.
+    ``wrong_count``: a normal, billed 200 completion whose answer has the wrong number of answers (a judge that
+    skipped or invented a pair): the last line of the answer is dropped, or, for a one-line answer, a line
+    ``Pair 2: 1`` is added. The answer distorted is ``text`` when given, else the responder's for a scripted
+    fault, else :func:`prefer_first_responder`'s (as for ``hang``).
     """
 
-    kind: Literal["429", "500", "503", "hang", "garbage", "close"]
+    kind: Literal["429", "500", "503", "hang", "garbage", "close", "wrong_count"]
     retry_after: float | None = None
     seconds: float = 30.0
+    text: str | None = None
 
 
 Responder = Callable[[dict], str | Fault]
@@ -284,12 +289,21 @@ class FakeOpenAIServer:
             self._send(h, record, int(fault.kind), _error(f"Fake {fault.kind}", kind, kind), extra)
         elif fault.kind == "garbage":
             self._send(h, record, 200, None, raw=b'{"id": "chatcmpl-garbage", "choices": [{"mess')
+        elif fault.kind == "wrong_count":
+            answer = fault.text if fault.text is not None else self._normal_answer(body, scripted)
+            lines = answer.rstrip("\n").splitlines()
+            return "\n".join(lines[:-1]) if len(lines) > 1 else f"{answer}\nPair 2: 1"
         elif fault.kind == "close" or self._stopping.wait(fault.seconds):  # or a hang cut short by stop()
             self._drop(h, record)
         else:  # hang over: answer (the responder's own text if the hang was scripted, else the default's)
-            answer = self.responder(body) if scripted else prefer_first_responder(body)
-            return answer if isinstance(answer, str) else prefer_first_responder(body)
+            return self._normal_answer(body, scripted)
         return None
+
+    def _normal_answer(self, body: dict, scripted: bool) -> str:
+        """What a faulted request would have been answered: the responder's text for a scripted fault (the
+        responder did not choose it), else the default responder's."""
+        answer = self.responder(body) if scripted else prefer_first_responder(body)
+        return answer if isinstance(answer, str) else prefer_first_responder(body)
 
     def _completion(self, path: str, body: dict, text: str) -> dict:
         prompt_text = (" ".join(_content_text(m.get("content")) for m in body.get("messages", []))

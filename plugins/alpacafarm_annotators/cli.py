@@ -9,6 +9,14 @@ API judge) gives the same label to every replicate: its variance is 0. ``alpacaf
 --agreement --annotator-labels OUTPUT`` then reports the annotator's variance (each replicate against the
 majority of the others; the paper's variance uses 4 annotations per pair: ``--replicates 4``). An input record
 that repeats a pair gets the same annotation as its first occurrence (it is the same annotation, cached).
+
+Every output record has an ``outcome``: ``labelled``, ``tie``, ``unparsed`` (the judge's own answer could not be
+read, even asked again and alone; with ``error``) or ``failed`` (no answer: endpoint down, HTTP errors, garbage;
+with ``error``; never cached, asked again by the next run). The last line of stdout is a JSON summary: counts of
+each outcome, the endpoint (base URL, never the key), the first error, and this run's ledger (requests, tokens,
+dollars actually paid). Exit status: 0 when every pair got an answer (labelled, tie or unparsed), 1 when pairs
+failed (one line on stderr names the endpoint and the first error; what succeeded is written and cached, so a
+re-run pays only for the failed pairs), 2 for a mistake in the command (file, annotator, option).
 """
 
 from __future__ import annotations
@@ -36,8 +44,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
+    from alpacafarm.annotation import AnnotationFailed, summarize
     from alpacafarm.console import console, print_table
     from alpacafarm.data import read_records, write_json
+    from alpacafarm.paths import check_output_file
     from alpacafarm.types import Pair
 
     args = parse_args(argv)
@@ -46,6 +56,7 @@ def main(argv: list[str]) -> int:
     path = Path(args.input)
     if not path.is_file():
         raise UserError(f"input file not found: {path}")
+    check_output_file(args.output, "-o")  # before any annotation is paid for
     records = read_records(path)
     try:
         pairs = [Pair.from_record(r) for r in records]
@@ -84,16 +95,28 @@ def main(argv: list[str]) -> int:
             annotation = replicate_annotations[i]
             annotations.append(annotation)
             row = annotation.to_json()
-            row.pop("metadata")
+            metadata = row.pop("metadata")
+            if not annotation.has_label and metadata.get("error"):
+                row["error"] = metadata["error"]
             out.append({**record, **row, "replicate": replicate})
     write_json(Path(args.output), out)
-    parsed = sum(a.preference is not None for a in annotations)
-    ties = sum(a.preference == 0 for a in annotations)
-    cost = sum(a.price_usd for a in annotations if not a.cached)
+    summary = summarize(annotations)
+    usage = annotator.usage()
+    endpoint = summary.endpoint or getattr(annotator, "endpoint", None)
+    parsed = summary.counts["labelled"] + summary.counts["tie"]
     print_table(f"{args.annotator}: {args.output}",
-                ["n", "replicates", "parsed", "ties", "cached", "noise", "cost (USD)", "time"],
-                [[len(annotations), args.replicates, parsed, ties, sum(a.cached for a in annotations),
-                  sum(a.noise for a in annotations), f"{cost:.4f}", f"{seconds:.1f}s"]])
+                ["n", "labelled", "ties", "unparsed", "failed", "cached", "noise", "requests", "USD", "time"],
+                [[len(annotations), summary.counts["labelled"], summary.counts["tie"], summary.unparsed,
+                  summary.failed, sum(a.cached for a in annotations), sum(a.noise for a in annotations),
+                  usage.requests, f"{usage.price_usd:.4f}", f"{seconds:.1f}s"]])
     print(json.dumps({"n": len(annotations), "pairs": len(pairs), "replicates": args.replicates, "parsed": parsed,
-                      "ties": ties, "cost_usd": round(cost, 6), "seconds": round(seconds, 2)}))
+                      "ties": summary.counts["tie"], "unparsed": summary.unparsed, "failed": summary.failed,
+                      "endpoint": endpoint, "first_error": summary.first_error, **usage.to_json(),
+                      "seconds": round(seconds, 2)}))
+    if summary.failed:
+        where = f" at {endpoint}" if endpoint else ""
+        raise AnnotationFailed(
+            f"{summary.failed} of {len(annotations)} annotations failed ({args.annotator}{where}): first error: "
+            f"{summary.first_error}; what succeeded is in {args.output} and cached: re-run to ask only for the "
+            "failed pairs")
     return 0

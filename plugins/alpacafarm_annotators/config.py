@@ -48,6 +48,15 @@ class PromptedAnnotatorConfig(BaseModel):
     timeout_s: float = Field(60.0, gt=0)
     max_retries: int = Field(6, ge=0)
     retry_backoff_s: float = Field(1.0, ge=0, description="first retry delay; doubles each time, with jitter")
+    connect_retries: int = Field(2, ge=0, description="retries when the endpoint cannot be reached at all "
+                                 "(connection refused, unknown host); at most max_retries")
+    parse_retries: int = Field(1, ge=0, description="an answer that cannot be read is asked for again this many "
+                               "times (the paper: once); a batch's pairs are then asked one by one")
+    claim_wait_s: float = Field(900.0, gt=0, description="how long to wait for a pair another live process is "
+                                "annotating (its answer is then shared, never paid twice); after that it fails")
+    claim_stale_s: float = Field(120.0, gt=0, description="a claim whose owner's heartbeat is older than this is "
+                                 "taken over (a dead process on this host is taken over at once)")
+    claim_poll_s: float = Field(0.25, gt=0, description="how often a waiting process looks for the answer")
     max_cost_usd: float | None = Field(None, ge=0)
     cache: bool = True
 

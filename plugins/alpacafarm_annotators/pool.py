@@ -23,6 +23,7 @@ import asyncio
 from collections.abc import Sequence
 
 from alpacafarm.annotation import Annotator, ProgressCallback, aannotate_replicate, identical_tie
+from alpacafarm.annotation_cache import LedgerTotals
 from alpacafarm.seeding import stable_hash, stable_uniform
 from alpacafarm.types import Annotation, Pair, flip
 from alpacafarm_annotators.config import PoolConfig
@@ -41,6 +42,20 @@ class AnnotatorPool(Annotator):
         self.config = config
         self.members = [members[m] for m in config.annotators]
         self.name = name
+
+    def usage(self) -> LedgerTotals:
+        """What the members paid in this run (a shared member is counted once)."""
+        total = LedgerTotals(0, 0, 0, 0.0)
+        for member in {id(m): m for m in self.members}.values():
+            used = member.usage()
+            total.add(used.tokens_in, used.tokens_out, used.price_usd, used.requests)
+        return total
+
+    @property
+    def endpoint(self) -> str | None:
+        """The members' endpoints (base URLs), comma-separated; None when no member calls one."""
+        found = dict.fromkeys(e for m in self.members if (e := getattr(m, "endpoint", None)))
+        return ", ".join(found) or None
 
     def member_index(self, pair: Pair, replicate: int = 0) -> int:
         """Which member annotates this pair's instruction (in replicate ``replicate``)."""
@@ -89,4 +104,5 @@ class AnnotatorPool(Annotator):
                 results[i] = annotation
 
         await asyncio.gather(*(run_member(m, items) for m, items in work.items()))
-        return [r if r is not None else Annotation(None, self.name) for r in results]
+        return [r if r is not None else Annotation(None, self.name, outcome="failed",
+                                                   metadata={"error": "no answer"}) for r in results]

@@ -1,9 +1,21 @@
 """An LLM judge behind any OpenAI-compatible endpoint (OpenAI, vLLM, llama.cpp server, Ollama, TGI, ...).
 
 Pairs are grouped into batches of ``batch_size`` per request, rendered with the annotator's prompt template and
-read back with its parser. A batch whose answers cannot be read (wrong count, garbage) is requested once more;
-if that also fails its pairs are marked unparsed (``None``), never guessed. Identical outputs are ties without a
-request. Every answered request is committed to the cache and ledger at once.
+read back with its parser. Every annotation ends with an outcome (``labelled``, ``tie``, ``unparsed``, ``failed``):
+
+- An answer that cannot be read (wrong count, prose) is asked for again ``parse_retries`` times (the paper: once).
+  A batch that still does not parse is asked **pair by pair**; only a pair whose own answers never parse is given
+  up as ``unparsed`` (``None``, never guessed) and cached as such: it is a paid answer of this judge, and asking
+  again would pay again for the same unreadable answer. Its neighbours are never affected.
+- A request that gets no answer after its retries (connection refused, timeouts, 429/5xx, garbage bodies) leaves
+  its pairs ``failed``: never cached, asked again on the next run. An endpoint that failed every request so far,
+  or three in a row, gets no further requests in this call (its remaining pairs fail at once, naming the first
+  error and the endpoint), so a wrong ``base_url`` costs seconds, not minutes of backoff.
+- Exactly once: a pair given twice is requested once; before requesting, the call claims its pairs in the cache
+  (see ``alpacafarm.annotation_cache``); pairs another live process is paying for are waited for, not bought.
+- Every paid completion is one ledger row, committed with its answers at once; :meth:`usage` is this run's share.
+
+Identical outputs are ties without a request.
 
 Replicate k > 0 (``annotate(pairs, replicate=k)``) is an independent annotation of the same pairs: its cache key
 carries k (so it is requested and paid for once, separately from replicate 0) and its requests carry a sampling
@@ -18,7 +30,10 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import logging
 import os
+import time
+import uuid
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
@@ -27,15 +42,24 @@ from typing import Any
 import yaml
 
 from alpacafarm.annotation import Annotator, ProgressCallback, identical_tie
-from alpacafarm.annotation_cache import AnnotationCache, pair_key
+from alpacafarm.annotation_cache import AnnotationCache, LedgerTotals, pair_key
 from alpacafarm.errors import UserError
 from alpacafarm.seeding import stable_seed
 from alpacafarm.types import Annotation, Pair
 from alpacafarm_annotators import parsing, templates
 from alpacafarm_annotators.config import Price, PromptedAnnotatorConfig
-from alpacafarm_annotators.requests import Budget, Completion, RateLimiter, RequestFailed, complete
+from alpacafarm_annotators.requests import (
+    Budget,
+    BudgetExceeded,
+    Completion,
+    RateLimiter,
+    RequestFailed,
+    complete,
+)
 
 PRICES_FILE = Path(__file__).parent / "prices.yaml"
+OPENAI_URL = "https://api.openai.com/v1"
+logger = logging.getLogger("alpacafarm.annotators")
 
 
 @cache
@@ -63,6 +87,8 @@ class PromptedAnnotator(Annotator):
         self.price = config.price or price_table().get(self.model)
         self.cache = (cache or AnnotationCache()) if config.cache else None
         self.budget = budget or Budget(config.max_cost_usd)
+        self.run_id = uuid.uuid4().hex  # this annotator's rows in the ledger (its run)
+        self._usage = LedgerTotals(0, 0, 0, 0.0)
         if self.budget.max_cost_usd is not None and self.price is None:
             raise UserError(f"annotator {name!r}: max_cost_usd needs a price for model {self.model!r}; set 'price'")
 
@@ -99,13 +125,24 @@ class PromptedAnnotator(Annotator):
             api_key = "not-needed"  # local servers accept any key
         return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=self.config.timeout_s)
 
+    @property
+    def endpoint(self) -> str:
+        """The base URL requests go to, safe to print: never the key (credentials and a query are cut off)."""
+        return public_url(self.config.base_url or os.environ.get("OPENAI_BASE_URL") or OPENAI_URL)
+
+    def usage(self) -> LedgerTotals:
+        return dataclasses.replace(self._usage)
+
+    def _failed(self, error: str) -> Annotation:
+        return Annotation(None, self.name, outcome="failed", metadata={"error": error, "endpoint": self.endpoint})
+
     # ------------------------------------------------------------------ annotate
     async def aannotate(self, pairs: Sequence[Pair], progress: ProgressCallback | None = None, *,
                         replicate: int = 0) -> list[Annotation]:
         results: list[Annotation | None] = [None] * len(pairs)
         keys = [pair_key(self.fingerprint, p, replicate) for p in pairs]
         todo: list[int] = []
-        first: dict[str, int] = {}  # a pair given twice is requested once; the repeat gets a copy of its label
+        first: dict[str, int] = {}  # a pair given twice is requested once; the repeat gets a copy of its answer
         repeats: list[tuple[int, int]] = []
         cached = self.cache.get_many(keys) if self.cache else {}
         for i, pair in enumerate(pairs):
@@ -119,43 +156,14 @@ class PromptedAnnotator(Annotator):
                     todo.append(i)
         if progress and len(pairs) - len(todo) - len(repeats):
             progress(len(pairs) - len(todo) - len(repeats), 0.0)
-
-        if not todo:
-            return [r for r in results if r is not None]
-        client = self._make_client()
-        batches = [todo[s:s + self.config.batch_size] for s in range(0, len(todo), self.config.batch_size)]
-        semaphore = asyncio.Semaphore(self.config.max_concurrency)
-        limiter = RateLimiter(self.config.requests_per_minute)
-        budget_error: list[Exception] = []
-
-        async def run_batch(indices: list[int]) -> None:
-            async with semaphore:
-                if budget_error:
-                    return
-                try:
-                    annotations = await self._annotate_batch(client, [pairs[i] for i in indices],
-                                                             [keys[i] for i in indices], limiter, replicate)
-                except UserError as exc:  # budget or a refused request: stop scheduling, keep what is done
-                    budget_error.append(exc)
-                    return
-                for i, annotation in zip(indices, annotations, strict=True):
-                    results[i] = annotation
-                if progress:
-                    progress(len(indices), sum(a.price_usd for a in annotations))
-
-        try:
-            await asyncio.gather(*(run_batch(b) for b in batches))
-        finally:
-            await client.close()
-        if budget_error:
-            done = sum(r is not None for r in results)
-            raise type(budget_error[0])(f"{budget_error[0]} ({done}/{len(pairs)} pairs annotated)")
-        for i, j in repeats:  # not paid again: served like a cached label
+        if todo:
+            await _Call(self, pairs, keys, results, progress, replicate).run(todo)
+        for i, j in repeats:  # not paid again: served like a cached answer (a failure stays a failure)
             original = results[j]
-            results[i] = _copy(original, cached=True) if original is not None else None
+            results[i] = _copy(original, cached=original.outcome != "failed") if original is not None else None
         if progress and repeats:
             progress(len(repeats), 0.0)
-        return [r if r is not None else Annotation(None, self.name) for r in results]
+        return [r if r is not None else self._failed("no answer") for r in results]
 
     def decoding(self, replicate: int = 0, attempt: int = 0, keys: Sequence[str] = ()) -> dict[str, Any]:
         """The decoding parameters of one request: the config's for replicate 0; for replicate k > 0 the same with a
@@ -165,47 +173,215 @@ class PromptedAnnotator(Annotator):
         base = self.config.decoding.get("seed")
         return {**self.config.decoding, "seed": stable_seed(base, "replicate", replicate, attempt, *keys)}
 
-    async def _annotate_batch(self, client: Any, batch: list[Pair], keys: list[str],
-                              limiter: RateLimiter, replicate: int = 0) -> list[Annotation]:
-        prompt = templates.render(self.template, batch, self.config.style)
-        total_in = total_out = 0
-        latency = 0.0
-        attempts = 0
-        labels = None
-        completion: Completion | None = None
-        for attempt in range(2):  # the paper's annotators are asked again once when their answer cannot be read
-            estimate = self._estimate(prompt)
-            self.budget.reserve(estimate)
+    def record(self, completion: Completion, keys: list[str], entries: list[tuple[str, Annotation]], parsed: bool,
+               owner: str | None) -> float:
+        """Book one paid completion: the run's usage, and the cache's ledger with its answers (one transaction)."""
+        price = self.cost(completion.tokens_in, completion.tokens_out)
+        self._usage.add(completion.tokens_in, completion.tokens_out, price)
+        if self.cache is not None:
+            self.cache.record_batch(self.name, self.model, entries, tokens_in=completion.tokens_in,
+                                    tokens_out=completion.tokens_out, price_usd=price, latency_s=completion.latency_s,
+                                    attempts=completion.attempts, parsed=parsed, keys=keys, run=self.run_id,
+                                    owner=owner)
+        return price
+
+
+class _Call:
+    """One ``aannotate`` call's requests: claims, batches, pair-by-pair re-asks, waiting for other processes, and a
+    circuit breaker (an endpoint that failed every request so far, or three in a row, gets no more requests)."""
+
+    def __init__(self, judge: PromptedAnnotator, pairs: Sequence[Pair], keys: list[str],
+                 results: list[Annotation | None], progress: ProgressCallback | None, replicate: int) -> None:
+        self.judge, self.pairs, self.keys, self.results = judge, pairs, keys, results
+        self.progress, self.replicate = progress, replicate
+        self.cache = judge.cache
+        self.config = judge.config
+        self.owner = f"{judge.run_id}:{uuid.uuid4().hex[:8]}"
+        self.index = {}  # key -> index of its first occurrence (set in run)
+        self.answered = 0
+        self.failures_in_a_row = 0
+        self.broken: str | None = None  # the error that made the breaker stop sending
+        self.refused: list[Exception] = []  # a budget stop or a refused request: stop scheduling, keep what is done
+        self.client: Any = None
+        self.limiter = RateLimiter(self.config.requests_per_minute)
+        self.semaphore = asyncio.Semaphore(self.config.max_concurrency)
+
+    async def run(self, todo: list[int]) -> None:
+        self.index = {self.keys[i]: i for i in todo}
+        self.client = self.judge._make_client()  # before claiming: a missing key claims nothing
+        heartbeat = None
+        try:
+            mine, busy = todo, {}
+            if self.cache is not None:
+                mine, busy = self._claim([self.keys[i] for i in todo])
+                interval = min(30.0, max(0.05, self.config.claim_stale_s / 4))
+                heartbeat = asyncio.create_task(self._heartbeat(interval))
+            await asyncio.gather(self._request(mine), self._wait(busy))
+        finally:
+            if heartbeat is not None:
+                heartbeat.cancel()
+            await self.client.close()
+            if self.cache is not None:
+                self.cache.release(self.owner)  # whatever is left (a stop, an exception): others may pay for it
+        if self.refused:
+            done = sum(r is not None and r.outcome != "failed" for r in self.results)
+            error = self.refused[0]
+            where = "" if isinstance(error, BudgetExceeded) else f"{self.judge.endpoint}: "
+            raise type(error)(f"{where}{error} ({done}/{len(self.results)} pairs annotated)")
+
+    def _claim(self, keys: list[str]) -> tuple[list[int], dict[int, str]]:
+        """Claim ``keys``: (indices to pay for, {index: owner} held by live processes); answers found are filled."""
+        claimed = self.cache.claim(keys, self.owner, stale_after_s=self.config.claim_stale_s)
+        if claimed.taken_over:
+            logger.warning("%s: took over %d claim(s) of dead processes", self.judge.name, claimed.taken_over)
+        self._fill(self.cache.get_many(claimed.done) if claimed.done else {})
+        return [self.index[k] for k in claimed.mine], {self.index[k]: who for k, who in claimed.busy.items()}
+
+    def _fill(self, found: dict[str, Annotation]) -> None:
+        for key, annotation in found.items():
+            self.results[self.index[key]] = annotation
+        if self.progress and found:
+            self.progress(len(found), 0.0)
+
+    async def _heartbeat(self, interval: float) -> None:
+        import sqlite3
+
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.cache.heartbeat(self.owner)
+            except sqlite3.OperationalError as exc:  # a busy database: try again at the next beat
+                logger.warning("%s: claim heartbeat skipped (%s)", self.judge.name, exc)
+
+    def _advance(self, indices: list[int]) -> None:
+        if self.progress and indices:
+            self.progress(len(indices), 0.0)
+
+    async def _wait(self, busy: dict[int, str]) -> None:
+        """Wait for pairs other live processes are paying for; take over those released or left by dead owners."""
+        deadline = time.monotonic() + self.config.claim_wait_s
+        while busy:
+            await asyncio.sleep(self.config.claim_poll_s)
+            mine, still = self._claim([self.keys[i] for i in busy])
+            busy = still
+            if mine:
+                await self._request(mine)
+            if busy and time.monotonic() > deadline:
+                for i, who in busy.items():
+                    self.results[i] = self.judge._failed(
+                        f"another process ({who}) was still annotating this pair after claim_wait_s="
+                        f"{self.config.claim_wait_s:g}s")
+                self._advance(list(busy))
+                return
+
+    async def _request(self, indices: list[int]) -> None:
+        size = self.config.batch_size
+        await asyncio.gather(*(self._run_batch(indices[s:s + size]) for s in range(0, len(indices), size)))
+
+    def _stopped(self, indices: list[int]) -> bool:
+        """Fail ``indices`` without a request when the breaker tripped or a refusal stopped the call."""
+        if self.broken is None and not self.refused:
+            return False
+        error = (f"not sent: the endpoint kept failing ({self.broken})" if self.broken is not None
+                 else f"not sent: {self.refused[0]}")
+        for i in indices:
+            self.results[i] = self.judge._failed(error)
+        if self.cache is not None:
+            self.cache.release(self.owner, [self.keys[i] for i in indices])
+        return True
+
+    async def _run_batch(self, indices: list[int]) -> None:
+        async with self.semaphore:
+            if self._stopped(indices):
+                self._advance(indices)
+                return
+            try:
+                annotations = await self._batch(indices)
+            except UserError as exc:
+                self.refused.append(exc)
+                self._stopped(indices)
+                self._advance(indices)
+                return
+            for i, annotation in zip(indices, annotations, strict=True):
+                self.results[i] = annotation
+            if self.progress:
+                self.progress(len(indices), sum(a.price_usd for a in annotations))
+
+    async def _batch(self, indices: list[int]) -> list[Annotation]:
+        """Ask for ``indices`` in one request (re-asked ``parse_retries`` times when unreadable); a batch that never
+        parses is asked pair by pair, and only a pair whose own answers never parse is given up as unparsed."""
+        judge, batch = self.judge, [self.pairs[i] for i in indices]
+        keys = [self.keys[i] for i in indices]
+        prompt = templates.render(judge.template, batch, self.config.style)
+        spent = [0, 0, 0.0, 0.0]  # tokens in, tokens out, price, latency of the unreadable answers
+        for attempt in range(1 + self.config.parse_retries):
+            estimate = judge._estimate(prompt)
+            judge.budget.reserve(estimate)
             try:
                 completion = await complete(
-                    client, style=self.config.style, model=self.model, prompt=prompt,
-                    decoding=self.decoding(replicate, attempt, keys), logprobs=self.config.logprobs,
-                    max_retries=self.config.max_retries,
-                    timeout_s=self.config.timeout_s, limiter=limiter, backoff_s=self.config.retry_backoff_s)
+                    self.client, style=self.config.style, model=judge.model, prompt=prompt,
+                    decoding=judge.decoding(self.replicate, attempt, keys), logprobs=self.config.logprobs,
+                    max_retries=self.config.max_retries, timeout_s=self.config.timeout_s, limiter=self.limiter,
+                    backoff_s=self.config.retry_backoff_s, connect_retries=self.config.connect_retries)
             except RequestFailed as exc:
-                self.budget.settle(estimate, 0.0)
-                return [Annotation(None, self.name, metadata={"error": str(exc)}) for _ in batch]  # not cached
+                judge.budget.settle(estimate, 0.0)
+                return self._request_failed(indices, str(exc))
             except BaseException:
-                self.budget.settle(estimate, 0.0)
+                judge.budget.settle(estimate, 0.0)
                 raise
-            self.budget.settle(estimate, self.cost(completion.tokens_in, completion.tokens_out))
-            total_in += completion.tokens_in
-            total_out += completion.tokens_out
-            latency += completion.latency_s
-            attempts += completion.attempts
+            judge.budget.settle(estimate, judge.cost(completion.tokens_in, completion.tokens_out))
+            self.answered += 1
+            self.failures_in_a_row = 0
             labels = parsing.parse(self.config.parser, completion.text, len(batch))
-            if labels is not None:
-                break
-        assert completion is not None
-        n = len(batch)
-        price = self.cost(total_in, total_out)
-        annotations = [
-            Annotation(label, self.name, completion.text, total_in // n, total_out // n, price / n, latency / n,
-                       metadata={} if labels is not None else {"error": "unparsed"})
-            for label in (labels or [None] * n)
-        ]
+            last = attempt == self.config.parse_retries
+            n = len(batch)
+            if labels is None and not (last and n == 1):  # paid, but nothing to keep: a ledger row, no answers
+                price = judge.record(completion, keys, [], False, self.owner)
+                spent = [spent[0] + completion.tokens_in, spent[1] + completion.tokens_out, spent[2] + price,
+                         spent[3] + completion.latency_s]
+                continue
+            price = judge.cost(completion.tokens_in, completion.tokens_out)
+            metadata = {} if labels is not None else {"error": "unparsed: the answer could not be read",
+                                                      "endpoint": judge.endpoint}
+            annotations = [
+                Annotation(label, judge.name, completion.text, (completion.tokens_in + spent[0]) // n,
+                           (completion.tokens_out + spent[1]) // n, (price + spent[2]) / n,
+                           (completion.latency_s + spent[3]) / n, metadata=dict(metadata),
+                           outcome=None if labels is not None else "unparsed")
+                for label in (labels or [None])
+            ]
+            judge.record(completion, keys, list(zip(keys, annotations, strict=True)), labels is not None, self.owner)
+            return annotations
+        out = []  # the batch never parsed: each pair on its own, so one bad pair cannot take its neighbours along
+        for i in indices:
+            if self._stopped([i]):
+                out.append(self.results[i])
+                continue
+            (single,) = await self._batch([i])
+            if single.outcome != "failed":  # the batch's unreadable answers were paid for these pairs too
+                single.tokens_in += spent[0] // len(indices)
+                single.tokens_out += spent[1] // len(indices)
+                single.price_usd += spent[2] / len(indices)
+                single.latency_s += spent[3] / len(indices)
+            out.append(single)
+        return out
+
+    def _request_failed(self, indices: list[int], error: str) -> list[Annotation]:
+        """No answer after the retries: failed (never cached), claims released; maybe trip the breaker."""
+        self.failures_in_a_row += 1
+        if self.broken is None and (self.answered == 0 or self.failures_in_a_row >= 3):
+            self.broken = error
         if self.cache is not None:
-            self.cache.record_batch(self.name, self.model, zip(keys, annotations, strict=True), tokens_in=total_in,
-                                    tokens_out=total_out, price_usd=price, latency_s=latency, attempts=attempts,
-                                    parsed=labels is not None)
-        return annotations
+            self.cache.release(self.owner, [self.keys[i] for i in indices])
+        return [self.judge._failed(error) for _ in indices]
+
+
+def public_url(url: str) -> str:
+    """``url`` without user:password, query or fragment (where keys hide), to be printed or logged."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))

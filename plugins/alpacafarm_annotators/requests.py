@@ -1,7 +1,9 @@
 """Sending requests to an OpenAI-compatible endpoint: bounded concurrency, a rate limit, retries, a budget.
 
 Retries use exponential backoff with jitter and honour ``Retry-After``; they cover 429, 5xx, timeouts,
-dropped connections and unreadable bodies. Other 4xx errors (bad key, unknown model) fail at once.
+dropped connections and unreadable bodies. Other 4xx errors (bad key, unknown model) fail at once. A connection
+that cannot even be opened (nothing listens at the endpoint: a wrong port, a server that is down) is retried at
+most ``connect_retries`` times, so a wrong ``base_url`` fails in seconds instead of backing off for a minute.
 """
 
 from __future__ import annotations
@@ -98,10 +100,17 @@ def _is_retryable(exc: Exception) -> bool:
     return isinstance(exc, (ValueError, asyncio.TimeoutError))  # an unreadable 200 body surfaces as ValueError
 
 
+def _cannot_connect(exc: Exception) -> bool:
+    """A connection that was never opened (refused, no route, unknown host), as opposed to one dropped mid-way."""
+    cause = exc.__cause__
+    return cause is not None and any(k.__name__ == "ConnectError" for k in type(cause).__mro__)
+
+
 async def complete(client: Any, *, style: str, model: str, prompt: Any, decoding: dict[str, Any], logprobs: bool,
                    max_retries: int, timeout_s: float, limiter: RateLimiter, backoff_s: float = 1.0,
-                   max_backoff_s: float = 60.0) -> Completion:
-    """One completion with retries. Raises :class:`RequestFailed` when retries are exhausted."""
+                   max_backoff_s: float = 60.0, connect_retries: int | None = None) -> Completion:
+    """One completion with retries. Raises :class:`RequestFailed` when retries are exhausted (``connect_retries``
+    bounds the retries of a connection that cannot be opened; default: ``max_retries``)."""
     import openai
 
     attempts = 0
@@ -133,13 +142,15 @@ async def complete(client: Any, *, style: str, model: str, prompt: Any, decoding
                 raise UserError(f"the endpoint refused the request ({exc.status_code}): {_short(exc)}") from None
             if not _is_retryable(exc) and not isinstance(exc, openai.OpenAIError):
                 raise
-            if attempts > max_retries:
+            limit = max_retries
+            if connect_retries is not None and _cannot_connect(exc):
+                limit = min(max_retries, connect_retries)
+            if attempts > limit:
                 raise RequestFailed(f"{type(exc).__name__} after {attempts} attempts: {_short(exc)}") from None
             delay = _retry_after(exc)
             if delay is None:
                 delay = min(max_backoff_s, backoff_s * 2 ** (attempts - 1)) * (0.5 + random.random())
-            logger.warning("request failed (%s), retry %d/%d in %.2fs", type(exc).__name__, attempts, max_retries,
-                           delay)
+            logger.warning("request failed (%s), retry %d/%d in %.2fs", type(exc).__name__, attempts, limit, delay)
             await asyncio.sleep(delay)
 
 

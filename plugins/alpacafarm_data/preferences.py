@@ -5,6 +5,13 @@ temperature 1.0, compared by the simulated annotators).
 Each instruction gets ``k`` samples; exact duplicates are dropped (they would only ever tie); the rest are paired
 ``(s0, s1), (s2, s3), ...`` (``adjacent``, the paper's k = 2 case) or every pair (``all``). The dataset is JSON
 lines loadable with ``datasets.load_dataset("json", data_files=...)``.
+
+Missing labels fail the stage: when more than ``max_unlabelled_fraction`` of the pairs have no label (``failed``:
+the annotator got no answer; ``unparsed``: its answer could not be read; ties are labels), the stage raises one
+line naming the endpoint and the first error before anything is recorded, so it is never "complete" with holes.
+What was answered is in the annotation cache: the next run (no ``--force`` needed) asks only for what is missing.
+Within the tolerance, unlabelled pairs are written with ``preference: null`` and their ``outcome`` (methods skip
+them) and counted in the stage's metrics, next to the run's ledger (requests, tokens, dollars).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from alpacafarm.annotation import check_unlabelled
 from alpacafarm.data import write_jsonl
 from alpacafarm.generation import SamplingConfig, generate_records
 from alpacafarm.method import Artifact, Method, StageContext
@@ -32,6 +40,9 @@ class PreferenceDataConfig(BaseModel):
     sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=1.0, max_new_tokens=128))
     backend: str = "transformers"
     backend_config: dict[str, Any] = Field(default_factory=dict)
+    max_unlabelled_fraction: float = Field(
+        0.05, ge=0.0, le=1.0, description="the stage fails when more pairs than this have no label (failed or "
+        "unparsed); what was labelled is cached, so a re-run asks only for the rest")
 
 
 def make_pairs(samples: list[str], pairing: str) -> list[tuple[str, str]]:
@@ -71,17 +82,24 @@ class PreferenceData(Method):
 
         annotator = context.make_annotator("feedback")
         started = time.perf_counter()
-        with context.progress(f"annotating ({annotator.name})", len(examples)) as advance:
-            annotations = annotator.annotate([Pair.from_record(e) for e in examples],
-                                             lambda n, cost: advance(n))
+        try:
+            with context.progress(f"annotating ({annotator.name})", len(examples)) as advance:
+                annotations = annotator.annotate([Pair.from_record(e) for e in examples],
+                                                 lambda n, cost: advance(n))
+            usage = annotator.usage()
+        finally:
+            annotator.close()
+        outcomes = check_unlabelled(annotations, config.max_unlabelled_fraction,
+                                    f"stage {context.stage!r} (annotator {annotator.name!r})")
         for example, annotation in zip(examples, annotations, strict=True):
             example.update(preference=annotation.preference, annotator=annotation.annotator,
-                           noise=annotation.noise, price_usd=annotation.price_usd)
+                           noise=annotation.noise, price_usd=annotation.price_usd, outcome=annotation.outcome)
         path = context.stage_dir / "preferences.jsonl"
         write_jsonl(path, examples)
         labels = Counter(e["preference"] for e in examples)
         return Artifact("dataset", str(path), {
             "n_pairs": len(examples), "n_instructions": len(records), "instructions_without_pair": dropped,
             "labels": {str(k): v for k, v in labels.items()},
-            "cost_usd": round(sum(e["price_usd"] for e in examples), 6),
+            "outcomes": outcomes.counts, "first_error": outcomes.first_error,
+            "ledger": usage.to_json(), "cost_usd": round(usage.price_usd, 6),
             "annotation_seconds": round(time.perf_counter() - started, 2)})

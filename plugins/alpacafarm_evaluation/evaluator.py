@@ -4,18 +4,28 @@ Its ``policy`` input is the artifact of the evaluated stage, read with
 :meth:`~alpacafarm.method.StageContext.outputs` (an outputs file, or a folder naming one). The outputs are
 paired with reference outputs, judged by the recipe's evaluation annotator (``evaluation.annotator``, else
 ``annotator``), and scored (see ``metrics.py``).
+
+A system with more pairs without a label than ``max_unlabelled_fraction`` (failed: the judge got no answer;
+unparsed: its answer could not be read; ties are labels) fails the stage with one line naming the endpoint and
+the first error; the stage is not recorded complete, and the next run re-asks only what is missing (the judged
+pairs are cached). Within the tolerance, unlabelled pairs are dropped from the win-rate and counted
+(``n_unparsed``; ``n_failed`` of them got no answer), and the metrics carry the judge's ledger for the run.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from alpacafarm.annotation import Annotator, ProgressCallback, aannotate_replicate, check_unlabelled
+from alpacafarm.annotation_cache import LedgerTotals
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.recipe import DataSource
+from alpacafarm.types import Annotation, Pair
 
 
 class WinRateConfig(BaseModel):
@@ -28,6 +38,9 @@ class WinRateConfig(BaseModel):
         description="reference outputs (output_1 of every pair); default: the bundled AlpacaEval sample")
     reference_field: str = Field("reference", description="the references' text field ('output' is the fallback)")
     max_instructions: int | None = Field(None, ge=1, description="evaluate only the first N matched instructions")
+    max_unlabelled_fraction: float = Field(
+        0.05, ge=0.0, le=1.0, description="the stage fails when more of a system's pairs than this have no label "
+        "(failed or unparsed); what was judged is cached, so a re-run asks only for the rest")
 
 
 @dataclass
@@ -83,6 +96,7 @@ class WinRateEvaluator(Method):
 
     def run(self, context: StageContext) -> Artifact:
         """Pair, judge, score every system; writes annotations, metrics and the results table into the stage folder."""
+        from alpacafarm.data import write_json
         from alpacafarm_evaluation.metrics import metrics_table
         from alpacafarm_evaluation.pairing import annotate_and_score, load_references, pair_outputs
         from alpacafarm_evaluation.results import proxy_rewards, results_rows, write_results
@@ -91,7 +105,7 @@ class WinRateEvaluator(Method):
         systems = self.systems(context)
         references = load_references(config.references, config.reference_field)
         single = len(systems) == 1
-        annotator = context.make_annotator("evaluation")
+        annotator = RecordingAnnotator(context.make_annotator("evaluation"))
         evaluated: list[tuple[System, dict[str, Any], list[dict[str, Any]], dict[str, float]]] = []
         try:
             for system in systems:
@@ -104,7 +118,15 @@ class WinRateEvaluator(Method):
                         skipped["n_extra_samples"])
                 out_dir = (context.stage_dir if single
                            else context.stage_dir / "systems" / system.name.replace("/", "__"))
+                before = annotator.usage()
                 metrics = annotate_and_score(pairs, annotator, out_dir, skipped)
+                outcomes = check_unlabelled(annotator.last, config.max_unlabelled_fraction,
+                                            f"stage {context.stage!r}: {system.name} (judge {annotator.name!r})")
+                after = annotator.usage()
+                paid = LedgerTotals(after.requests - before.requests, after.tokens_in - before.tokens_in,
+                                    after.tokens_out - before.tokens_out, after.price_usd - before.price_usd)
+                metrics.update(n_failed=outcomes.failed, ledger=paid.to_json())
+                write_json(out_dir / "metrics.json", metrics)
                 per_instruction = instruction_scores(out_dir / "annotations.json")
                 context.logger.info("%s: %s win-rate %.2f ± %.2f over %d pairs", context.stage, system.name,
                                     metrics["win_rate"] or 0.0, metrics["standard_error"] or 0.0, metrics["n_total"])
@@ -128,6 +150,26 @@ class WinRateEvaluator(Method):
                            _fmt(r["delta_vs_smallest_n"]), _fmt(r["paired_standard_error"])] for r in rows]}
         return Artifact("evaluation", files["json"], {"systems": rows, "annotator": judge, "reference": reference,
                                                       "results": files, "table": table})
+
+
+class RecordingAnnotator(Annotator):
+    """The stage's judge, keeping the annotations of its last call (their outcomes decide the tolerance check)."""
+
+    def __init__(self, inner: Annotator) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.last: list[Annotation] = []
+
+    async def aannotate(self, pairs: Sequence[Pair], progress: ProgressCallback | None = None, *,
+                        replicate: int = 0) -> list[Annotation]:
+        self.last = await aannotate_replicate(self.inner, pairs, progress, replicate)
+        return self.last
+
+    def usage(self) -> LedgerTotals:
+        return self.inner.usage()
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def instruction_scores(annotations_path: Path) -> dict[str, float]:
