@@ -8,6 +8,7 @@ of earlier stages, data sources or the recipe's model, and gives them a :class:`
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,11 @@ if TYPE_CHECKING:
 OUTPUTS_FILE = "outputs.jsonl"
 
 
+#: How a manifest writes a run-directory path inside an artifact's metadata (``${run_dir}/stages/x/file``), so
+#: that a copied or moved run directory resolves it in its new place.
+RUN_DIR_TOKEN = "${run_dir}"
+
+
 @dataclass
 class Artifact:
     """What a stage produced: a kind (``model``, ``dataset``, ``policy``, ``evaluation``, ...), a path, metadata."""
@@ -36,20 +42,60 @@ class Artifact:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self, run_dir: Path) -> dict[str, Any]:
-        path = self.path
+        """JSON for a manifest. Paths inside the run directory are stored relative to it (the artifact's path
+        with ``path_base: run_dir``; metadata strings as ``${run_dir}/...``), so a run directory can be copied
+        or moved; an existing path outside it is stored absolute; anything else (a hub ID) as it is."""
+        path, base = self.path, None
         if path is not None:
-            try:  # paths inside the run directory are stored relative to it, so a run directory can move
-                path = str(Path(path).resolve().relative_to(run_dir.resolve()))
-            except ValueError:
-                path = str(path)
-        return {"kind": self.kind, "path": path, "metadata": self.metadata}
+            relative = run_relative(path, run_dir)
+            if relative is not None:
+                path, base = relative, "run_dir"
+            elif Path(path).exists():
+                path = str(Path(path).absolute())
+        data: dict[str, Any] = {"kind": self.kind, "path": path, "metadata": _map_strings(
+            self.metadata, lambda s: _run_token(s, run_dir))}
+        if base:
+            data["path_base"] = base
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any], run_dir: Path) -> Artifact:
+        """The artifact of a manifest, its run-directory paths resolved under ``run_dir`` (where it is now)."""
         path = data.get("path")
-        if path is not None and not Path(path).is_absolute() and (run_dir / path).exists():
+        if path is not None and not Path(path).is_absolute() and (
+                data.get("path_base") == "run_dir" or (run_dir / path).exists()):  # the latter: older manifests
             path = str(run_dir / path)
-        return cls(data["kind"], path, dict(data.get("metadata") or {}))
+        prefix = RUN_DIR_TOKEN + "/"
+        metadata = _map_strings(dict(data.get("metadata") or {}),
+                                lambda s: str(run_dir / s[len(prefix):]) if s.startswith(prefix) else s)
+        return cls(data["kind"], path, metadata)
+
+
+def run_relative(path: str, run_dir: Path) -> str | None:
+    """``path`` relative to ``run_dir`` when it lies inside it (POSIX form), else ``None``."""
+    try:
+        relative = Path(path).resolve().relative_to(run_dir.resolve())
+    except (ValueError, OSError):
+        return None
+    return relative.as_posix() if relative.parts else None
+
+
+def _run_token(value: str, run_dir: Path) -> str:
+    """A metadata string naming a path inside the run directory, as ``${run_dir}/...``; others unchanged."""
+    if not (os.path.isabs(value) or value.startswith(f"{run_dir}{os.sep}")) or "\n" in value or len(value) > 4096:
+        return value
+    relative = run_relative(value, run_dir)
+    return value if relative is None else f"{RUN_DIR_TOKEN}/{relative}"
+
+
+def _map_strings(value: Any, fn: Any) -> Any:
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_map_strings(v, fn) for v in value]
+    return value
 
 
 @dataclass

@@ -8,14 +8,18 @@ Layout of a run directory::
     stages/<name>/         one folder per stage: its files and manifest.json
     error.log              the last failure, if any
 
-A stage is skipped when its manifest says ``complete`` and its fingerprint (method, plugin version, config,
-seed, model block, and the identities of its inputs) is unchanged. Each completed stage gets a fresh
-``output_id``; downstream fingerprints include it, so re-running a stage (``--force``) re-runs what depends
-on it. A stage interrupted mid-way is re-run with ``context.resuming = True`` (trainers resume checkpoints).
+A stage is skipped when its manifest says ``complete``, its fingerprint (method, plugin version, config,
+seed, model block, annotator, and the identities of its inputs) is unchanged and its recorded output files are
+intact (see :mod:`alpacafarm.manifest`: missing or changed files re-run the stage). Each completed stage gets a
+fresh ``output_id``; downstream fingerprints include it, so re-running a stage (``--force``, changed config,
+lost outputs) re-runs what depends on it. A stage interrupted mid-way is re-run with ``context.resuming = True``
+(trainers resume their last readable checkpoint). Manifests store run-directory paths relative to it, so a copied
+or moved run directory resumes in its new place. :meth:`Pipeline.plan_run` says what a run would do, and why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -34,7 +38,9 @@ from typing import Any
 
 from alpacafarm.data import source_fingerprint, write_json
 from alpacafarm.errors import UserError, did_you_mean
+from alpacafarm.manifest import MANIFEST_FORMAT, check_outputs, record_outputs
 from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.paths import make_dir
 from alpacafarm.recipe import LoadedRecipe
 from alpacafarm.registry import Registry
 from alpacafarm.seeding import stable_seed
@@ -68,6 +74,18 @@ class StageOutcome:
     status: str  # "ran" | "skipped"
     seconds: float
     artifact: Artifact
+
+
+@dataclass
+class StageDecision:
+    """What a run does with a stage (``run``, ``resume`` or ``skip``) and why, in words."""
+
+    name: str
+    action: str
+    reason: str
+    fingerprint: str | None = None  # None while an input is still to be produced (a plan's re-running upstream)
+    previous: dict[str, Any] | None = None  # the stage's manifest, if it has one
+    outputs: dict[str, Any] | None = None  # a skipped stage's output record, mtimes refreshed where content held
 
 
 def plan(loaded: LoadedRecipe, registry: Registry) -> list[PlannedStage]:
@@ -223,13 +241,84 @@ class Pipeline:
         ref = self.recipe.annotator_for(role)
         return ref.model_dump(mode="json") if ref is not None else None
 
-    def run(self, force: tuple[str, ...] | list[str] = ()) -> list[StageOutcome]:
+    def _check_force(self, force: tuple[str, ...] | list[str]) -> None:
         names = [s.name for s in self.stages]
         for name in force:
             if name != "all" and name not in names:
                 raise UserError(f"--force {name}: no such stage{did_you_mean(name, names)} "
                                 f"(stages: {', '.join(names)})")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def _fingerprint_parts(self, stage: PlannedStage, identities: dict[str, str | None]) -> dict[str, Any]:
+        """What a stage's fingerprint hashes (its digest is the fingerprint; the parts say what changed)."""
+        return {
+            "method": stage.method, "plugin": stage.plugin, "config": stage.raw_config, "seed": self.recipe.seed,
+            "plugin_version": self.registry.plugin_versions.get(stage.plugin),
+            "model": self.recipe.model.model_dump(mode="json") if self.recipe.model else None,
+            "inputs": identities, "annotator": self._annotator_identity(stage),
+        }
+
+    def _read_manifest(self, stage: PlannedStage) -> dict[str, Any] | None:
+        path = self.run_dir / "stages" / stage.name / "manifest.json"
+        try:
+            return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        except (OSError, ValueError) as exc:  # write_json is atomic: only a hand-edited file lands here
+            logger.warning("stage %s: unreadable manifest %s (%s): the stage runs again", stage.name, path, exc)
+            return None
+
+    def _decide(self, stage: PlannedStage, parts: dict[str, Any], previous: dict[str, Any] | None,
+                force: set[str]) -> StageDecision:
+        """Whether a stage runs, resumes or is skipped, and why. Checks recorded outputs of a finished stage."""
+        pending = [r for r, identity in parts["inputs"].items() if identity is None]
+        fingerprint = None if pending else _digest(parts)
+
+        def decision(action: str, reason: str, outputs: dict[str, Any] | None = None) -> StageDecision:
+            return StageDecision(stage.name, action, reason, fingerprint, previous, outputs)
+
+        if previous is None:
+            return decision("run", "never run")
+        if pending:
+            return decision("run", "fingerprint changed: " + ", ".join(
+                f"input {r} (stage {stage.inputs[r]!r} re-runs)" for r in pending))
+        if previous.get("fingerprint") != fingerprint:
+            return decision("run", "fingerprint changed: " + ", ".join(_changed_parts(previous, parts, stage)))
+        if previous.get("status") == "running":
+            return decision("resume", "interrupted earlier: resumes")
+        if {"all", stage.name} & force:
+            return decision("run", "forced (--force)")
+        if previous.get("status") != "complete":
+            return decision("run", f"status {previous.get('status')!r}")
+        if "outputs" not in previous:  # a manifest from before outputs were recorded: check the artifact's path
+            path = (previous.get("artifact") or {}).get("path")
+            if path and not Path(path).is_absolute() and not (self.run_dir / path).exists():
+                return decision("run", f"outputs missing: {path}")
+            return decision("skip", "unchanged (manifest of an older alpacafarm: its outputs get recorded)")
+        problems, outputs = check_outputs(previous["outputs"], self.run_dir)
+        if problems:
+            return decision("run", "outputs " + "; ".join(problems))
+        return decision("skip", "unchanged, outputs intact", outputs)
+
+    def plan_run(self, force: tuple[str, ...] | list[str] = ()) -> list[StageDecision]:
+        """What :meth:`run` would do with each stage, and why; runs nothing and writes nothing."""
+        self._check_force(force)
+        decisions: list[StageDecision] = []
+        manifests: dict[str, dict[str, Any] | None] = {}
+        for stage in self.stages:
+            identities: dict[str, str | None] = {}
+            for requirement, provider in stage.inputs.items():
+                if provider in manifests:  # an earlier stage: its recorded output, unless it will run again
+                    earlier = next(d for d in decisions if d.name == provider)
+                    identities[requirement] = (((manifests[provider] or {}).get("artifact") or {}).get(
+                        "metadata", {}).get("output_id") if earlier.action == "skip" else None)
+                else:
+                    identities[requirement] = self._input_identity(provider, {})[0]
+            manifests[stage.name] = self._read_manifest(stage)
+            decisions.append(self._decide(stage, self._fingerprint_parts(stage, identities),
+                                          manifests[stage.name], set(force)))
+        return decisions
+
+    def run(self, force: tuple[str, ...] | list[str] = ()) -> list[StageOutcome]:
+        self._check_force(force)
+        make_dir(self.run_dir, "run directory")
         handler = logging.FileHandler(self.run_dir / "run.log", encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         logger.addHandler(handler)
@@ -239,7 +328,8 @@ class Pipeline:
                 self._write_run_files()
                 return self._run_stages(set(force))
         except BaseException as exc:
-            (self.run_dir / "error.log").write_text(f"{_now()}\n{traceback.format_exc()}", encoding="utf-8")
+            with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped the run
+                (self.run_dir / "error.log").write_text(f"{_now()}\n{traceback.format_exc()}", encoding="utf-8")
             logger.error("run failed: %s", exc)
             raise
         finally:
@@ -266,35 +356,40 @@ class Pipeline:
             inputs, identities = {}, {}
             for requirement, provider in stage.inputs.items():
                 identities[requirement], inputs[requirement] = self._input_identity(provider, outcomes)
-            fingerprint = _digest({
-                "method": stage.method, "plugin": stage.plugin, "config": stage.raw_config, "seed": self.recipe.seed,
-                "plugin_version": self.registry.plugin_versions.get(stage.plugin),
-                "model": self.recipe.model.model_dump(mode="json") if self.recipe.model else None,
-                "inputs": identities, "annotator": self._annotator_identity(stage),
-            })
             stage_dir = self.run_dir / "stages" / stage.name
             manifest_path = stage_dir / "manifest.json"
-            previous = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
-            unchanged = previous is not None and previous.get("fingerprint") == fingerprint
-            if unchanged and previous["status"] == "complete" and not ({"all", stage.name} & force):
+            previous = self._read_manifest(stage)
+            parts = self._fingerprint_parts(stage, identities)
+            decision = self._decide(stage, parts, previous, force)
+            fingerprint = decision.fingerprint
+            if decision.action == "skip":
+                assert previous is not None
                 artifact = Artifact.from_json(previous["artifact"], self.run_dir)
+                outputs = decision.outputs if decision.outputs is not None else record_outputs(artifact, self.run_dir)
+                if outputs != previous.get("outputs"):  # new mtimes of intact files, or an older manifest's
+                    write_json(manifest_path, {**previous, "format": MANIFEST_FORMAT, "outputs": outputs,
+                                               "artifact": artifact.to_json(self.run_dir)})
                 outcomes[stage.name] = StageOutcome(stage.name, "skipped", 0.0, artifact)
                 console().print(f"[dim]• {stage.name}: unchanged, skipped[/dim]")
                 logger.info("stage %s skipped (fingerprint %s)", stage.name, fingerprint[:12])
                 continue
-            resuming = unchanged and previous["status"] == "running"
+            logger.info("stage %s: %s", stage.name, decision.reason)
+            resuming = decision.action == "resume"
             if stage_dir.exists() and not resuming:
                 shutil.rmtree(stage_dir)  # stale output of another configuration: never mix the two
             stage_dir.mkdir(parents=True, exist_ok=True)
             seed = stable_seed(self.recipe.seed, stage.name)
             manifest = {
-                "stage": stage.name, "method": stage.method, "plugin": stage.plugin, "status": "running",
-                "fingerprint": fingerprint, "seed": seed, "recipe_seed": self.recipe.seed, "config": stage.raw_config,
+                "format": MANIFEST_FORMAT, "stage": stage.name, "method": stage.method, "plugin": stage.plugin,
+                "status": "running", "fingerprint": fingerprint,
+                "fingerprint_parts": {k: _digest(v) for k, v in parts.items() if k != "inputs"},
+                "seed": seed, "recipe_seed": self.recipe.seed, "config": stage.raw_config,
                 "inputs": {r: {"from": stage.inputs[r], "id": identities[r]} for r in stage.inputs},
                 "versions": package_versions(), "recipe": self.loaded.resolved(), "started_at": _now(),
             }
             write_json(manifest_path, manifest)
-            console().print(f"[bold]▶ {stage.name}[/bold] ({stage.method}){' — resuming' if resuming else ''}")
+            why = "" if decision.reason == "never run" else f" — {decision.reason}"
+            console().print(f"[bold]▶ {stage.name}[/bold] ({stage.method}){why}", highlight=False, markup=True)
             logger.info("stage %s started (method %s, resuming=%s)", stage.name, stage.method, resuming)
             context = StageContext(stage.name, stage_dir, self.run_dir, seed, stage.config, inputs, self.recipe,
                                    self.registry, resuming, dict(self.loaded.annotator_configs))
@@ -305,8 +400,25 @@ class Pipeline:
             seconds = time.perf_counter() - started
             artifact.metadata["output_id"] = uuid.uuid4().hex
             manifest.update(status="complete", finished_at=_now(), duration_s=round(seconds, 3),
-                            artifact=artifact.to_json(self.run_dir))
+                            artifact=artifact.to_json(self.run_dir), outputs=record_outputs(artifact, self.run_dir))
             write_json(manifest_path, manifest)
             logger.info("stage %s complete in %.1fs", stage.name, seconds)
             outcomes[stage.name] = StageOutcome(stage.name, "ran", seconds, artifact)
         return list(outcomes.values())
+
+
+def _changed_parts(previous: dict[str, Any], parts: dict[str, Any], stage: PlannedStage) -> list[str]:
+    """Which parts of a fingerprint differ from those a manifest recorded (older manifests: what they kept)."""
+    stored = previous.get("fingerprint_parts")
+    if stored is not None:
+        changed = [k for k in parts if k != "inputs" and stored.get(k) != _digest(parts[k])]
+    else:
+        kept = {"method": previous.get("method"), "plugin": previous.get("plugin"),
+                "config": previous.get("config"), "seed": previous.get("recipe_seed")}
+        changed = [k for k, v in kept.items() if v != parts[k]]
+    recorded = {r: (i or {}).get("id") for r, i in (previous.get("inputs") or {}).items()}
+    for requirement in sorted(set(recorded) | set(parts["inputs"])):
+        if recorded.get(requirement) != parts["inputs"].get(requirement):
+            changed.append(f"input {requirement}" + (f" (from {stage.inputs[requirement]!r})"
+                                                     if requirement in stage.inputs else " (no longer wired)"))
+    return changed or ["plugin version, model or annotator (recorded by an older alpacafarm)"]

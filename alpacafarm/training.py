@@ -7,7 +7,8 @@ For any method built on a ``transformers.Trainer`` / TRL trainer (the built-in o
   chosen for the machine (TRL's configs default to ``bf16=True`` and checkpointing on; both are wrong on a CPU:
   bf16 makes ``TrainingArguments`` refuse to build there, checkpointing only slows a small model down);
 * :func:`stage_training_args` — the config for this stage (``output_dir`` = the stage folder, the stage seed);
-* :func:`resume_checkpoint` — the checkpoint an interrupted attempt left, for ``trainer.train(resume_from_...)``;
+* :func:`resume_checkpoint` — the newest readable checkpoint an interrupted attempt left (half-written ones are
+  skipped with a warning), for ``trainer.train(resume_from_checkpoint=...)``;
 * :func:`save_policy` — the one rule for saving what was trained from the SFT model (policies and reward models);
 * :func:`fp32_master_weights` — trainable tensors as float32 master copies (load the trained model with
   ``trainable=True``, see :meth:`alpacafarm.recipe.ModelSpec.for_training`; frozen copies keep ``dtype``);
@@ -85,16 +86,84 @@ def stage_training_args(config: Any, context: Any, **overrides: Any) -> Any:
     return dataclasses.replace(config, output_dir=stage_dir, seed=seed, **overrides)
 
 
-def resume_checkpoint(context: Any) -> str | None:
-    """The last ``checkpoint-N`` folder of an interrupted attempt of this stage, if any."""
-    if not context.resuming:
-        return None
-    from transformers.trainer_utils import get_last_checkpoint
+#: Files a checkpoint's weights may be in (transformers, peft, our PPO trainer); FSDP and DeepSpeed use subfolders.
+CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                      "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin", "trainable.pt")
 
-    last = get_last_checkpoint(str(context.stage_dir)) if Path(context.stage_dir).is_dir() else None
-    if last:
-        context.logger.info("stage %s: resuming from %s", context.stage, last)
-    return last
+
+def resume_checkpoint(context: Any) -> str | None:
+    """The newest readable ``checkpoint-N`` folder an interrupted attempt of this stage left, if any.
+
+    A checkpoint the attempt died while writing — no ``trainer_state.json`` (trainers write it last), no weights,
+    or an empty, truncated or unparsable JSON / safetensors / torch file — is skipped with a one-line warning, and
+    the previous readable one is used, or none (the stage starts afresh). Nothing is deleted or renamed (every
+    rank of a distributed run asks, and a trainer saving that step again overwrites the folder).
+    """
+    import re
+
+    stage_dir = Path(context.stage_dir)
+    if not context.resuming or not stage_dir.is_dir():
+        return None
+    pattern = re.compile(r"^checkpoint-(\d+)$")
+    candidates = sorted((p for p in stage_dir.iterdir() if pattern.match(p.name) and p.is_dir()),
+                        key=lambda p: int(pattern.match(p.name).group(1)), reverse=True)
+    chosen, skipped = None, []
+    for path in candidates:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            chosen = path
+            break
+        skipped.append((path, problem))
+    fallback = f"resuming from {chosen.name}" if chosen else "starting from scratch"
+    for path, problem in skipped:
+        context.logger.warning("stage %s: skipping unreadable checkpoint %s (%s); %s", context.stage, path.name,
+                               problem, fallback)
+    if chosen is not None:
+        context.logger.info("stage %s: resuming from %s", context.stage, chosen)
+    return str(chosen) if chosen is not None else None
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why a ``checkpoint-N`` folder cannot be resumed from, or ``None`` when it looks whole.
+
+    Cheap: no tensor is loaded. JSON files must parse; a safetensors file's header must parse and its size match
+    the tensors it lists; a torch file (``.pt``, ``.pth``, ``.bin``) must be a zip archive with its directory (a
+    truncated one has none) or a legacy pickle.
+    """
+    import json
+    import zipfile
+
+    path = Path(path)
+    if not (path / "trainer_state.json").is_file():
+        return "no trainer_state.json"
+    if not any((path / name).is_file() for name in CHECKPOINT_WEIGHTS) and not any(p.is_dir() for p in path.iterdir()):
+        return "no weights"
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        if file.suffix not in (".json", ".safetensors", ".pt", ".pth", ".bin"):
+            continue
+        name = file.relative_to(path).as_posix()
+        try:
+            size = file.stat().st_size
+            if size == 0:
+                return f"{name} is empty"
+            with file.open("rb") as fh:
+                if file.suffix == ".json":
+                    json.loads(fh.read())
+                elif file.suffix == ".safetensors":
+                    length = int.from_bytes(fh.read(8), "little")
+                    if 8 + length > size:
+                        return f"{name} is truncated"
+                    header = json.loads(fh.read(length))
+                    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+                    if 8 + length + end != size:
+                        return f"{name} is truncated"
+                elif zipfile.is_zipfile(fh):
+                    zipfile.ZipFile(fh).close()
+                elif not (fh.seek(0) == 0 and fh.read(1) == b"\x80"):
+                    return f"{name} is truncated or not a torch file"
+        except (OSError, ValueError, KeyError, TypeError, IndexError, zipfile.BadZipFile) as exc:
+            return f"{name} is unreadable: {exc}"
+    return None
 
 
 def train_summary(trainer: Any, result: Any) -> dict[str, Any]:

@@ -129,6 +129,9 @@ def test_first_run_writes_artifacts_and_manifests(recipe_file: Path, tmp_path: P
     manifest = json.loads((out / "stages" / "numbers" / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["method"] == "make_numbers"
     assert manifest["artifact"]["path"] == "stages/numbers/numbers.jsonl"  # relative: a run dir can move
+    assert manifest["format"] == 2 and list(manifest["outputs"]) == ["stages/numbers/numbers.jsonl"]
+    assert set(manifest["fingerprint_parts"]) == {"method", "plugin", "plugin_version", "config", "seed", "model",
+                                                  "annotator"}
     assert (manifest["inputs"]["instructions"]["from"] == "instructions"
             and len(manifest["inputs"]["instructions"]["id"]) == 64)
     assert manifest["versions"]["alpacafarm"] == alpacafarm.__version__ and "pluggy" in manifest["versions"]
