@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import errno
 import hashlib
 import json
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from alpacafarm.errors import UserError
+from alpacafarm.paths import make_dir, not_utf8, user_path
 
 if TYPE_CHECKING:
     from alpacafarm.recipe import DataSource
@@ -24,8 +26,22 @@ def builtin_datasets() -> list[str]:
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """Records from a ``.json`` file (a list of objects, or pandas' column layouts), ``.jsonl`` or ``.csv`` file."""
+    """Records from a ``.json`` file (a list of objects, or pandas' column layouts), ``.jsonl`` or ``.csv`` file.
+
+    A file that cannot be read (permissions, not UTF-8, a folder) is a one-line UserError naming it.
+    """
     path = Path(path)
+    try:
+        with user_path(path, "read"):
+            records = _read_records(path)
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise UserError(f"{path}: expected a list of records (JSON objects)")
+    return records
+
+
+def _read_records(path: Path) -> Any:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         records = []
@@ -37,19 +53,16 @@ def read_records(path: Path) -> list[dict[str, Any]]:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as exc:
                     raise UserError(f"{path}:{number}: not valid JSON: {exc.msg}") from None
-    elif suffix == ".json":
+        return records
+    if suffix == ".json":
         try:
-            records = _from_columns(json.loads(path.read_text(encoding="utf-8")), path)
+            return _from_columns(json.loads(path.read_text(encoding="utf-8")), path)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
-    elif suffix == ".csv":
+    if suffix == ".csv":
         with path.open(encoding="utf-8", newline="") as fh:
-            records = list(csv.DictReader(fh))
-    else:
-        raise UserError(f"{path}: unsupported data file type {suffix!r} (use .json, .jsonl or .csv)")
-    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-        raise UserError(f"{path}: expected a list of records (JSON objects)")
-    return records
+            return list(csv.DictReader(fh))
+    raise UserError(f"{path}: unsupported data file type {suffix!r} (use .json, .jsonl or .csv)")
 
 
 def _from_columns(data: Any, path: Path) -> Any:
@@ -71,31 +84,45 @@ def _from_columns(data: Any, path: Path) -> Any:
 
 def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> int:
     """Write records as JSON lines atomically (a reader never sees half a file); returns the count."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    n = 0
-    try:
-        with tmp.open("w", encoding="utf-8") as fh:
-            for record in records:
-                fh.write(json.dumps(record, ensure_ascii=False) + "\n")
-                n += 1
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return n
+    lines = (json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    return _write_text(Path(path), lines)
 
 
 def write_json(path: Path, data: Any) -> None:
     """Write JSON atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    _write_text(Path(path), [json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n"])
+
+
+def _write_text(path: Path, chunks: Iterable[str]) -> int:
+    """Write ``chunks`` to ``path`` through a temporary file renamed over it; returns how many were written.
+
+    A path that exists and is neither a file nor a folder (``/dev/stdout``, a named pipe) is written directly:
+    it cannot be replaced. The file system's refusals (a folder at ``path``, no permission, disk full) are a
+    one-line UserError naming ``path``.
+    """
+    with user_path(path, "write"):
+        if path.exists() and not path.is_file() and not path.is_dir():
+            with path.open("w", encoding="utf-8") as fh:
+                return _write_chunks(fh, chunks)
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        make_dir(path.parent)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        try:
+            with tmp.open("w", encoding="utf-8") as fh:
+                n = _write_chunks(fh, chunks)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return n
+
+
+def _write_chunks(fh: Any, chunks: Iterable[str]) -> int:
+    n = 0
+    for chunk in chunks:
+        fh.write(chunk)
+        n += 1
+    return n
 
 
 def file_sha256(path: Path) -> str:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import difflib
+import itertools
+import math
+import re
+from collections import Counter
 
 
 class UserError(Exception):
@@ -39,3 +43,78 @@ def did_you_mean(name: str, choices: list[str]) -> str:
     best = difflib.SequenceMatcher(None, name, close[0]).ratio()
     close = [c for c in close if difflib.SequenceMatcher(None, name, c).ratio() >= best - 0.05]
     return "; did you mean " + " or ".join(repr(c) for c in close) + "?"
+
+
+# ----------------------------------------------------------------------------------------------- secrets
+# A key pasted where a name was expected must never be echoed back (terminals, CI logs and bug reports keep it).
+
+#: Prefixes of the common API key and token formats (OpenAI, Anthropic, Hugging Face, GitHub, GitLab, Slack, AWS,
+#: Google), each followed by enough key characters that ordinary words do not match.
+_KEY_PATTERN = re.compile(
+    r"(?<![A-Za-z0-9])(?:(?:sk|pk|rk)-[A-Za-z0-9_\-]{8,}|sk_(?:live|test)_[A-Za-z0-9]{8,}|hf_[A-Za-z0-9]{16,}"
+    r"|gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,}|glpat-[A-Za-z0-9_\-]{16,}"
+    r"|xox[abpr]-[A-Za-z0-9\-]{10,}|AKIA[0-9A-Z]{16}|AIza[0-9A-Za-z_\-]{30,})"
+)
+#: The pieces of an identifier: words (snake, kebab, camel or upper case) and runs of digits.
+_PIECES = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
+_SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials"}
+REDACTED = "<redacted>"
+SECRET_IN_NAME_FIELD = ("looks like a key itself; put the key in an environment variable and give its name "
+                        "(value not shown)")
+
+
+def _entropy(text: str) -> float:
+    """Shannon entropy in bits per character."""
+    counts = Counter(text)
+    return -sum(n / len(text) * math.log2(n / len(text)) for n in counts.values())
+
+
+def looks_like_secret(value: object) -> bool:
+    """Whether ``value`` looks like a key or token: a known key prefix, or long, unbroken and random-looking.
+
+    Names made of words and small numbers (``OPENAI_API_KEY``, ``myProjectKey``, ``team_key_2024``) are not;
+    random text breaks into many one-character pieces (``aB3dE5...``), switches between digits and letters
+    often (``a3f9c2e1...``) or has high entropy.
+    """
+    if not isinstance(value, str):
+        return False
+    text = value.strip()
+    if _KEY_PATTERN.fullmatch(text):
+        return True
+    if len(text) < 20 or any(c.isspace() for c in text) or "://" in text:
+        return False
+    pieces = _PIECES.findall(text)
+    tiny = sum((len(p) == 1 and p.isalpha()) or (p.isdigit() and len(p) > 4) for p in pieces)
+    switches = sum(a.isdigit() != b.isdigit() for a, b in itertools.pairwise(text) if a.isalnum() and b.isalnum())
+    entropy = _entropy(text)
+    return entropy >= 3.0 and (tiny >= 0.3 * max(len(pieces), 1) or switches >= max(4, len(text) // 8)
+                               or (len(text) >= 24 and entropy >= 4.25))
+
+
+def is_secret_field(name: object) -> bool:
+    """Whether a config field holds a secret or names one: ``api_key``, ``hf_token``, ``api_key_env``, ..."""
+    if not isinstance(name, str):
+        return False
+    return bool(_SECRET_WORDS & set(re.split(r"[_\-.\s]+", name.lower())))
+
+
+def is_env_name_field(name: object) -> bool:
+    """Whether a config field expects the NAME of an environment variable holding a secret (``api_key_env``)."""
+    return is_secret_field(name) and isinstance(name, str) and bool(re.search(r"(^|_)env(_?var(iable)?)?$", name))
+
+
+def shown_value(field: object, value: object) -> str:
+    """``repr(value)`` for a message, or ``<redacted>`` when it is (or looks like) a secret."""
+    if looks_like_secret(value) or (is_secret_field(field) and not is_env_name_field(field)):
+        return REDACTED
+    return repr(value)
+
+
+_QUOTED = re.compile(r"""(['"])([^'"\s/\\]{20,})\1""")
+
+
+def scrub(message: str) -> str:
+    """``message`` with key-shaped text replaced by ``<redacted>``: anything in a known key format, and quoted
+    values that look like a key (last line of defence for messages that quote what the user typed)."""
+    message = _KEY_PATTERN.sub(REDACTED, message)
+    return _QUOTED.sub(lambda m: m[1] + REDACTED + m[1] if looks_like_secret(m[2]) else m[0], message)

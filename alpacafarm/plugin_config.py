@@ -15,7 +15,16 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from alpacafarm.errors import RecipeError, did_you_mean
+from alpacafarm.errors import (
+    REDACTED,
+    SECRET_IN_NAME_FIELD,
+    RecipeError,
+    did_you_mean,
+    is_env_name_field,
+    is_secret_field,
+    looks_like_secret,
+    shown_value,
+)
 from alpacafarm.yamlsource import Path_, SourcedDocument
 
 
@@ -67,14 +76,47 @@ def pydantic_error(exc: ValidationError, doc: SourcedDocument, root_path: Path_,
         message = f"unknown key {key!r}{did_you_mean(str(key), known)}"
         if known:
             message += f" (allowed: {', '.join(known)})"
+    elif first["type"] == "missing":
+        path = (*root_path, *_data_path(loc[:-1], data))
+        message = f"missing required key {loc[-1]!r}"
+    elif first.get("input", "") is None and path:
+        # ``config:`` with nothing after it (the commonest YAML slip) reads as null
+        expected = _EXPECTED.get(first["type"], first["msg"].replace("Input should be ", ""))
+        message = f"has no value (nothing after '{path[-1]}:'); give {expected}"
     else:
-        message = first["msg"]
-        if first["type"] == "missing":
-            path = (*root_path, *_data_path(loc[:-1], data))
-            message = f"missing required key {loc[-1]!r}"
+        message = _redacted(first["msg"], first.get("input"), loc)
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return doc.error(path, message)
+
+
+_EXPECTED = {"dict_type": "a mapping (e.g. {})", "list_type": "a list (e.g. [])", "string_type": "a string",
+             "int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
+             "model_type": "a mapping (e.g. {})", "dataclass_type": "a mapping (e.g. {})"}
+
+
+def _redacted(message: str, value: Any, loc: tuple) -> str:
+    """``message`` without ``value`` when the value is (or looks like) a secret."""
+    field = next((part for part in reversed(loc) if isinstance(part, str)), None)
+    if isinstance(value, str) and value and (looks_like_secret(value) or is_secret_field(field)):
+        return message.replace(value, REDACTED)
+    return message
+
+
+def check_secrets(data: Any, doc: SourcedDocument, path: Path_ = ()) -> None:
+    """Refuse a key pasted where the name of its environment variable is expected (``api_key_env: sk-...``).
+
+    Walks nested mappings and lists (a pool's member overrides); the error names the path, never the value.
+    """
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if is_env_name_field(key) and (looks_like_secret(value)
+                                           or (isinstance(value, str) and value.startswith(("sk-", "sk_")))):
+                raise doc.error((*path, key), SECRET_IN_NAME_FIELD)
+            check_secrets(value, doc, (*path, key))
+    elif isinstance(data, list):
+        for i, item in enumerate(data):
+            check_secrets(item, doc, (*path, i))
 
 
 def validate_plugin_config(config_class: Any, data: Any, doc: SourcedDocument | None = None,
@@ -90,6 +132,7 @@ def validate_plugin_config(config_class: Any, data: Any, doc: SourcedDocument | 
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise doc.error(path, f"must be a mapping, got {type(data).__name__}")
+    check_secrets(data, doc, path)
     if config_class is None:
         if data:
             raise doc.error((*path, next(iter(data))), "unknown key: this plugin takes no config")
@@ -129,7 +172,8 @@ def _validate_dataclass(cls: type, data: dict[str, Any], doc: SourcedDocument, p
         try:
             values[key] = adapter.validate_python(value)
         except ValidationError as exc:
-            raise doc.error((*path, key), f"{exc.errors()[0]['msg']} (got {value!r})") from None
+            message = _redacted(exc.errors()[0]["msg"], value, (key,))
+            raise doc.error((*path, key), f"{message} (got {shown_value(key, value)})") from None
     try:
         return cls(**values)
     except (TypeError, ValueError) as exc:

@@ -5,6 +5,9 @@
 - ``ALPACAFARM_DISABLE_PLUGIN_AUTOLOAD=1`` skips third-party entry points (the built-ins still load).
 - ``ALPACAFARM_PLUGINS=a,b`` is an allow-list of third-party entry-point names.
 - A plugin that fails to import (or whose hook raises) is recorded with its error and skipped; the rest load.
+- Built-ins register first, then third-party plugins by entry-point name. A plugin that registers a name another
+  plugin already registered is disabled as a whole (none of its names are registered) with a message naming
+  both: the first registration wins, and every command, ``plugins`` and ``--help`` included, keeps working.
 - Nothing happens at import time: the registry is built on the first :func:`get_registry` call.
 """
 
@@ -38,6 +41,9 @@ class PluginInfo:
     module: str
     builtin: bool
     error: str | None = None
+    #: set (with ``error`` holding the reason) when the plugin loaded but was switched off: it claimed a name
+    #: another plugin had registered first
+    disabled: bool = False
 
 
 @dataclass
@@ -77,7 +83,10 @@ def load_plugins() -> LoadedPlugins:
     infos: list[PluginInfo] = []
     disabled, allowed = _autoload_disabled(), _allow_list()
 
-    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+    def builtin_first(ep: Any) -> tuple[bool, str]:
+        return (ep.dist is None or ep.dist.name != BUILTIN_DISTRIBUTION, ep.name)
+
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=builtin_first):
         dist_name = ep.dist.name if ep.dist else "?"
         builtin = dist_name == BUILTIN_DISTRIBUTION
         if not builtin and (disabled or (allowed is not None and ep.name not in allowed)):
@@ -85,7 +94,9 @@ def load_plugins() -> LoadedPlugins:
         info = PluginInfo(ep.name, dist_name, ep.dist.version if ep.dist else "?", ep.value, builtin)
         infos.append(info)
         if manager.has_plugin(ep.name):
-            info.error = f"entry-point name {ep.name!r} is declared twice; kept the first"
+            first = next(i.distribution for i in infos if i.name == ep.name)
+            info.error = f"declares entry-point name {ep.name!r}, which distribution {first!r} declared first"
+            info.disabled = True
             continue
         try:
             _register(manager, ep.load(), ep.name)
@@ -102,25 +113,61 @@ def load_plugins() -> LoadedPlugins:
             info.error = _describe_error(exc)
 
     registry = Registry()
-    by_name = {info.name: info for info in infos}
     registry.plugin_versions = {info.name: info.version for info in infos}
-    for kind, spec in KINDS.items():
-        hook_name = spec.hook
-        for impl in getattr(manager.hook, hook_name).get_hookimpls():
-            plugin_name = impl.plugin_name
-
-            def register(name: str, target: Any, *, description: str = "", _kind=kind, _plugin=plugin_name, **meta):
-                registry.add(_kind, name, target, _plugin, description, **meta)
-
-            try:
-                impl.function(**{arg: register for arg in impl.argnames})
-            except PluginError:
-                raise  # duplicate names are a configuration error, not one plugin's failure
-            except Exception as exc:
-                info = by_name.get(plugin_name)
-                if info is not None and info.error is None:
-                    info.error = f"hook {hook_name} raised {_describe_error(exc)}"
+    for info in infos:
+        if info.error is None:
+            _fill(registry, manager, info)
     return LoadedPlugins(manager, registry, infos)
+
+
+def _fill(registry: Registry, manager: pluggy.PluginManager, info: PluginInfo) -> None:
+    """Add everything plugin ``info`` registers, or nothing: a hook that raises or a name that is taken leaves
+    the registry as it was and records why on ``info``."""
+    staged = Registry()
+    try:
+        for kind, spec in KINDS.items():
+            for impl in getattr(manager.hook, spec.hook).get_hookimpls():
+                if impl.plugin_name != info.name:
+                    continue
+
+                def register(name: str, target: Any, *, description: str = "", _kind=kind, **meta: Any) -> None:
+                    if isinstance(name, str) and (_kind, name) in staged:
+                        raise _RegisteredTwice(f"registers {_kind} {name!r} twice")
+                    staged.add(_kind, name, target, info.name, description, **meta)
+
+                try:
+                    impl.function(**{arg: register for arg in impl.argnames})
+                except _RegisteredTwice:
+                    raise
+                except Exception as exc:
+                    raise _HookFailed(f"hook {spec.hook} raised {_describe_error(exc)}") from exc
+    except _RegisteredTwice as exc:
+        info.error = str(exc)
+        info.disabled = True
+        return
+    except _HookFailed as exc:
+        info.error = str(exc)
+        return
+    for kind in staged.kinds():
+        for entry in staged.entries(kind):
+            if (kind, entry.name) in registry:
+                first = registry.entry(kind, entry.name).plugin
+                info.error = (f"registers {kind} {entry.name!r}, which plugin {first!r} registered first (the "
+                              f"first registration wins; uninstall one of them, or leave {info.name!r} out of "
+                              f"{ALLOW_LIST_ENV})")
+                info.disabled = True
+                return
+    for kind in staged.kinds():
+        for entry in staged.entries(kind):
+            registry.add(kind, entry.name, entry.target, entry.plugin, entry.description, **entry.metadata)
+
+
+class _HookFailed(Exception):
+    """A plugin's registration hook raised (the plugin's own error, described in the message)."""
+
+
+class _RegisteredTwice(Exception):
+    """A plugin registered one name of one kind twice."""
 
 
 def _register(manager: pluggy.PluginManager, plugin: Any, name: str) -> None:
@@ -139,7 +186,8 @@ def get_plugins() -> LoadedPlugins:
     if _loaded is None:
         _loaded = load_plugins()
         for info in _loaded.failures:
-            print(f"warning: plugin {info.name!r} ({info.distribution}) failed to load: {info.error}", file=sys.stderr)
+            what = "is disabled: it" if info.disabled else "failed to load:"
+            print(f"warning: plugin {info.name!r} ({info.distribution}) {what} {info.error}", file=sys.stderr)
     return _loaded
 
 

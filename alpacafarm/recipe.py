@@ -192,7 +192,8 @@ def _failed_plugins_hint() -> str:
     failures = get_plugins().failures
     if not failures:
         return ""
-    return " — note: plugin(s) failed to load: " + "; ".join(f"{f.name} ({f.error})" for f in failures)
+    return " — note: plugin(s) not loaded: " + "; ".join(
+        f"{f.name} ({'disabled: ' if f.disabled else ''}{f.error})" for f in failures)
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),

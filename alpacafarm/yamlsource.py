@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from alpacafarm.errors import RecipeError
+from alpacafarm.errors import REDACTED, RecipeError, looks_like_secret, shown_value
+from alpacafarm.paths import read_text
 
 Path_ = tuple[str | int, ...]
 
@@ -52,8 +53,7 @@ def _build(node: yaml.Node, path: Path_, positions: dict, source: str) -> Any:
     if isinstance(node, yaml.MappingNode):
         out: dict[str, Any] = {}
         for key_node, value_node in node.value:
-            key = (yaml.safe_load(yaml.serialize(key_node)) if not isinstance(key_node, yaml.ScalarNode)
-                   else key_node.value)
+            key = _construct(key_node) if not isinstance(key_node, yaml.ScalarNode) else key_node.value
             if not isinstance(key, str):
                 raise RecipeError(f"{source}:{key_node.start_mark.line + 1}: mapping keys must be strings, got {key!r}")
             if key in out:
@@ -64,9 +64,15 @@ def _build(node: yaml.Node, path: Path_, positions: dict, source: str) -> Any:
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_build(item, (*path, i), positions, source) for i, item in enumerate(node.value)]
-    # Scalars: let the safe constructor resolve ints, floats, bools, nulls exactly as safe_load would.
-    value = yaml.safe_load(yaml.serialize(node))
+    # Scalars: the safe constructor resolves ints, floats, bools, nulls exactly as safe_load would (an empty
+    # value, as in ``config:`` with nothing after it, is null).
+    value = _construct(node)
     return _fix_exponent_float(value) if getattr(node, "style", None) is None else value  # quoted stays text
+
+
+def _construct(node: yaml.Node) -> Any:
+    """The plain value of an already composed node (tags resolved by the composer), built by the safe loader."""
+    return yaml.constructor.SafeConstructor().construct_object(node, deep=True)
 
 
 _EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
@@ -135,13 +141,15 @@ def load_with_includes(path: Path, _stack: tuple[Path, ...] = ()) -> SourcedDocu
     """Load ``path``; its ``include:`` (a file or list of files, relative to it) are merged underneath it."""
     path = Path(path)
     shown = display_path(path)
+    if path.is_dir():
+        raise RecipeError(f"{shown}: is a directory, not a recipe file")
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {shown}")
     resolved = path.resolve()
     if resolved in _stack:
         chain = " -> ".join(display_path(p) for p in (*_stack, resolved))
         raise RecipeError(f"{shown}: include cycle: {chain}")
-    doc = parse_yaml(path.read_text(encoding="utf-8"), shown)
+    doc = parse_yaml(read_text(path, "recipe", display=shown), shown)
     if not isinstance(doc.data, dict):
         raise RecipeError(f"{shown}:1: a recipe must be a YAML mapping, got {type(doc.data).__name__}")
     includes = doc.data.pop("include", None)
@@ -163,14 +171,25 @@ def load_with_includes(path: Path, _stack: tuple[Path, ...] = ()) -> SourcedDocu
     return deep_merge(merged, doc)
 
 
+def shown_override(text: str) -> str:
+    """``--set`` text as an error message may show it: ``KEY=<redacted>`` when the value is (or looks like) a secret."""
+    key, sep, raw = text.partition("=")
+    if not sep:
+        return repr(REDACTED if looks_like_secret(text) else text)
+    value = raw.strip().strip("'\"")
+    if shown_value(key.strip().split(".")[-1], value) == REDACTED:
+        return repr(f"{key}={REDACTED}")
+    return repr(text)
+
+
 def parse_override(text: str) -> tuple[list[str | int], Any]:
     """``"stages.0.config.lr=1e-5"`` → ``(["stages", 0, "config", "lr"], 1e-5)``; the value is parsed as YAML."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
-        raise RecipeError(f"--set {text!r}: expected KEY=VALUE, e.g. --set seed=3")
+        raise RecipeError(f"--set {shown_override(text)}: expected KEY=VALUE, e.g. --set seed=3")
     parts: list[str | int] = [int(p) if p.lstrip("-").isdigit() else p for p in key.strip().split(".")]
     if any(p == "" for p in parts):
-        raise RecipeError(f"--set {text!r}: empty key segment")
+        raise RecipeError(f"--set {shown_override(text)}: empty key segment")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -189,7 +208,7 @@ def apply_override(doc: SourcedDocument, text: str) -> None:
         if isinstance(node, list):
             index = _list_index(node, part)
             if index is None:
-                raise RecipeError(f"--set {text}: {format_path(tuple(walked))} has no item {part!r}")
+                raise RecipeError(f"--set {shown_override(text)}: {format_path(tuple(walked))} has no item {part!r}")
             part = index
             if last:
                 node[part] = value
@@ -201,7 +220,8 @@ def apply_override(doc: SourcedDocument, text: str) -> None:
             else:
                 node = node.setdefault(part, {})
         else:
-            raise RecipeError(f"--set {text}: {format_path(tuple(walked))} is a {type(node).__name__}, not a mapping")
+            raise RecipeError(f"--set {shown_override(text)}: {format_path(tuple(walked))} is a "
+                              f"{type(node).__name__}, not a mapping")
         walked.append(part)
     _drop_subtree(doc.positions, tuple(walked))  # the old file positions no longer describe this value
     doc.positions[tuple(walked)] = ("--set", 0)

@@ -53,7 +53,7 @@ def test_every_shipped_recipe_passes_check(recipe: Path):
     assert result.stdout.startswith(f"ok: {recipe}")
 
 
-def _fake_distribution(site: Path, name: str, entry_points: dict[str, str], modules: dict[str, str]) -> None:
+def fake_distribution(site: Path, name: str, entry_points: dict[str, str], modules: dict[str, str]) -> None:
     """A minimal installed distribution (dist-info + modules) on a folder that goes on PYTHONPATH."""
     info = site / f"{name.replace('-', '_')}-1.0.dist-info"
     info.mkdir(parents=True)
@@ -66,7 +66,7 @@ def _fake_distribution(site: Path, name: str, entry_points: dict[str, str], modu
 @pytest.fixture
 def broken_plugin_site(tmp_path: Path) -> Path:
     site = tmp_path / "site"
-    _fake_distribution(site, "alpacafarm-broken", {"broken": "alpacafarm_broken"},
+    fake_distribution(site, "alpacafarm-broken", {"broken": "alpacafarm_broken"},
                        {"alpacafarm_broken": "import a_module_that_does_not_exist\n"})
     return site
 
@@ -97,16 +97,20 @@ def test_unknown_method_from_a_broken_plugin_exits_2_and_names_it(broken_plugin_
     assert not out.exists()
 
 
-def test_two_plugins_registering_one_name_exit_2(tmp_path: Path):
+def test_a_plugin_registering_a_taken_name_is_disabled_and_the_first_wins(tmp_path: Path):
+    """A clash is no longer fatal: the plugin that registers first (built-ins before third-party plugins) keeps
+    the name, the other is disabled as a whole (tests/test_user_errors.py checks every command's output)."""
     site = tmp_path / "site"
     source = ("from alpacafarm import hookimpl\n\n@hookimpl\ndef register_methods(register):\n"
               "    register('split_instructions', 'alpacafarm.method:Method')\n")
-    _fake_distribution(site, "alpacafarm-clash", {"clash": "alpacafarm_clash"}, {"alpacafarm_clash": source})
+    fake_distribution(site, "alpacafarm-clash", {"clash": "alpacafarm_clash"}, {"alpacafarm_clash": source})
     result = run_cli("recipe", "check", "recipes/quickstart.yaml", env={"PYTHONPATH": str(site)})
-    assert result.returncode == 2
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: method 'split_instructions' is registered by two plugins: ")
-    assert "'data'" in last and "'clash'" in last and "Traceback" not in result.stderr
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == (
+        "warning: plugin 'clash' (alpacafarm-clash) is disabled: it registers method 'split_instructions', which "
+        "plugin 'data' registered first (the first registration wins; uninstall one of them, or leave 'clash' out "
+        "of ALPACAFARM_PLUGINS)")
+    assert "split_instructions (data)" in result.stdout
 
 
 def test_autoload_switch_and_allow_list(broken_plugin_site: Path):

@@ -82,3 +82,78 @@ def test_bad_inputs_are_user_errors(tmp_path: Path):
     write_json(tmp_path / "other.json", {"something": 1})
     with pytest.raises(UserError, match="neither"):
         build_leaderboard([tmp_path / "other.json"])
+
+
+def _multi_system_run(run_dir: Path, systems: dict[str, float]) -> Path:
+    """The layout of a run whose evaluation compared several systems (the quickstart's): no
+    ``stages/evaluate/metrics.json``, one ``stages/evaluate/systems/<name>/metrics.json`` per system."""
+    evaluation = run_dir / "stages" / "evaluate"
+    for name, win_rate in systems.items():
+        folder = evaluation / "systems" / name.replace("/", "__")  # as the evaluator names them
+        write_json(folder / "metrics.json", _metrics(win_rate, 2.0, generator=name))
+    write_json(evaluation / "results.json", {"rows": [{"system": n, "win_rate": w} for n, w in systems.items()]})
+    return run_dir
+
+
+def test_a_multi_system_run_gives_one_row_per_system(tmp_path: Path, inputs: list[Path]):
+    quick = _multi_system_run(tmp_path / "runs" / "quickstart", {"outputs": 20.0, "best_of_n/n=8": 35.0})
+    rows = build_leaderboard([quick, inputs[1]])
+    assert [(r["name"], r["win_rate"]) for r in rows] == [("sft10k", 37.5), ("best_of_n/n=8", 35.0),
+                                                          ("outputs", 20.0)]
+    assert rows[1]["source"].endswith("stages/evaluate/systems/best_of_n__n=8/metrics.json")
+    # the evaluation stage folder itself is an input too
+    assert len(build_leaderboard([quick / "stages" / "evaluate"])) == 2
+
+
+def test_systems_of_several_runs_are_told_apart_by_run(tmp_path: Path):
+    a = _multi_system_run(tmp_path / "runs" / "quickstart", {"outputs": 20.0, "best_of_n": 35.0})
+    b = _multi_system_run(tmp_path / "runs" / "quickstart-x2", {"outputs": 25.0, "best_of_n": 30.0})
+    names = [r["name"] for r in build_leaderboard([a, b])]
+    assert names == ["best_of_n (quickstart)", "best_of_n (quickstart-x2)", "outputs (quickstart-x2)",
+                     "outputs (quickstart)"]
+
+
+def test_a_run_whose_evaluation_did_not_finish_is_an_error(tmp_path: Path):
+    run = _multi_system_run(tmp_path / "runs" / "killed", {"outputs": 20.0})
+    write_json(run / "stages" / "evaluate" / "manifest.json", {"stage": "evaluate", "status": "running"})
+    with pytest.raises(UserError, match=r"killed: its evaluation is not complete .*status 'running'"):
+        build_leaderboard([run])
+    write_json(run / "stages" / "evaluate" / "manifest.json", {"stage": "evaluate", "status": "complete"})
+    assert [r["name"] for r in build_leaderboard([run])] == ["outputs"]
+
+
+@pytest.mark.parametrize("value", ["high", True, float("nan"), [1]], ids=["text", "bool", "nan", "list"])
+def test_a_non_numeric_column_is_an_error_naming_the_file(tmp_path: Path, value):
+    path = tmp_path / "metrics.json"
+    path.write_text(json.dumps({**_metrics(40.0, 1.0), "standard_error": value}))
+    with pytest.raises(UserError, match=rf"^{path}: 'standard_error' must be a number, got "):
+        build_leaderboard([path])
+
+
+def test_cli_over_real_quickstart_style_runs(tmp_path: Path, tiny_model_dir: str):
+    """``alpacafarm leaderboard runs/*/`` (the README's command) over two real runs that each evaluated two
+    policies: one row per system and run."""
+    import shutil
+
+    recipe = tmp_path / "multi.yaml"
+    recipe.write_text(
+        "name: multi\n"
+        f"model: {{name: {tiny_model_dir}, dtype: float32, device: cpu}}\n"
+        "data:\n  instructions: {builtin: alpaca_eval_sample, limit: 8}\n"
+        "stages:\n  - {name: split, method: split_instructions, config: {eval_size: 3}}\n"
+        "  - {name: greedy, method: generate_outputs, config: {sampling: {temperature: 0.0, max_new_tokens: 8}}}\n"
+        "  - {name: sampled, method: generate_outputs, config: {sampling: {temperature: 1.0, max_new_tokens: 8}}}\n"
+        "evaluation: {evaluator: win_rate, annotator: offline, policy: [greedy, sampled]}\n"
+    )
+    runs = tmp_path / "runs"
+    result = run_cli("run", str(recipe), "--output-dir", str(runs / "first"))
+    assert result.returncode == 0, result.stderr
+    assert not (runs / "first" / "stages" / "evaluate" / "metrics.json").exists()
+    shutil.copytree(runs / "first", runs / "second")
+    result = run_cli("leaderboard", "runs/first/", "runs/second/", "-o", "board", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)["rows"]
+    assert sorted(r["name"] for r in rows) == ["greedy (first)", "greedy (second)", "sampled (first)",
+                                                "sampled (second)"]
+    assert all(isinstance(r["win_rate"], float) and r["n_total"] == 3 for r in rows)
+    assert (tmp_path / "board.png").read_bytes()[:8] == PNG_SIGNATURE

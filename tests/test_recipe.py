@@ -149,6 +149,9 @@ def test_bad_set_overrides(quickstart_copy):
     ("name: t\ndata:\n  instructions: {path: no/such/file.jsonl}\n" + SPLIT_STAGE,
      ["r.yaml:3: data.instructions.path: file not found: no/such/file.jsonl"]),
     ("- just\n- a list\n", ["r.yaml:1: a recipe must be a YAML mapping"]),
+    ("name: t\nstages:\n  - name: s\n    method: split_instructions\n    config:\n",  # nothing after 'config:'
+     ["r.yaml:5: stages[0].config: has no value (nothing after 'config:'); give a mapping"]),
+    ("name:\n" + SPLIT_STAGE, ["r.yaml:1: name: has no value (nothing after 'name:'); give a string"]),
 ])
 def test_recipe_errors_name_the_culprit(tmp_path, text, expected):
     message = error_of(write(tmp_path / "r.yaml", text))
@@ -183,6 +186,8 @@ class ToyConfig:
     steps: int = 1
     learning_rate: float = 1e-3
     tags: list[str] = field(default_factory=list)
+    api_token: int = 0  # a secret-named field: its value never appears in an error
+    token_env: str = "TOY_TOKEN"  # the NAME of the variable holding a secret
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -250,6 +255,25 @@ def test_dataclass_config_errors(tmp_path, test_plugin, config, expected):
     message = error_of(toy_recipe(tmp_path, config))
     for part in expected:
         assert part in message
+
+
+SECRET = "sk-proj-Xq7vT2mLp9RwZ4kN8sHd3JfY6cBg1AeU5oIi0"
+
+
+@pytest.mark.parametrize(("config", "expected"), [
+    (f"api_token: {SECRET}\n", "stages[0].config.api_token: Input should be a valid integer"),
+    (f"token_env: {SECRET}\n", "stages[0].config.token_env: looks like a key itself; put the key in an environment "
+                                "variable and give its name"),
+    ("token_env: 4d1b9e7c2a8f3d6b1e9c4a7f2d8b3e6c\n", "stages[0].config.token_env: looks like a key itself"),
+])
+def test_secrets_are_never_in_config_errors(tmp_path, test_plugin, config, expected):
+    message = error_of(toy_recipe(tmp_path, config))
+    assert expected in message and SECRET not in message and "4d1b9e7c" not in message
+
+
+def test_an_environment_variable_name_is_accepted(tmp_path, test_plugin):
+    loaded = load_recipe(toy_recipe(tmp_path, "token_env: MY_TEAM_OPENAI_API_KEY_2024\n"))
+    assert loaded.stage_configs["toy"].token_env == "MY_TEAM_OPENAI_API_KEY_2024"
 
 
 def test_annotator_name_and_config_are_validated(tmp_path, test_plugin):

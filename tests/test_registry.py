@@ -25,6 +25,7 @@ class LazyPlugin:
 class ClashingPlugin:
     @alpacafarm.hookimpl
     def register_methods(self, register):
+        register("own_name", "alpacafarm.method:Method")
         register("split_instructions", "alpacafarm.method:Method")
 
 
@@ -58,12 +59,41 @@ def test_lazy_targets_are_not_imported_until_used(register_test_plugin):
     assert registry.get("evaluator", "ev") is alpacafarm.method.Method
 
 
-def test_duplicate_name_names_both_plugins(register_test_plugin):
+def test_a_plugin_claiming_a_taken_name_is_disabled_and_the_first_registration_wins(register_test_plugin, capsys):
     register_test_plugin(ClashingPlugin(), "clasher")
-    with pytest.raises(PluginError) as info:
-        get_registry()
-    message = str(info.value)
-    assert "split_instructions" in message and "'data'" in message and "'clasher'" in message
+    loaded = get_plugins()
+    (clasher,) = [p for p in loaded.plugins if p.name == "clasher"]
+    assert clasher.disabled and "method 'split_instructions'" in clasher.error and "'data'" in clasher.error
+    assert loaded.registry.entry("method", "split_instructions").plugin == "data"
+    assert "own_name" not in loaded.registry.names("method")  # a disabled plugin registers nothing at all
+    (warning,) = capsys.readouterr().err.splitlines()
+    assert warning.startswith("warning: plugin 'clasher'") and "is disabled" in warning and "'data'" in warning
+
+
+def test_a_plugin_registering_one_name_twice_is_disabled(register_test_plugin):
+    class Twice:
+        @alpacafarm.hookimpl
+        def register_annotators(self, register):
+            register("twice", "alpacafarm.annotation:Annotator")
+            register("twice", "alpacafarm.annotation:Annotator")
+
+    register_test_plugin(Twice(), "twice")
+    (info,) = [p for p in get_plugins().plugins if p.name == "twice"]
+    assert info.disabled and info.error == "registers annotator 'twice' twice"
+    assert "twice" not in get_registry().names("annotator")
+
+
+def test_a_bad_registration_fails_only_its_plugin(register_test_plugin):
+    class Bad:
+        @alpacafarm.hookimpl
+        def register_methods(self, register):
+            register("fine_name", "alpacafarm.method:Method")
+            register("", "alpacafarm.method:Method")
+
+    register_test_plugin(Bad(), "bad")
+    (info,) = [p for p in get_plugins().plugins if p.name == "bad"]
+    assert not info.disabled and "non-empty string" in info.error
+    assert "fine_name" not in get_registry().names("method") and "split_instructions" in get_registry().names("method")
 
 
 def test_a_hook_that_raises_is_reported_and_the_rest_load(register_test_plugin, capsys):

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from alpacafarm.errors import UserError
+from alpacafarm.paths import check_output_file, user_path
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -80,6 +81,8 @@ def _records(path_text: str, what: str) -> list[dict[str, Any]]:
     from alpacafarm.data import read_records
 
     path = Path(path_text)
+    if path.is_dir():
+        raise UserError(f"{what} file {path} is a directory; give a file")
     if not path.is_file():
         raise UserError(f"{what} file not found: {path}")
     records = read_records(path)
@@ -107,15 +110,18 @@ def cmd_correlation(args: argparse.Namespace) -> int:
     if args.n_bootstrap < 0:
         raise UserError(f"--n-bootstrap must be >= 0, got {args.n_bootstrap}")
     table = str(PAPER_TABLE2) if args.table == "paper" else args.table
+    if args.plot:  # before the work: a plot path that cannot be written fails now, naming it
+        check_output_file(args.plot, "--plot file")
     validator = get_registry().create("validator", "rank_correlation", {
         "x": args.x, "y": args.y, "n_bootstrap": args.n_bootstrap, "seed": args.seed,
         "name_column": args.name_column, "filters": filters})
     try:
         result = validator.validate(_records(table, "table"))
-    except UserError as exc:
-        raise UserError(f"{table}: {exc}") from None
+    except UserError as exc:  # name the table, once
+        raise UserError(str(exc) if table in str(exc) else f"{table}: {exc}") from None
     if args.plot:
-        plot(result, Path(args.plot))
+        with user_path(args.plot, "write"):
+            plot(result, Path(args.plot))
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
         return 0
