@@ -37,6 +37,10 @@ def build_parser(plugin_commands: dict[str, str]) -> argparse.ArgumentParser:
     run.add_argument("--output-dir", help="run directory (default: the recipe's output_dir or runs/<name>)")
     run.add_argument("--force", action="append", default=[], metavar="STAGE",
                      help="re-run STAGE (and what depends on it) even if unchanged; 'all' re-runs everything")
+    run.add_argument("--plan", action="store_true",
+                     help="show which stages would run, resume or be skipped, and why; run nothing")
+    run.add_argument("-v", "--verbose", action="store_true",
+                     help="also show library logs, warnings and progress bars (they always go to the run's run.log)")
 
     plugins = commands.add_parser("plugins", help="list installed plugins and what each registers")
     plugins.add_argument("--json", action="store_true", help="print JSON")
@@ -58,17 +62,35 @@ def cmd_run(args: argparse.Namespace) -> int:
     from alpacafarm.plugins import get_registry
     from alpacafarm.recipe import load_recipe
 
+    if not args.plan:  # before anything is imported or loaded: library chatter goes to run.log, not the console
+        from alpacafarm.library_output import route_library_output
+
+        route_library_output(verbose=args.verbose)
     registry = get_registry()
     loaded = load_recipe(args.recipe, args.overrides, registry)
     pipeline = Pipeline(loaded, registry, args.output_dir)
+    if args.plan:
+        return print_plan(pipeline, args.force)
     outcomes = pipeline.run(force=args.force)
     rows = [[o.name, o.status, f"{o.seconds:.1f}s", o.artifact.kind, o.artifact.path or ""] for o in outcomes]
     print_table(f"{loaded.recipe.name}: {pipeline.run_dir}", ["stage", "status", "time", "artifact", "path"], rows)
-    for outcome in outcomes:
+    console().print(f"run directory: {pipeline.run_dir} (log: run.log)", highlight=False)
+    for outcome in outcomes:  # the results come last, where the eye lands
         table = outcome.artifact.metadata.get("table")
         if table:  # stages may publish a results table: {"title", "columns", "rows"}
             print_table(table.get("title", outcome.name), table["columns"], table["rows"])
-    console().print(f"run directory: {pipeline.run_dir}")
+    return 0
+
+
+def print_plan(pipeline: object, force: list[str]) -> int:
+    """``run --plan``: one line per stage (name, run / resume / skip, why) on stdout; nothing runs or is written."""
+    decisions = pipeline.plan_run(force=force)
+    width = max(len(d.name) for d in decisions)
+    print(f"plan for recipe {pipeline.recipe.name!r} in {pipeline.run_dir} (nothing is run):")
+    for d in decisions:
+        print(f"  {d.name:<{width}}  {d.action:<6}  {d.reason}")
+    running = sum(d.action != "skip" for d in decisions)
+    print(f"{running} of {len(decisions)} stage(s) would run" if running else "nothing to do: every stage is skipped")
     return 0
 
 
@@ -98,7 +120,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             descriptions.setdefault(entry.plugin, {}).setdefault(kind, {})[entry.name] = entry.description
     rows = [
         {"name": p.name, "distribution": p.distribution, "version": p.version, "module": p.module,
-         "builtin": p.builtin, "error": p.error, "registers": registers.get(p.name, {}),
+         "builtin": p.builtin, "error": p.error, "disabled": p.disabled, "registers": registers.get(p.name, {}),
          "descriptions": descriptions.get(p.name, {})}
         for p in loaded.plugins
     ]
@@ -110,10 +132,22 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     table_rows = []
     for row in rows:
         what = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in sorted(row["registers"].items()))
-        status = f"FAILED: {row['error']}" if row["error"] else ("built-in" if row["builtin"] else "")
+        failed = f"{'DISABLED' if row['disabled'] else 'FAILED'}: {row['error']}"
+        status = failed if row["error"] else ("built-in" if row["builtin"] else "")
         table_rows.append([row["name"], row["distribution"], row["version"], what or "-", status])
     print_table("alpacafarm plugins", ["plugin", "distribution", "version", "registers", "status"], table_rows)
     return 0
+
+
+def _report_error(error: UserError, raised: BaseException, debug: bool) -> int:
+    """``error: ...`` as exactly one line on stderr, key-shaped text redacted (traceback first with --debug)."""
+    from alpacafarm.errors import scrub
+
+    if debug:
+        traceback.print_exception(raised)
+    message = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    print(f"error: {scrub(message)}", file=sys.stderr)
+    return error.exit_code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -141,10 +175,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_plugins(args)
         return cmd_recipe_check(args)
     except UserError as exc:
-        if debug:
-            traceback.print_exc()
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return _report_error(exc, exc, debug)
+    except OSError as exc:
+        # The file system's refusals (permission, read-only, disk full, a file where a folder should be) that
+        # reached here without a boundary naming them: one line naming the path; anything else is a bug.
+        from alpacafarm.paths import path_error
+
+        error = path_error(exc, exc.filename, None) if exc.filename is not None else None
+        if error is None:
+            raise
+        return _report_error(error, exc, debug)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

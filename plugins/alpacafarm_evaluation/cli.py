@@ -15,6 +15,7 @@ from typing import Any
 
 from alpacafarm.annotation import add_annotator_options
 from alpacafarm.errors import UserError
+from alpacafarm.paths import make_dir
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -32,6 +33,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("-o", "--output-dir", help="where annotations.json and metrics.json go "
                         "(default: <outputs folder>/<annotator>/, AlpacaEval's layout)")
     parser.add_argument("--max-instructions", type=int, help="evaluate only the first N matched instructions")
+    parser.add_argument("--max-unlabelled-fraction", type=float, default=0.05, metavar="F",
+                        help="fail (exit 1) when more than this share of the pairs got no label from the judge "
+                             "(failed or unparsed); what was answered is cached (default: 0.05)")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     parser.add_argument("--prompt-format", default="chat_template", choices=["alpaca", "chat_template"],
                         help="with --model: how instructions become prompts")
@@ -63,6 +67,8 @@ def _read(path_text: str, what: str) -> list[dict[str, Any]]:
     from alpacafarm.data import read_records
 
     path = Path(path_text)
+    if path.is_dir():
+        raise UserError(f"{what} file {path} is a directory; give a file")
     if not path.is_file():
         raise UserError(f"{what} file not found: {path}")
     return read_records(path)
@@ -87,8 +93,9 @@ def evaluate_outputs(args: argparse.Namespace) -> dict[str, Any]:
 
     if not args.annotator:
         raise UserError("--outputs needs --annotator NAME (e.g. --annotator offline)")
-    from alpacafarm.annotation import annotator_from_options
+    from alpacafarm.annotation import annotator_from_options, check_unlabelled
     from alpacafarm.plugins import get_registry
+    from alpacafarm_evaluation.evaluator import RecordingAnnotator
 
     registry = get_registry()
     registry.entry("annotator", args.annotator)  # fail on an unknown name before reading anything
@@ -102,9 +109,12 @@ def evaluate_outputs(args: argparse.Namespace) -> dict[str, Any]:
         console().print(f"[yellow]skipped {skipped['n_unmatched']} of {len(outputs)} outputs without a reference "
                         f"instruction and {skipped['n_extra_samples']} extra samples of paired instructions[/yellow]")
     out_dir = Path(args.output_dir) if args.output_dir else Path(args.outputs).resolve().parent / args.annotator
-    annotator = annotator_from_options(registry, args.annotator, args)
+    make_dir(out_dir, "output directory")  # before anything is judged (and paid for)
+    annotator = RecordingAnnotator(annotator_from_options(registry, args.annotator, args))
     try:
         metrics = annotate_and_score(pairs, annotator, out_dir, {**skipped, "outputs": str(args.outputs)})
+        outcomes = check_unlabelled(annotator.last, args.max_unlabelled_fraction, f"judge {annotator.name!r}")
+        metrics["n_failed"] = outcomes.failed
     finally:
         annotator.close()
     metrics["annotations_path"] = str(out_dir / "annotations.json")
@@ -151,6 +161,8 @@ def generate_model_outputs(args: argparse.Namespace) -> str:
 def main(argv: list[str]) -> int:
     """``alpacafarm evaluate``: returns the exit status."""
     args = parse_args(argv)
+    if args.output_dir and not args.annotations:  # a file in the way fails now, not after generating and judging
+        make_dir(args.output_dir, "output directory")
     if args.model:
         args.outputs = generate_model_outputs(args)
     if args.annotations:
@@ -171,7 +183,8 @@ def leaderboard_main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="alpacafarm leaderboard", description="gather evaluation results "
                                      "(metrics.json, run directories, AlpacaEval annotations.json) into one table")
-    parser.add_argument("inputs", nargs="+", help="metrics.json / annotations.json files or run directories")
+    parser.add_argument("inputs", nargs="+", help="metrics.json / annotations.json files or run directories "
+                        "(a run that evaluated several systems gives one row per system)")
     parser.add_argument("-o", "--output", required=True, metavar="OUT_PREFIX",
                         help="writes OUT_PREFIX.csv, OUT_PREFIX.json and OUT_PREFIX.png")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON object on stdout")

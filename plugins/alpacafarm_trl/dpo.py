@@ -23,6 +23,7 @@ from trl import DPOConfig
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.modeling import load_merged_causal_lm
+from alpacafarm.train_progress import training_progress
 from alpacafarm.training import (
     TrainingDefaults,
     fp32_master_weights,
@@ -159,7 +160,8 @@ class DPO(Method):
             args.beta,
             reference,
         )
-        result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
+        with training_progress(trainer, context, "training (DPO)"):
+            result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
         merged = save_policy(trainer, spec, model_path, model_dir, context.logger)
         metrics: dict[str, Any] = {

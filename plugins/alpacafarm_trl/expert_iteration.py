@@ -36,6 +36,7 @@ from alpacafarm.errors import UserError
 from alpacafarm.generation import SamplingConfig
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.prompts import format_prompt
+from alpacafarm.train_progress import training_progress
 from alpacafarm.training import save_policy, stage_training_args, train_summary
 from alpacafarm_trl.best_of_n import mean, sample_and_score, select
 from alpacafarm_trl.sft import SFTMethodConfig
@@ -190,7 +191,8 @@ class ExpertIteration(Method):
                                 context.stage, r, len(demonstrations), config.n, truncated,
                                 "left out" if config.truncated_winners == "drop" else "trained without EOS",
                                 mean([w["reward"] for w in winners]), mean([s["reward"] for g in samples for s in g]))
-            result = trainer.train()
+            with training_progress(trainer, context, f"round {r}: SFT on the winners"):
+                result = trainer.train()
             save_policy(trainer, spec, start_from, model_dir, context.logger)
             shutil.rmtree(round_dir / "trainer", ignore_errors=True)  # checkpoints of a finished round
             summary = {"round": r, "n_instructions": len(records), "n": config.n,

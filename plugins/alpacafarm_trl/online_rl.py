@@ -110,6 +110,7 @@ def run_online_rl(context: StageContext, config: Any, trainer_class: Any, algori
     from alpacafarm.data import write_json
     from alpacafarm.modeling import is_adapter_folder, load_merged_causal_lm, load_tokenizer, lora_config
     from alpacafarm.prompts import PromptFormat
+    from alpacafarm.train_progress import training_progress
     from alpacafarm.training import (
         fp32_master_weights,
         limit,
@@ -139,7 +140,8 @@ def run_online_rl(context: StageContext, config: Any, trainer_class: Any, algori
     fp32_master_weights(trainer.model)
     context.logger.info("stage %s: %s on %d prompts, %d completions each, beta %g, rewards: %s", context.stage,
                         algorithm, len(rows), args.num_generations, args.beta, ", ".join(r.__name__ for r in rewards))
-    result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
+    with training_progress(trainer, context, f"training ({algorithm})"):
+        result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
     model_dir = Path(context.stage_dir) / "model"
     merged = save_policy(trainer, spec, model_path, model_dir, context.logger)
     logged = [e["reward"] for e in trainer.state.log_history if e.get("reward") is not None]

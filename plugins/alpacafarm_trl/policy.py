@@ -59,9 +59,11 @@ def train_and_save_policy(context: Any, trainer: Any, spec: Any, model_path: str
     """
     from alpacafarm.data import write_json
     from alpacafarm.method import Artifact
+    from alpacafarm.train_progress import training_progress
     from alpacafarm.training import resume_checkpoint, save_policy, train_summary
 
-    result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
+    with training_progress(trainer, context):
+        result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
     model_dir = Path(context.stage_dir) / "model"
     merged = save_policy(trainer, spec, model_path, model_dir, context.logger)
     if before_metrics is not None:

@@ -1,7 +1,7 @@
 """``ppo``: Proximal Policy Optimization of the SFT model against the surrogate reward model (our trainer).
 
 The method wires the stage: the SFT model, the reward model and the unlabeled instructions go to
-:func:`alpacafarm_trl.ppo_trainer.build_ppo_trainer`, training reports one progress tick per PPO step and
+:func:`alpacafarm_trl.ppo_trainer.build_ppo_trainer`, training shows one progress line (PPO steps, the loss) and
 resumes from the stage's last ``checkpoint-N``, and the trained policy is saved as ``model/`` with
 ``metrics.json`` (and the SFT folder's prompt conditioning, if it has one: the policy was trained behind it).
 
@@ -15,31 +15,15 @@ written in the model block's save dtype.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
-
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.prompts import PromptConditioning
+from alpacafarm.train_progress import training_progress
 from alpacafarm.training import limit, resume_checkpoint, stage_training_args
 from alpacafarm_trl.ppo_config import PPOMethodConfig
 from alpacafarm_trl.ppo_trainer import build_ppo_trainer
-
-
-class ProgressCallback(TrainerCallback):
-    """Advances the stage's progress bar by one per PPO step."""
-
-    def __init__(self, advance: Callable[..., None]) -> None:
-        self.advance = advance
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.global_step:
-            self.advance(state.global_step)
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.advance(1)
 
 
 def save_trained_policy(trainer: Any, spec: Any, sft_path: str, directory: str | Path) -> bool:
@@ -79,8 +63,7 @@ class PPO(Method):
         context.logger.info("stage %s: PPO for %d steps of %d rollouts on %d prompts "
                             "(%d skipped as too long)", context.stage, trainer.max_steps,
                             args.rollout_batch_size, len(trainer.queries), trainer.n_skipped)
-        with context.progress("PPO steps", trainer.max_steps) as advance:
-            trainer.add_callback(ProgressCallback(advance))
+        with training_progress(trainer, context, "PPO steps"):
             result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
         merge = save_trained_policy(trainer, spec, sft_path, model_dir)

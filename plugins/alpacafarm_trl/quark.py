@@ -45,6 +45,7 @@ from typing import Any
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.prompts import PromptConditioning, PromptFormat
+from alpacafarm.train_progress import training_progress
 from alpacafarm.training import stage_training_args
 from alpacafarm_trl.quark_config import QuarkMethodConfig
 from alpacafarm_trl.quark_trainer import build_quark_trainer, run_rounds
@@ -114,7 +115,8 @@ class Quark(Method):
         context.logger.info("stage %s: Quark for %d rounds on %d instructions (%s reference)", context.stage,
                             args.rounds, len(records),
                             "adapter-disabled" if reference is None else "frozen copy")
-        with context.progress("quark rounds", args.rounds) as advance:
+        with context.progress("quark rounds", args.rounds) as advance, \
+                training_progress(trainer, context, line=advance):
             rounds = run_rounds(trainer, records, reward, out_dir=context.stage_dir,
                                 prompt_format=prompt_format, seed=context.seed, logger=context.logger,
                                 progress=advance)

@@ -18,6 +18,7 @@ from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.modeling import load_classifier
 from alpacafarm.rewards import RewardScorer
+from alpacafarm.train_progress import training_progress
 from alpacafarm.training import (
     TrainingDefaults,
     fp32_master_weights,
@@ -143,7 +144,8 @@ class RewardModel(Method):
         trainer = build_reward_trainer(args, spec, model_path, train_rows)
         context.logger.info("stage %s: reward model on %d pairs (%d held out, %d without a preference)",
                             context.stage, len(trainer.train_dataset), len(eval_rows), dropped)
-        result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
+        with training_progress(trainer, context, "training (reward model)"):
+            result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
         # The policy's rule: adapters trained on an adapter-folder SFT model are saved merged, so the folder
         # reloads as the model that was trained (its adapters alone would name the pre-SFT base).

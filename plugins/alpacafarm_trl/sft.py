@@ -19,6 +19,7 @@ from trl import SFTConfig
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.prompts import format_prompt
+from alpacafarm.train_progress import training_progress
 from alpacafarm.training import TrainingDefaults, limit, resume_checkpoint, stage_training_args, train_summary
 
 #: Where an answer may live in a demonstration record, in order of preference after ``response_field``.
@@ -109,7 +110,8 @@ class SFT(Method):
         records = context.records("sft_data", args.train_split)
         trainer = build_sft_trainer(args, spec, context.input("base_model").path, records)
         context.logger.info("stage %s: SFT on %d examples", context.stage, len(trainer.train_dataset))
-        result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
+        with training_progress(trainer, context, "training (SFT)"):
+            result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
         save_model(trainer.model, trainer.processing_class, model_dir, merge_adapters=spec.merge_adapters,
                    dtype=save_dtype(spec))
