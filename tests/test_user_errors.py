@@ -208,6 +208,13 @@ def test_set_max_concurrency_on_the_offline_annotator_names_the_flag(tmp_path: P
     one_error_line(result, "'offline'", "--set max_concurrency")
 
 
+def test_set_max_concurrency_on_a_pool_of_offline_judges_is_not_silently_ignored(tmp_path: Path, cli):
+    result = cli("annotate", str(pairs_file(tmp_path)), "--annotator", "offline_ann", "-o", str(tmp_path / "o.json"),
+                 "--set", "max_concurrency=4")
+    one_error_line(result, "'offline_ann'", "max_concurrency", "would do nothing")
+    assert not (tmp_path / "o.json").exists()
+
+
 # ----------------------------------------------------------------------------------------------------- secrets
 
 

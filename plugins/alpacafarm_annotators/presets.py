@@ -87,9 +87,14 @@ def build_pool(config: PoolConfig, name: str, registry: Registry, *, cache: Anno
     budget = Budget(config.overrides.get("max_cost_usd"))
     shared_cache = cache if cache is not None else (AnnotationCache() if config.overrides.get("cache", True) else None)
     members: dict[str, Annotator] = {}
+    kinds = {m: registry.get("annotator", m) for m in config.annotators}
+    takers = [m for m, t in kinds.items() if isinstance(t, AnnotatorFactory) and t.kind == "prompted"]
+    unused = sorted(set(config.overrides) - {"cache"})
+    if unused and not takers:  # the settings would be silently ignored
+        raise UserError(f"annotator {name!r}: no member of the pool ({', '.join(config.annotators)}) takes "
+                        f"settings, so {', '.join(unused)} would do nothing; remove it")
     for member in config.annotators:
-        target = registry.get("annotator", member)
-        prompted = isinstance(target, AnnotatorFactory) and target.kind == "prompted"
+        prompted = member in takers
         members[member] = registry.create("annotator", member, config.overrides if prompted else None,
                                           path=("annotators", member), registry=registry, cache=shared_cache,
                                           budget=budget)
