@@ -42,7 +42,6 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SEED = 7
-TOPICS = ["rivers", "baking", "chess", "planets", "gardens", "trains", "music", "history", "oceans", "poetry"]
 #: the precision run (tests/test_precision.py): 20 AdamW steps at the paper's learning rate, constant schedule
 PRECISION_SFT = {"max_steps": 20, "per_device_train_batch_size": 2, "learning_rate": 1e-5,
                  "lr_scheduler_type": "constant", "warmup_steps": 0, "logging_steps": 5, "save_strategy": "no"}
@@ -67,17 +66,10 @@ def precision_records() -> list[dict[str, str]]:
 
 
 def preference_records(n: int) -> list[dict[str, Any]]:
-    """A learnable preference set: the preferred answer is polite and on topic, the other a curt refusal."""
-    records = []
-    for i in range(n):
-        topic = TOPICS[i % len(TOPICS)]
-        good = f"Here is a clear and helpful answer about {topic}, with an example number {i}."
-        bad = f"No. I refuse to talk about {topic}."
-        winner = 1 + i % 2
-        first, second = (good, bad) if winner == 1 else (bad, good)
-        records.append({"instruction": f"Tell me something about {topic} (#{i}).", "input": "",
-                        "output_1": first, "output_2": second, "preference": winner})
-    return records
+    """The tests' learnable preference set (helpful on-topic answer vs curt refusal)."""
+    from alpacafarm.testing import learnable_preferences
+
+    return learnable_preferences(n)
 
 
 def prompt_records(n: int) -> list[dict[str, str]]:

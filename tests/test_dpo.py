@@ -9,33 +9,14 @@ from typing import Any
 import pytest
 
 from alpacafarm.recipe import ModelSpec, load_recipe
-from alpacafarm.testing import run_recipe, write_records
+from alpacafarm.testing import learnable_preferences, run_recipe, write_records
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TOPICS = ["rivers", "baking", "chess", "planets", "gardens", "trains", "music", "history", "oceans", "poetry"]
 
 
-def preference_records(n: int) -> list[dict[str, Any]]:
-    """A learnable preference set: the preferred answer is helpful and on topic, the other a curt refusal."""
-    records = []
-    for i in range(n):
-        topic = TOPICS[i % len(TOPICS)]
-        good = f"Here is a clear and helpful answer about {topic}, with an example number {i}."
-        bad = f"No. I refuse to talk about {topic}."
-        winner = 1 + i % 2
-        first, second = (good, bad) if winner == 1 else (bad, good)
-        records.append(
-            {
-                "instruction": f"Tell me something about {topic} (#{i}).",
-                "input": "",
-                "output_1": first,
-                "output_2": second,
-                "preference": winner,
-            }
-        )
-    return records
+preference_records = learnable_preferences
 
 
 UNRANKED = [

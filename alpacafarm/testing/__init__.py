@@ -133,3 +133,23 @@ def run_recipe(recipe: str | Path, run_dir: str | Path, overrides: tuple[str, ..
     registry = get_registry()
     outcomes = Pipeline(load_recipe(recipe, list(overrides), registry), registry, run_dir).run()
     return {o.name: o.artifact for o in outcomes}
+
+
+#: Topics of :func:`learnable_preferences`.
+PREFERENCE_TOPICS = ("rivers", "baking", "chess", "planets", "gardens", "trains", "music", "history", "oceans",
+                     "poetry")
+
+
+def learnable_preferences(n: int) -> list[dict[str, Any]]:
+    """``n`` preference records a tiny model can learn: the preferred output is a helpful on-topic answer, the
+    other a curt refusal; the preferred side alternates (1, 2, 1, ...)."""
+    records = []
+    for i in range(n):
+        topic = PREFERENCE_TOPICS[i % len(PREFERENCE_TOPICS)]
+        good = f"Here is a clear and helpful answer about {topic}, with an example number {i}."
+        bad = f"No. I refuse to talk about {topic}."
+        winner = 1 + i % 2
+        first, second = (good, bad) if winner == 1 else (bad, good)
+        records.append({"instruction": f"Tell me something about {topic} (#{i}).", "input": "",
+                        "output_1": first, "output_2": second, "preference": winner})
+    return records
