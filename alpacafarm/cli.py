@@ -41,6 +41,10 @@ def build_parser(plugin_commands: dict[str, str]) -> argparse.ArgumentParser:
                      help="show which stages would run, resume or be skipped, and why; run nothing")
     run.add_argument("-v", "--verbose", action="store_true",
                      help="also show library logs, warnings and progress bars (they always go to the run's run.log)")
+    run.add_argument("--num-processes", type=int, metavar="N",
+                     help="run on N processes through accelerate (default: the recipe's launch.num_processes or 1)")
+    run.add_argument("--accelerate-config", metavar="NAME|FILE",
+                     help="accelerate config: ddp (default), fsdp2, zero2, zero3, or a YAML file")
 
     plugins = commands.add_parser("plugins", help="list installed plugins and what each registers")
     plugins.add_argument("--json", action="store_true", help="print JSON")
@@ -71,7 +75,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     pipeline = Pipeline(loaded, registry, args.output_dir)
     if args.plan:
         return print_plan(pipeline, args.force)
-    outcomes = pipeline.run(force=args.force)
+    from alpacafarm.launch_configs import launch_settings, relaunch
+
+    processes, config = launch_settings(args, loaded.recipe)
+    if processes is not None:  # several processes asked for and not yet launched: re-launch through accelerate
+        return relaunch(processes, config, sys.argv[1:] if args.argv is None else args.argv)
+    from alpacafarm import distributed
+
+    main = True
+    try:
+        distributed.init()
+        main = distributed.is_main()
+        outcomes = pipeline.run(force=args.force)
+    except Exception as exc:
+        if main:
+            raise
+        if args.debug:  # the main process reports every rank's failure in one line; --debug shows this rank's
+            traceback.print_exc()
+        return getattr(exc, "exit_code", 1)
+    finally:
+        distributed.shutdown()
+    if not main:
+        return 0
     rows = [[o.name, o.status, f"{o.seconds:.1f}s", o.artifact.kind, o.artifact.path or ""] for o in outcomes]
     print_table(f"{loaded.recipe.name}: {pipeline.run_dir}", ["stage", "status", "time", "artifact", "path"], rows)
     console().print(f"run directory: {pipeline.run_dir} (log: run.log)", highlight=False)
@@ -166,6 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(registry.get("command", rest[0])(own) or 0)
         parser = build_parser(plugin_commands)
         args = parser.parse_args(argv)
+        args.argv = argv
         if args.command is None:
             parser.print_help()
             return 0

@@ -115,6 +115,13 @@ class StageContext:
     annotator_configs: dict[str, Any] = field(default_factory=dict)
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("alpacafarm"))
 
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes the stage's files (always, for one process)."""
+        from alpacafarm import distributed
+
+        return distributed.is_main()
+
     def input(self, name: str) -> Artifact:
         try:
             return self.inputs[name]
@@ -198,9 +205,12 @@ class StageContext:
 
     @contextmanager
     def progress(self, description: str, total: int | None) -> Iterator[Any]:
-        """A rich progress bar; yields ``advance(n=1)``."""
+        """A rich progress bar; yields ``advance(n=1)``. Only the main process shows one (others: a no-op)."""
         from alpacafarm.console import progress_bar
 
+        if not self.is_main:
+            yield lambda n=1: None
+            return
         with progress_bar(description, total) as advance:
             yield advance
 
@@ -225,6 +235,11 @@ class Method:
     #: ``"feedback"`` or ``"evaluation"`` when the method calls ``context.make_annotator(role)``: the recipe's
     #: annotator for that role is then part of the stage's fingerprint (changing the judge re-runs the stage).
     annotator_role: ClassVar[str | None] = None
+    #: Under several processes (``alpacafarm run --num-processes N``): ``False`` (the default, safe for any plugin)
+    #: runs the stage on the main process only, the others waiting; ``True`` runs it on every rank, and the method
+    #: then shards its own work (TRL trainers through accelerate; sampling inside
+    #: :func:`alpacafarm.sampling.sharded_across_ranks`) and writes files only where ``context.is_main``.
+    all_ranks: ClassVar[bool] = False
 
     def __init__(self, config: Any = None) -> None:
         self.config = config

@@ -317,24 +317,40 @@ class Pipeline:
         return decisions
 
     def run(self, force: tuple[str, ...] | list[str] = ()) -> list[StageOutcome]:
+        """Run the stages. Under several processes every rank calls this: the main process decides, writes and
+        logs; every rank runs the stages whose method has ``all_ranks``; ranks agree after each step (see
+        :mod:`alpacafarm.distributed`: a failure on one rank stops every rank, naming it)."""
+        from alpacafarm import distributed
+
+        distributed.init()
         self._check_force(force)
-        make_dir(self.run_dir, "run directory")
-        handler = logging.FileHandler(self.run_dir / "run.log", encoding="utf-8")
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+        main = distributed.is_main()
+        handler: logging.Handler | None = None
         try:
-            with _run_lock(self.run_dir):
-                self._write_run_files()
+            with contextlib.ExitStack() as stack:
+                with distributed.agree("run setup"):
+                    if main:
+                        make_dir(self.run_dir, "run directory")
+                        handler = logging.FileHandler(self.run_dir / "run.log", encoding="utf-8")
+                        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+                        logger.addHandler(handler)
+                        logger.setLevel(logging.INFO)
+                        stack.enter_context(_run_lock(self.run_dir))
+                        self._write_run_files()
+                        if distributed.world_size() > 1:
+                            logger.info("running on %d processes (world size %d); rank 0 writes the run directory",
+                                        distributed.world_size(), distributed.world_size())
                 return self._run_stages(set(force))
         except BaseException as exc:
-            with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped the run
-                (self.run_dir / "error.log").write_text(f"{_now()}\n{traceback.format_exc()}", encoding="utf-8")
-            logger.error("run failed: %s", exc)
+            if handler is not None:  # the main process, its run directory made
+                with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped the run
+                    (self.run_dir / "error.log").write_text(f"{_now()}\n{traceback.format_exc()}", encoding="utf-8")
+                logger.error("run failed: %s", exc)
             raise
         finally:
-            logger.removeHandler(handler)
-            handler.close()
+            if handler is not None:
+                logger.removeHandler(handler)
+                handler.close()
 
     def _write_run_files(self) -> None:
         import yaml
@@ -349,62 +365,95 @@ class Pipeline:
                                "versions": package_versions(), "history": history})
 
     def _run_stages(self, force: set[str]) -> list[StageOutcome]:
-        from alpacafarm.console import console
+        from alpacafarm import distributed
 
         outcomes: dict[str, StageOutcome] = {}
         for stage in self.stages:
             inputs, identities = {}, {}
             for requirement, provider in stage.inputs.items():
                 identities[requirement], inputs[requirement] = self._input_identity(provider, outcomes)
-            stage_dir = self.run_dir / "stages" / stage.name
-            manifest_path = stage_dir / "manifest.json"
-            previous = self._read_manifest(stage)
-            parts = self._fingerprint_parts(stage, identities)
-            decision = self._decide(stage, parts, previous, force)
-            fingerprint = decision.fingerprint
-            if decision.action == "skip":
-                assert previous is not None
-                artifact = Artifact.from_json(previous["artifact"], self.run_dir)
-                outputs = decision.outputs if decision.outputs is not None else record_outputs(artifact, self.run_dir)
-                if outputs != previous.get("outputs"):  # new mtimes of intact files, or an older manifest's
-                    write_json(manifest_path, {**previous, "format": MANIFEST_FORMAT, "outputs": outputs,
-                                               "artifact": artifact.to_json(self.run_dir)})
-                outcomes[stage.name] = StageOutcome(stage.name, "skipped", 0.0, artifact)
-                console().print(f"[dim]• {stage.name}: unchanged, skipped[/dim]")
-                logger.info("stage %s skipped (fingerprint %s)", stage.name, fingerprint[:12])
+            where = f"stage {stage.name!r}"
+            # The main process decides (it reads the manifests) and every rank follows its decision.
+            start = distributed.run_on_main(lambda s=stage, i=identities: self._start_stage(s, i, force), where)
+            if start["action"] == "skip":
+                outcomes[stage.name] = StageOutcome(stage.name, "skipped", 0.0, start["artifact"])
                 continue
-            logger.info("stage %s: %s", stage.name, decision.reason)
-            resuming = decision.action == "resume"
-            if stage_dir.exists() and not resuming:
-                shutil.rmtree(stage_dir)  # stale output of another configuration: never mix the two
-            stage_dir.mkdir(parents=True, exist_ok=True)
-            seed = stable_seed(self.recipe.seed, stage.name)
-            manifest = {
-                "format": MANIFEST_FORMAT, "stage": stage.name, "method": stage.method, "plugin": stage.plugin,
-                "status": "running", "fingerprint": fingerprint,
-                "fingerprint_parts": {k: _digest(v) for k, v in parts.items() if k != "inputs"},
-                "seed": seed, "recipe_seed": self.recipe.seed, "config": stage.raw_config,
-                "inputs": {r: {"from": stage.inputs[r], "id": identities[r]} for r in stage.inputs},
-                "versions": package_versions(), "recipe": self.loaded.resolved(), "started_at": _now(),
-            }
-            write_json(manifest_path, manifest)
-            why = "" if decision.reason == "never run" else f" — {decision.reason}"
-            console().print(f"[bold]▶ {stage.name}[/bold] ({stage.method}){why}", highlight=False, markup=True)
-            logger.info("stage %s started (method %s, resuming=%s)", stage.name, stage.method, resuming)
-            context = StageContext(stage.name, stage_dir, self.run_dir, seed, stage.config, inputs, self.recipe,
-                                   self.registry, resuming, dict(self.loaded.annotator_configs))
+            stage_dir = self.run_dir / "stages" / stage.name
+            context = StageContext(stage.name, stage_dir, self.run_dir, start["seed"], stage.config, inputs,
+                                   self.recipe, self.registry, start["action"] == "resume",
+                                   dict(self.loaded.annotator_configs))
             started = time.perf_counter()
-            artifact = self.registry.create(stage.kind, stage.method, stage.config).run(context)
-            if not isinstance(artifact, Artifact):
-                raise TypeError(f"method {stage.method!r} returned {type(artifact).__name__}, not an Artifact")
+            if stage.method_cls.all_ranks:
+                artifact = None
+                with distributed.agree(where):
+                    artifact = self._run_method(stage, context)
+            else:  # a method that knows nothing of ranks runs once; the others wait for its artifact
+                artifact = distributed.run_on_main(lambda s=stage, c=context: self._run_method(s, c), where)
             seconds = time.perf_counter() - started
-            artifact.metadata["output_id"] = uuid.uuid4().hex
-            manifest.update(status="complete", finished_at=_now(), duration_s=round(seconds, 3),
-                            artifact=artifact.to_json(self.run_dir), outputs=record_outputs(artifact, self.run_dir))
-            write_json(manifest_path, manifest)
-            logger.info("stage %s complete in %.1fs", stage.name, seconds)
+            artifact = distributed.run_on_main(
+                lambda s=stage, a=artifact, m=start["manifest"], t=seconds: self._finish_stage(s, a, m, t), where)
             outcomes[stage.name] = StageOutcome(stage.name, "ran", seconds, artifact)
         return list(outcomes.values())
+
+    def _start_stage(self, stage: PlannedStage, identities: dict[str, str], force: set[str]) -> dict[str, Any]:
+        """On the main process: skip the stage (its artifact) or prepare its folder and running manifest."""
+        from alpacafarm import distributed
+        from alpacafarm.console import console
+
+        stage_dir = self.run_dir / "stages" / stage.name
+        manifest_path = stage_dir / "manifest.json"
+        previous = self._read_manifest(stage)
+        parts = self._fingerprint_parts(stage, identities)
+        decision = self._decide(stage, parts, previous, force)
+        fingerprint = decision.fingerprint
+        if decision.action == "skip":
+            assert previous is not None
+            artifact = Artifact.from_json(previous["artifact"], self.run_dir)
+            outputs = decision.outputs if decision.outputs is not None else record_outputs(artifact, self.run_dir)
+            if outputs != previous.get("outputs"):  # new mtimes of intact files, or an older manifest's
+                write_json(manifest_path, {**previous, "format": MANIFEST_FORMAT, "outputs": outputs,
+                                           "artifact": artifact.to_json(self.run_dir)})
+            console().print(f"[dim]• {stage.name}: unchanged, skipped[/dim]")
+            logger.info("stage %s skipped (fingerprint %s)", stage.name, fingerprint[:12])
+            return {"action": "skip", "artifact": artifact}
+        logger.info("stage %s: %s", stage.name, decision.reason)
+        resuming = decision.action == "resume"
+        if stage_dir.exists() and not resuming:
+            shutil.rmtree(stage_dir)  # stale output of another configuration: never mix the two
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        seed = stable_seed(self.recipe.seed, stage.name)
+        manifest = {
+            "format": MANIFEST_FORMAT, "stage": stage.name, "method": stage.method, "plugin": stage.plugin,
+            "status": "running", "fingerprint": fingerprint,
+            "fingerprint_parts": {k: _digest(v) for k, v in parts.items() if k != "inputs"},
+            "seed": seed, "recipe_seed": self.recipe.seed, "config": stage.raw_config,
+            "inputs": {r: {"from": stage.inputs[r], "id": identities[r]} for r in stage.inputs},
+            "versions": package_versions(), "recipe": self.loaded.resolved(), "started_at": _now(),
+            "world_size": distributed.world_size(),
+            "ranks_ran": distributed.world_size() if stage.method_cls.all_ranks else 1,
+        }
+        write_json(manifest_path, manifest)
+        why = "" if decision.reason == "never run" else f" — {decision.reason}"
+        console().print(f"[bold]▶ {stage.name}[/bold] ({stage.method}){why}", highlight=False, markup=True)
+        logger.info("stage %s started (method %s, resuming=%s, on %d of %d processes)", stage.name, stage.method,
+                    resuming, manifest["ranks_ran"], manifest["world_size"])
+        return {"action": decision.action, "seed": seed, "manifest": manifest}
+
+    def _run_method(self, stage: PlannedStage, context: StageContext) -> Artifact:
+        artifact = self.registry.create(stage.kind, stage.method, stage.config).run(context)
+        if not isinstance(artifact, Artifact):
+            raise TypeError(f"method {stage.method!r} returned {type(artifact).__name__}, not an Artifact")
+        return artifact
+
+    def _finish_stage(self, stage: PlannedStage, artifact: Artifact, manifest: dict[str, Any],
+                      seconds: float) -> Artifact:
+        """On the main process: record the stage's outputs and mark its manifest complete."""
+        artifact.metadata["output_id"] = uuid.uuid4().hex
+        manifest.update(status="complete", finished_at=_now(), duration_s=round(seconds, 3),
+                        artifact=artifact.to_json(self.run_dir), outputs=record_outputs(artifact, self.run_dir))
+        write_json(self.run_dir / "stages" / stage.name / "manifest.json", manifest)
+        logger.info("stage %s complete in %.1fs", stage.name, seconds)
+        return artifact
 
 
 def _changed_parts(previous: dict[str, Any], parts: dict[str, Any], stage: PlannedStage) -> list[str]:

@@ -138,6 +138,14 @@ class EvaluationSpec(_Strict):
     config: dict[str, Any] = Field(default_factory=dict)
 
 
+class LaunchSpec(_Strict):
+    """How ``alpacafarm run`` launches the recipe when the command line does not say: processes and the
+    accelerate config (a packaged name: ``ddp``, ``fsdp2``, ``zero2``, ``zero3``, or a YAML file)."""
+
+    num_processes: int = Field(1, ge=1)
+    accelerate_config: str | None = None
+
+
 class Recipe(_Strict):
     """A whole experiment: model, data, feedback annotator, stages, evaluation."""
 
@@ -150,6 +158,7 @@ class Recipe(_Strict):
     annotator: PluginRef | None = None
     stages: list[StageSpec] = Field(min_length=1)
     evaluation: EvaluationSpec | None = None
+    launch: LaunchSpec | None = None  # launch defaults; not part of any stage's fingerprint (outputs do not depend)
 
     def annotator_for(self, role: str) -> PluginRef | None:
         """The annotator for ``role``: ``evaluation`` uses ``evaluation.annotator`` if set; otherwise ``annotator``."""

@@ -7,16 +7,35 @@ reproducible), each response cut after its first stop token (which is kept: a tr
 stop). Decoding settings are given explicitly: nothing is inherited from a checkpoint's ``generation_config``
 but its stop tokens. (transformers fills every setting a ``GenerationConfig`` leaves unset from the model's own
 ``generation_config.json``, e.g. a ``repetition_penalty``; :func:`exact_generation_config` stops that.)
+
+Across ranks: inside :func:`sharded_across_ranks`, :func:`sample` forms the same batches as one process would
+(the global length order), hands batch ``b`` to rank ``b mod world_size`` and gathers every rank's samples back
+in the prompts' order. A batch's composition and seed do not depend on the number of processes, so the outputs
+are the same as one process's for the same seed (bit for bit on the same hardware). Outside that context every
+rank samples all of its own prompts (PPO and Quark roll out per rank).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 from alpacafarm.seeding import stable_seed
+
+_SHARDED: ContextVar[bool] = ContextVar("alpacafarm_sharded_sampling", default=False)
+
+
+@contextlib.contextmanager
+def sharded_across_ranks() -> Iterator[None]:
+    """While open, :func:`sample` splits its batches across ranks and gathers them (every rank gets all)."""
+    token = _SHARDED.set(True)
+    try:
+        yield
+    finally:
+        _SHARDED.reset(token)
 
 
 @dataclass
@@ -102,7 +121,14 @@ def sample(model: Any, tokenizer: Any, queries: Sequence[Sequence[int]], *, n: i
     generate = generate or model.generate
     order = sorted(range(len(queries)), key=lambda i: len(queries[i]), reverse=True)
     results: list[list[Sample]] = [[] for _ in queries]
-    for start in range(0, len(order), batch_size):
+    starts = list(range(0, len(order), batch_size))
+    world = 1
+    if _SHARDED.get():
+        from alpacafarm import distributed
+
+        world = distributed.world_size()
+        starts = distributed.shard(starts, strided=True)  # batch b → rank b mod world: balanced, longest first
+    for start in starts:
         indices = order[start:start + batch_size]
         input_ids, attention_mask = left_pad([queries[i] for i in indices], pad_id, device)
         torch.manual_seed(stable_seed(seed, start))
@@ -117,4 +143,11 @@ def sample(model: Any, tokenizer: Any, queries: Sequence[Sequence[int]], *, n: i
                 results[index].append(Sample(list(queries[index]), response, text, end is not None))
         if progress is not None:
             progress(len(indices))
+    if world > 1:
+        from alpacafarm import distributed
+
+        mine = {i: results[i] for start in starts for i in order[start:start + batch_size]}
+        for part in distributed.all_gather_object(mine, "sampling"):
+            for i, samples in part.items():
+                results[i] = samples
     return results

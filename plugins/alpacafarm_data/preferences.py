@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from alpacafarm.annotation import check_unlabelled
 from alpacafarm.data import write_jsonl
-from alpacafarm.generation import SamplingConfig, generate_records
+from alpacafarm.generation import SamplingConfig
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.types import Pair
 
@@ -58,16 +58,18 @@ class PreferenceData(Method):
     requires = ("sft_model", "instruction_splits")
     provides = "preferences"
     annotator_role = "feedback"
+    all_ranks = True  # sampling is split across ranks; annotation and the file are the main process's
 
     def run(self, context: StageContext) -> Artifact:
+        from alpacafarm_generation.stage import generate_on_ranks
+
         config: PreferenceDataConfig = self.config
         records = context.records("instruction_splits", config.split)[: config.max_instructions]
-        generator = context.generator(config.backend, config.backend_config)
         sampling = config.sampling.model_copy(update={"n": config.k, "seed": config.sampling.seed + context.seed})
-        with context.progress("sampling", len(records)) as advance:
-            rows = generate_records(generator, records, sampling, progress=advance)
-        generator.close()
-        del generator  # free the policy before the annotator (a local judge may need the memory)
+        # the generator is closed inside (the policy freed before the annotator: a local judge may need the memory)
+        rows, _ = generate_on_ranks(context, config.backend, config.backend_config, records, sampling, "sampling")
+        if not context.is_main:  # annotation runs once (on the main process), which writes the preferences
+            return Artifact("dataset", str(context.stage_dir / "preferences.jsonl"))
 
         by_instruction: dict[int, list[str]] = {}
         for i, row in enumerate(rows):

@@ -21,25 +21,51 @@ class GenerateOutputsConfig(BaseModel):
     backend_config: dict[str, Any] = Field(default_factory=dict, description="the backend's own options")
 
 
+def generate_on_ranks(context: StageContext, backend: str, backend_config: Any, records: list[dict[str, Any]],
+                      sampling: SamplingConfig, description: str) -> tuple[list[dict[str, Any]], int]:
+    """``(rows, tokens generated)`` for ``records`` on every rank, the same whatever the number of processes.
+
+    The ``transformers`` backend shards its batches across ranks (:func:`alpacafarm.sampling.sharded_across_ranks`:
+    the same batches and seeds as one process); any other backend (a server, vLLM) runs on the main process only
+    and its rows reach the others.
+    """
+    from alpacafarm import distributed
+    from alpacafarm.sampling import sharded_across_ranks
+
+    def generate() -> tuple[list[dict[str, Any]], int]:
+        generator = context.generator(backend, backend_config)
+        try:
+            with context.progress(description, len(records)) as advance:
+                rows = generate_records(generator, records, sampling, progress=advance)
+            return rows, sum(map(sum, generator.last_token_counts or [[0]]))
+        finally:
+            generator.close()
+
+    if backend == "transformers":
+        with sharded_across_ranks():
+            return generate()
+    return distributed.run_on_main(generate, f"stage {context.stage!r}: generation ({backend})")
+
+
 class GenerateOutputs(Method):
     """Writes ``outputs.jsonl`` (instruction, input, output, sample_index, ...) for the chosen split."""
 
     config_class = GenerateOutputsConfig
     requires = ("sft_model", "instruction_splits")
     provides = "policy_outputs"
+    all_ranks = True  # the transformers backend's batches are split across ranks
 
     def run(self, context: StageContext) -> Artifact:
         config: GenerateOutputsConfig = self.config
         records = context.records("instruction_splits", config.split)[: config.max_instructions]
-        generator = context.generator(config.backend, config.backend_config)
         sampling = config.sampling.model_copy(update={"seed": config.sampling.seed + context.seed})
         started = time.perf_counter()
-        with context.progress(f"generating ({config.backend})", len(records)) as advance:
-            rows = generate_records(generator, records, sampling, progress=advance)
+        rows, tokens = generate_on_ranks(context, config.backend, config.backend_config, records, sampling,
+                                         f"generating ({config.backend})")
         seconds = time.perf_counter() - started
         path = context.stage_dir / OUTPUTS_FILE
-        write_completions(path, rows)
-        tokens = sum(map(sum, generator.last_token_counts or [[0]]))
+        if context.is_main:
+            write_completions(path, rows)
         return Artifact("outputs", str(path), {"n_instructions": len(records), "n_outputs": len(rows),
                                                "seconds": round(seconds, 2),
                                                "tokens_per_second": round(tokens / seconds, 1) if tokens else None})

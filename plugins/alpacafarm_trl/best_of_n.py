@@ -79,10 +79,16 @@ def sample_and_score(generator: Generator, reward: RewardFunction, records: Sequ
                      ) -> list[list[dict[str, Any]]]:
     """``sampling.n`` samples per record, each with its ``reward``; one list of samples per record, in order."""
     rows = generate_records(generator, list(records), sampling, progress=progress)
-    rewards = reward(rows, [row["output"] for row in rows])
+    return score_groups(reward, records, rows, sampling.n)
+
+
+def score_groups(reward: RewardFunction, records: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]],
+                 n: int) -> list[list[dict[str, Any]]]:
+    """``rows`` (``n`` samples per record, in order) scored and grouped per record."""
+    rewards = reward(list(rows), [row["output"] for row in rows])
     grouped: list[list[dict[str, Any]]] = [[] for _ in records]
-    for i, (row, reward) in enumerate(zip(rows, rewards, strict=True)):
-        grouped[i // sampling.n].append({**row, "reward": float(reward)})
+    for i, (row, value) in enumerate(zip(rows, rewards, strict=True)):
+        grouped[i // n].append({**row, "reward": float(value)})
     return grouped
 
 
@@ -105,16 +111,24 @@ class BestOfN(Method):
     config_class = BestOfNConfig
     requires = ("sft_model", "reward_model", "instruction_splits")
     provides = "policy_outputs"
+    all_ranks = True  # sampling is split across ranks
 
     def run(self, context: StageContext) -> Artifact:
+        from alpacafarm_generation.stage import generate_on_ranks
+
         config: BestOfNConfig = self.config
         records = context.records("instruction_splits", config.split)[: config.max_instructions]
         sampling = config.sampling.model_copy(update={"n": config.n, "seed": config.sampling.seed + context.seed})
-        generator = context.generator(config.backend, config.backend_config)
-        reward = context.reward_function(batch_size=config.score_batch_size)
         started = time.perf_counter()
-        with context.progress(f"best-of-{config.n}: sampling", len(records)) as advance:
-            samples = sample_and_score(generator, reward, records, sampling, progress=advance)
+        # Sampling is split across ranks (the same samples as one process); scoring runs on the main process,
+        # which alone writes the files: the reward scorer batches by length over all rows, so scoring a shard would
+        # pad differently from one process.
+        rows, _ = generate_on_ranks(context, config.backend, config.backend_config, records, sampling,
+                                    f"best-of-{config.n}: sampling")
+        if not context.is_main:
+            return Artifact("outputs", str(context.stage_dir))
+        reward = context.reward_function(batch_size=config.score_batch_size)
+        samples = score_groups(reward, records, rows, config.n)
         seconds = time.perf_counter() - started
         write_jsonl(context.stage_dir / "samples.jsonl", [s for group in samples for s in group])
         systems: dict[str, dict[str, Any]] = {}

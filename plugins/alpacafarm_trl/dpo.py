@@ -128,6 +128,7 @@ class DPO(Method):
     config_class = DPOMethodConfig
     requires = ("sft_model", "preferences")
     provides = "policy_model"
+    all_ranks = True  # TRL's trainer distributes through accelerate; the main process saves
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json
@@ -163,7 +164,8 @@ class DPO(Method):
         with training_progress(trainer, context, "training (DPO)"):
             result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
-        merged = save_policy(trainer, spec, model_path, model_dir, context.logger)
+        # every rank holds the same weights (DDP); the main process saves them (evaluate() below is collective)
+        merged = bool(context.is_main and save_policy(trainer, spec, model_path, model_dir, context.logger))
         metrics: dict[str, Any] = {
             **train_summary(trainer, result),
             **last_logged(trainer.state.log_history, REWARD_METRICS),
@@ -186,7 +188,8 @@ class DPO(Method):
                     if k.startswith("eval_rewards/") or k == "eval_loss"
                 }
             )
-        write_json(
-            Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": trainer.state.log_history}
-        )
+        if context.is_main:
+            write_json(
+                Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": trainer.state.log_history}
+            )
         return Artifact("model", str(model_dir), metrics)

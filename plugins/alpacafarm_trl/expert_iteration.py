@@ -25,7 +25,9 @@ A round whose ``model/`` is complete is not redone when an interrupted stage res
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -38,7 +40,7 @@ from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.prompts import format_prompt
 from alpacafarm.train_progress import training_progress
 from alpacafarm.training import save_policy, stage_training_args, train_summary
-from alpacafarm_trl.best_of_n import mean, sample_and_score, select
+from alpacafarm_trl.best_of_n import mean, select
 from alpacafarm_trl.sft import SFTMethodConfig
 
 ROUND_DONE = "round_complete.json"
@@ -131,16 +133,41 @@ def training_rows(demonstrations: list[dict[str, Any]], tokenizer: Any, style: s
     return rows
 
 
+def sample_round(context: StageContext, config: Any, policy_path: str, records: list[dict[str, Any]],
+                 sampling: SamplingConfig, r: int, *, shard: bool) -> list[dict[str, Any]]:
+    """One round's samples (``config.n`` per record, in order), each marked ``finished``; with ``shard`` the
+    batches are split across ranks (every rank gets all rows, the same as one process's)."""
+    from alpacafarm.generation import generate_records
+    from alpacafarm.sampling import sharded_across_ranks
+
+    generator = context.registry.create("generation_backend", config.backend, config.backend_config,
+                                        spec=context.recipe.model, model_path=policy_path)
+    try:
+        with context.progress(f"round {r}: best-of-{config.n} sampling", len(records)) as advance, \
+                (sharded_across_ranks() if shard else contextlib.nullcontext()):
+            rows = generate_records(generator, records, sampling, progress=advance)
+        groups = [rows[i:i + config.n] for i in range(0, len(rows), config.n)]
+        mark_finished(groups, generator, config.backend)
+    finally:
+        generator.close()
+    return rows
+
+
 class ExpertIteration(Method):
     """Rounds of best-of-n sampling with the reward model and SFT on the winners; writes the final ``model/``."""
 
     config_class = ExpertIterationConfig
     requires = ("sft_model", "reward_model", "instruction_splits")
     provides = "policy_model"
+    #: Under several processes: sampling is split across ranks (transformers backend; another backend samples on
+    #: the main process), the main process scores and writes, every rank trains (TRL's trainer, accelerate).
+    all_ranks = True
 
     def run(self, context: StageContext) -> Artifact:
+        from alpacafarm import distributed
         from alpacafarm.data import write_json, write_jsonl
         from alpacafarm.modeling import load_tokenizer
+        from alpacafarm_trl.best_of_n import score_groups
         from alpacafarm_trl.policy import build_sft_trainer_on_rows
 
         config: ExpertIterationConfig = self.config
@@ -149,32 +176,35 @@ class ExpertIteration(Method):
         records = context.records("instruction_splits", config.split)[: config.max_instructions]
         if not records:
             raise UserError(f"expert_iteration: the {config.split!r} split has no instructions")
-        reward = context.reward_function(batch_size=config.score_batch_size)
+        reward = context.reward_function(batch_size=config.score_batch_size) if context.is_main else None
         policy_path, rounds = sft_path, []
         for r in range(1, config.rounds + 1):
             round_dir = Path(context.stage_dir) / f"round_{r}"
             model_dir = round_dir / "model"
-            if context.resuming and (round_dir / ROUND_DONE).is_file():
+            if distributed.broadcast_object(context.resuming and (round_dir / ROUND_DONE).is_file()):
                 context.logger.info("stage %s: round %d already complete, kept", context.stage, r)
                 rounds.append(json.loads((round_dir / ROUND_DONE).read_text(encoding="utf-8")))
                 policy_path = str(model_dir)
                 continue
-            shutil.rmtree(round_dir, ignore_errors=True)
-            round_dir.mkdir(parents=True)
+            if context.is_main:
+                shutil.rmtree(round_dir, ignore_errors=True)
+                (round_dir / "trainer").mkdir(parents=True)  # made here: the trainer of every rank would make it
             start_from = sft_path if config.init == "sft" else policy_path
             tokenizer = load_tokenizer(spec, start_from)
-            generator = context.registry.create("generation_backend", config.backend, config.backend_config,
-                                                spec=spec, model_path=policy_path)
-            with context.progress(f"round {r}: best-of-{config.n} sampling", len(records)) as advance:
-                samples = sample_and_score(generator, reward, records, config.sampling(context.seed + r),
-                                           progress=advance)
-            mark_finished(samples, generator, config.backend)
-            generator.close()
-            del generator
+            sampling = config.sampling(context.seed + r)
+
+            if config.backend == "transformers":  # every rank samples its share of the batches
+                rows = sample_round(context, config, policy_path, records, sampling, r, shard=True)
+            else:  # a server or vLLM: sampled once, on the main process
+                rows = distributed.run_on_main(functools.partial(sample_round, context, config, policy_path, records,
+                                                                 sampling, r, shard=False), context.stage)
+            samples = distributed.run_on_main(functools.partial(score_groups, reward, records, rows, config.n),
+                                              context.stage)
             winners = select(samples, config.n)
-            write_jsonl(round_dir / "samples.jsonl", [s for group in samples for s in group])
             demonstrations = winners_as_demonstrations(winners)
-            write_jsonl(round_dir / "winners.jsonl", demonstrations)
+            if context.is_main:
+                write_jsonl(round_dir / "samples.jsonl", [s for group in samples for s in group])
+                write_jsonl(round_dir / "winners.jsonl", demonstrations)
             truncated = sum(not d["finished"] for d in demonstrations)
             if config.truncated_winners == "drop":
                 demonstrations = [d for d in demonstrations if d["finished"]]
@@ -193,8 +223,9 @@ class ExpertIteration(Method):
                                 mean([w["reward"] for w in winners]), mean([s["reward"] for g in samples for s in g]))
             with training_progress(trainer, context, f"round {r}: SFT on the winners"):
                 result = trainer.train()
-            save_policy(trainer, spec, start_from, model_dir, context.logger)
-            shutil.rmtree(round_dir / "trainer", ignore_errors=True)  # checkpoints of a finished round
+            if context.is_main:
+                save_policy(trainer, spec, start_from, model_dir, context.logger)
+                shutil.rmtree(round_dir / "trainer", ignore_errors=True)  # checkpoints of a finished round
             summary = {"round": r, "n_instructions": len(records), "n": config.n,
                        "mean_sample_reward": round(mean([s["reward"] for g in samples for s in g]), 6),
                        "mean_winner_reward": round(mean([w["reward"] for w in winners]), 6),
@@ -202,12 +233,15 @@ class ExpertIteration(Method):
                        "n_truncated_winners": truncated, "truncated_winners": config.truncated_winners,
                        "n_trained": len(rows),
                        **train_summary(trainer, result)}
-            write_json(round_dir / "metrics.json", {**summary, "log_history": trainer.state.log_history})
-            write_json(round_dir / ROUND_DONE, summary)
+            if context.is_main:
+                write_json(round_dir / "metrics.json", {**summary, "log_history": trainer.state.log_history})
+                write_json(round_dir / ROUND_DONE, summary)
+            distributed.barrier(f"stage {context.stage!r} round {r}")  # the next round loads the saved model
             rounds.append(summary)
             policy_path = str(model_dir)
             del trainer
         del reward
-        write_json(Path(context.stage_dir) / "metrics.json", {"rounds": rounds})
+        if context.is_main:
+            write_json(Path(context.stage_dir) / "metrics.json", {"rounds": rounds})
         return Artifact("model", policy_path, {"rounds": len(rounds), "final_round": rounds[-1],
                                                "round_dirs": [f"round_{i}" for i in range(1, len(rounds) + 1)]})

@@ -109,13 +109,34 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_mean((values - mean) ** 2, mask)
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True) -> torch.Tensor:
+def global_masked_mean_var(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked mean and population variance over every rank's ``values`` together (this rank's alone for one
+    process): counts and sums are all-reduced in float64, then the variance is taken about the global mean in a
+    second reduction (no cancellation from ``E[x²] - E[x]²``)."""
+    from alpacafarm import distributed
+
+    totals = torch.stack([masked_sum(values.double(), mask.double()), mask.double().sum()])
+    distributed.all_reduce_sum(totals)
+    mean = totals[0] / totals[1].clamp(min=1)
+    squares = masked_sum((values.double() - mean) ** 2, mask.double()).reshape(1)
+    distributed.all_reduce_sum(squares)
+    var = squares[0] / totals[1].clamp(min=1)
+    return mean.to(values.dtype), var.to(values.dtype)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True,
+                  across_ranks: bool = False) -> torch.Tensor:
     """Standardise the masked entries to variance 1 (and mean 0 unless ``shift_mean=False``); padding is 0.
 
     Statistics are taken over every masked entry of the whole tensor: called on a full rollout batch, this is
-    the paper's "normalize the advantage across the entire batch of rollouts" (Appendix B.1).
+    the paper's "normalize the advantage across the entire batch of rollouts" (Appendix B.1). With
+    ``across_ranks`` each rank holds part of the rollout batch and the statistics are those of the whole batch
+    (all ranks' entries together), so N ranks whiten exactly as one process holding the concatenated batch.
     """
-    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    if across_ranks:
+        mean, var = global_masked_mean_var(values, mask)
+    else:
+        mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + WHITEN_EPS)
     if not shift_mean:
         whitened = whitened + mean

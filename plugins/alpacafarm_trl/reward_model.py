@@ -127,6 +127,7 @@ class RewardModel(Method):
     config_class = RewardModelConfig
     requires = ("sft_model", "preferences")
     provides = "reward_model"
+    all_ranks = True  # TRL's trainer distributes through accelerate; the main process saves and evaluates
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json
@@ -147,6 +148,8 @@ class RewardModel(Method):
         with training_progress(trainer, context, "training (reward model)"):
             result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
+        if not context.is_main:  # every rank holds the same weights (DDP); the main process saves and scores
+            return Artifact("model", str(model_dir))
         # The policy's rule: adapters trained on an adapter-folder SFT model are saved merged, so the folder
         # reloads as the model that was trained (its adapters alone would name the pre-SFT base).
         merged = save_policy(trainer, spec, model_path, model_dir, context.logger)
@@ -165,7 +168,8 @@ class RewardModel(Method):
     def _run_head_only(self, context: StageContext, args: RewardModelConfig, model_path: str,
                        rows: list[dict[str, str]], train_rows: list[dict[str, str]],
                        eval_rows: list[dict[str, str]], dropped: int) -> Artifact:
-        """``trainable_layers: 0``: features once per distinct text, then the head (see ``reward_head``)."""
+        """``trainable_layers: 0``: features once per distinct text, then the head (see ``reward_head``).
+        No trainer: it runs on the main process alone."""
         from alpacafarm.data import write_json
         from alpacafarm.modeling import save_dtype, save_model
         from alpacafarm_trl.reward_head import train_head_only
@@ -174,6 +178,8 @@ class RewardModel(Method):
         if spec.lora is not None or spec.quantization is not None:
             raise UserError("trainable_layers: 0 trains the score head only; remove the lora/quantization block "
                             "or set trainable_layers to null")
+        if not context.is_main:
+            return Artifact("model", str(Path(context.stage_dir) / "model"))
         context.logger.info("stage %s: head-only reward model on %d pairs (%d held out, %d without a preference)",
                             context.stage, len(train_rows), len(eval_rows), dropped)
         with context.progress("reward model: features", None) as advance:

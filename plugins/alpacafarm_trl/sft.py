@@ -100,6 +100,7 @@ class SFT(Method):
     config_class = SFTMethodConfig
     requires = ("base_model", "sft_data")
     provides = "sft_model"
+    all_ranks = True  # TRL's trainer distributes through accelerate; the main process saves
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json
@@ -113,9 +114,11 @@ class SFT(Method):
         with training_progress(trainer, context, "training (SFT)"):
             result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
-        save_model(trainer.model, trainer.processing_class, model_dir, merge_adapters=spec.merge_adapters,
-                   dtype=save_dtype(spec))
         metrics = {**train_summary(trainer, result), "n_examples": len(trainer.train_dataset),
                    "lora": spec.lora is not None, "merged": bool(spec.merge_adapters and spec.lora)}
+        if not context.is_main:  # every rank holds the same weights (DDP); the main process saves them
+            return Artifact("model", str(model_dir), metrics)
+        save_model(trainer.model, trainer.processing_class, model_dir, merge_adapters=spec.merge_adapters,
+                   dtype=save_dtype(spec))
         write_json(Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": trainer.state.log_history})
         return Artifact("model", str(model_dir), metrics)

@@ -1,0 +1,229 @@
+"""Ranks and collectives: the same code runs as one process or as N (``torchrun``, ``accelerate launch``).
+
+With one process nothing is initialised and every helper is a cheap no-op (``world_size() == 1``). Under a
+launcher (``WORLD_SIZE`` > 1 in the environment) :func:`init` joins the process group through accelerate's
+``PartialState`` — the same state TRL's trainers use — over NCCL on GPUs and gloo on CPUs.
+
+Every collective here is an ``all_gather_object`` of an *envelope*: ``("ok", value)`` or ``("failed", message)``.
+So a rank that fails inside :func:`agree` (or any block wrapped by it) tells the others at their next collective,
+and they raise :class:`RankFailed` naming it instead of waiting forever. Collectives run by libraries (a DDP
+gradient all-reduce) cannot be matched this way: a rank that dies inside a trainer stops the others at the
+process group's timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from alpacafarm.errors import UserError
+
+T = TypeVar("T")
+
+
+class RankFailed(UserError):
+    """Another rank failed; this rank stops too. ``rank`` failed with ``message`` (its exit status kept)."""
+
+    def __init__(self, rank: int, message: str, exit_code: int = 1, where: str = "") -> None:
+        self.rank, self.message, self.exit_code = rank, message, exit_code
+        super().__init__(f"rank {rank} failed{f' in {where}' if where else ''}: {message}")
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    try:
+        return int(value) if value not in (None, "") else default
+    except ValueError:
+        raise UserError(f"environment variable {name}={value!r} is not an integer (set by a launcher?)") from None
+
+
+def _initialized() -> bool:
+    import sys
+
+    if "torch" not in sys.modules:  # nothing imported torch: nothing can have joined a process group
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def init() -> None:
+    """Join the process group when a launcher started several processes; a no-op for one process."""
+    if _env_int("WORLD_SIZE", 1) <= 1 or _initialized():
+        return
+    import torch
+    from accelerate import PartialState
+
+    # Joins torch.distributed from the launcher's environment (NCCL on GPUs). cpu=True where there is no GPU:
+    # accelerate then joins over gloo (without it, a CPU-only rank stays alone).
+    PartialState(cpu=not torch.cuda.is_available())
+    if not _initialized():
+        raise UserError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but no process group could be started; launch with "
+                        "torchrun or 'accelerate launch' (on CPU: --multi_gpu with use_cpu: true)")
+
+
+def world_size() -> int:
+    if _initialized():
+        import torch.distributed as dist
+
+        return dist.get_world_size()
+    return 1
+
+
+def rank() -> int:
+    if _initialized():
+        import torch.distributed as dist
+
+        return dist.get_rank()
+    return 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def _exchange(envelope: tuple[str, Any]) -> list[tuple[str, Any]]:
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, envelope)
+    return gathered
+
+
+def _check(gathered: list[tuple[str, Any]], where: str) -> list[Any]:
+    for peer, (status, payload) in enumerate(gathered):
+        if status == "failed":
+            message, exit_code = payload
+            raise RankFailed(peer, message, exit_code, where)
+    return [payload for _, payload in gathered]
+
+
+def all_gather_object(value: T, where: str = "") -> list[T]:
+    """Every rank's ``value``, in rank order, on every rank (``[value]`` for one process)."""
+    if world_size() == 1:
+        return [value]
+    return _check(_exchange(("ok", value)), where)
+
+
+def broadcast_object(value: T, where: str = "") -> T:
+    """The main process's ``value`` on every rank: main decides, everyone agrees (others' values are ignored)."""
+    if world_size() == 1:
+        return value
+    return all_gather_object(value if is_main() else None, where)[0]
+
+
+def barrier(where: str = "") -> None:
+    """Wait until every rank arrives; raises :class:`RankFailed` if another rank reports a failure instead."""
+    if world_size() > 1:
+        all_gather_object(None, where)
+
+
+def _describe(exc: BaseException) -> tuple[str, int]:
+    if isinstance(exc, RankFailed):
+        return exc.message, exc.exit_code
+    text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    message = text if isinstance(exc, UserError) else f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return message, getattr(exc, "exit_code", 1)
+
+
+@contextmanager
+def agree(where: str) -> Iterator[None]:
+    """Run a block on every rank, then check that every rank finished it.
+
+    A rank whose block raised re-raises its own error; the others raise :class:`RankFailed` naming that rank and
+    its one-line message (the lowest failing rank when several fail). One process: just the block.
+    """
+    if world_size() == 1:
+        yield
+        return
+    try:
+        yield
+    except BaseException as exc:
+        # A RankFailed came from a collective every rank passed; an error already sent by an inner block is not
+        # sent twice (the others raised on the first one and wait for nothing more).
+        if not isinstance(exc, RankFailed) and not getattr(exc, "_alpacafarm_reported", False):
+            _exchange(("failed", _describe(exc)))
+            with contextlib.suppress(AttributeError):  # an exception type with __slots__ (not nested in practice)
+                exc._alpacafarm_reported = True  # type: ignore[attr-defined]
+        raise
+    _check(_exchange(("ok", None)), where)
+
+
+def run_on_main(fn: Callable[[], T], where: str = "") -> T:
+    """``fn()`` on the main process only; its result (or its failure) reaches every rank."""
+    if world_size() == 1:
+        return fn()
+    result = None
+    with agree(where):
+        if is_main():
+            result = fn()
+    return broadcast_object(result, where)
+
+
+# ----------------------------------------------------------------------------------------------- sharding
+
+
+def shard_indices(n: int, *, rank_: int | None = None, world: int | None = None, strided: bool = False) -> list[int]:
+    """The indices of ``range(n)`` this rank handles: a contiguous block (sizes differ by at most one, earlier
+    ranks take the extra) or every ``world``-th index starting at the rank (``strided``)."""
+    r = rank() if rank_ is None else rank_
+    w = world_size() if world is None else world
+    if strided:
+        return list(range(r, n, w))
+    base, extra = divmod(n, w)
+    start = r * base + min(r, extra)
+    return list(range(start, start + base + (1 if r < extra else 0)))
+
+
+def shard(items: Sequence[T], *, strided: bool = False) -> list[T]:
+    """This rank's part of ``items`` (see :func:`shard_indices`); all of them for one process."""
+    return [items[i] for i in shard_indices(len(items), strided=strided)]
+
+
+def gather_shards(part: Sequence[T], n: int, *, strided: bool = False, where: str = "") -> list[T]:
+    """Every rank's ``part`` (made by :func:`shard` with the same ``strided``) put back in the original order."""
+    parts = all_gather_object(list(part), where)
+    out: list[Any] = [None] * n
+    for r, items in enumerate(parts):
+        indices = shard_indices(n, rank_=r, world=len(parts), strided=strided)
+        if len(indices) != len(items):
+            raise RuntimeError(f"rank {r} returned {len(items)} items for {len(indices)} indices")
+        for i, item in zip(indices, items, strict=True):
+            out[i] = item
+    return out
+
+
+def map_sharded(fn: Callable[[list[T]], list[Any]], items: Sequence[T], *, strided: bool = False,
+                where: str = "") -> list[Any]:
+    """``fn`` over this rank's shard, every rank's results gathered in the order of ``items`` (on every rank)."""
+    if world_size() == 1:
+        return list(fn(list(items)))
+    result: list[Any] = []
+    with agree(where):
+        result = list(fn(shard(items, strided=strided)))
+    return gather_shards(result, len(items), strided=strided, where=where)
+
+
+def all_reduce_sum(tensor: Any) -> Any:
+    """The element-wise sum of ``tensor`` over ranks (in place; returned); unchanged for one process."""
+    if world_size() > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def describe() -> str:
+    """``rank R of W`` (for logs)."""
+    return f"rank {rank()} of {world_size()}"
+
+
+def shutdown() -> None:
+    """Leave the process group (every rank, at the end of a command); a no-op for one process."""
+    if _initialized():
+        import torch.distributed as dist
+
+        dist.destroy_process_group()

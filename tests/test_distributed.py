@@ -1,0 +1,347 @@
+"""Several processes: the collectives of :mod:`alpacafarm.distributed` with 2 real ranks (torchrun, gloo on CPU),
+advantage whitening across ranks, ``alpacafarm run --num-processes`` (accelerate launch), and a tiny recipe (SFT,
+reward model, DPO, PPO, best-of-n, generation) run on 2 processes against the same recipe on one.
+
+Run as a script under torchrun (``python -m torch.distributed.run --nproc_per_node 2 tests/test_distributed.py
+WHAT OUT``) this file is the worker of the collective tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# ----------------------------------------------------------------------------------------------- the worker
+
+
+def _worker(what: str, out: Path) -> None:
+    """One rank: runs the collectives and writes what it saw to ``out/rank<R>.json``."""
+    from alpacafarm import distributed as d
+
+    d.init()
+    result: dict[str, Any] = {"rank": d.rank(), "world": d.world_size(), "main": d.is_main()}
+    if what == "collectives":
+        result["gathered"] = d.all_gather_object({"r": d.rank()})
+        result["broadcast"] = d.broadcast_object(f"decided by {d.rank()}")
+        result["contiguous"] = d.shard(list(range(7)))
+        result["strided"] = d.shard(list(range(7)), strided=True)
+        result["back_contiguous"] = d.gather_shards([x * 10 for x in d.shard(list(range(7)))], 7)
+        result["back_strided"] = d.gather_shards([x * 10 for x in d.shard(list(range(7)), strided=True)], 7,
+                                                 strided=True)
+        result["mapped"] = d.map_sharded(lambda xs: [x + 100 for x in xs], list(range(5)))
+        result["on_main"] = d.run_on_main(lambda: f"ran on {d.rank()}")
+        d.barrier()
+    elif what == "failure":
+        try:
+            with d.agree("stage 'boom'"):
+                if d.rank() == 1:
+                    raise ValueError("rank one broke")
+            result["error"] = None
+        except Exception as exc:  # what each rank raised is the result
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        d.barrier()  # every rank is still in step after a failure was reported
+        result["after"] = "in step"
+    elif what == "whiten":
+        from alpacafarm_trl import ppo_core
+
+        values, mask = _whiten_batch()
+        part = slice(0, 3) if d.rank() == 0 else slice(3, 5)
+        result["whitened"] = ppo_core.masked_whiten(values[part], mask[part], across_ranks=True).tolist()
+        result["rewards"] = ppo_core.masked_whiten(values[part], mask[part], shift_mean=False,
+                                                   across_ranks=True).tolist()
+    (out / f"rank{d.rank()}.json").write_text(json.dumps(result), encoding="utf-8")
+    d.shutdown()
+
+
+def _whiten_batch() -> tuple[Any, Any]:
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(5, 6, generator=generator) * 3 + 1
+    mask = torch.ones(5, 6)
+    for row, length in enumerate([6, 2, 4, 5, 1]):
+        mask[row, length:] = 0
+    return values, mask
+
+
+def _torchrun(what: str, out: Path, tmp_path: Path) -> list[dict[str, Any]]:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(REPO_ROOT), str(REPO_ROOT / "plugins"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(_free_port()), str(Path(__file__)), what, str(out)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------------------------- collectives
+
+
+def test_one_process_needs_no_process_group():
+    from alpacafarm import distributed as d
+
+    assert (d.world_size(), d.rank(), d.is_main()) == (1, 0, True)
+    assert d.all_gather_object(3) == [3] and d.broadcast_object("x") == "x"
+    assert d.shard([1, 2, 3]) == [1, 2, 3] and d.map_sharded(lambda xs: [x * 2 for x in xs], [1, 2]) == [2, 4]
+    assert d.shard_indices(7, rank_=0, world=2) == [0, 1, 2, 3] and d.shard_indices(7, rank_=1, world=2) == [4, 5, 6]
+    assert d.shard_indices(7, rank_=1, world=3, strided=True) == [1, 4]
+    with pytest.raises(ValueError, match="boom"), d.agree("x"):
+        raise ValueError("boom")
+
+
+def test_collectives_on_two_real_ranks(tmp_path: Path):
+    ranks = _torchrun("collectives", tmp_path / "out", tmp_path)
+    assert [(r["rank"], r["world"], r["main"]) for r in ranks] == [(0, 2, True), (1, 2, False)]
+    for r in ranks:
+        assert r["gathered"] == [{"r": 0}, {"r": 1}]  # rank order
+        assert r["broadcast"] == "decided by 0"  # main decides, everyone agrees
+        assert r["back_contiguous"] == r["back_strided"] == [x * 10 for x in range(7)]  # original order
+        assert r["mapped"] == [100, 101, 102, 103, 104]
+        assert r["on_main"] == "ran on 0"
+    assert [r["contiguous"] for r in ranks] == [[0, 1, 2, 3], [4, 5, 6]]
+    assert [r["strided"] for r in ranks] == [[0, 2, 4, 6], [1, 3, 5]]
+
+
+def test_a_failure_on_one_rank_stops_every_rank_with_one_message_naming_it(tmp_path: Path):
+    ranks = _torchrun("failure", tmp_path / "out", tmp_path)
+    assert ranks[1]["error"] == "ValueError: rank one broke"  # the failing rank keeps its own error
+    assert ranks[0]["error"] == "RankFailed: rank 1 failed in stage 'boom': ValueError: rank one broke"
+    assert [r["after"] for r in ranks] == ["in step", "in step"]
+
+
+def test_two_rank_whitening_equals_one_rank_whitening_of_the_concatenated_batch(tmp_path: Path):
+    import torch
+
+    from alpacafarm_trl import ppo_core
+
+    values, mask = _whiten_batch()
+    ranks = _torchrun("whiten", tmp_path / "out", tmp_path)
+    for key, shift in (("whitened", True), ("rewards", False)):
+        together = torch.tensor(ranks[0][key] + ranks[1][key])
+        whole = ppo_core.masked_whiten(values, mask, shift_mean=shift)  # one process, the whole rollout batch
+        torch.testing.assert_close(together, whole, atol=1e-5, rtol=0)
+        # ... and not what each rank would get by whitening its own half alone
+        alone = torch.cat([ppo_core.masked_whiten(values[:3], mask[:3], shift_mean=shift),
+                           ppo_core.masked_whiten(values[3:], mask[3:], shift_mean=shift)])
+        assert not torch.allclose(alone, whole, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------------------------- launching
+
+
+def test_accelerate_config_names_files_and_missing_deepspeed(tmp_path: Path):
+    import importlib.util
+
+    from alpacafarm.errors import MissingPackageError, UserError
+    from alpacafarm.launch_configs import NAMES, config_path, launch_command, read_config, strip_launch_args
+
+    assert NAMES == ("ddp", "fsdp2", "zero2", "zero3")
+    for name in NAMES:
+        assert read_config(config_path(name))["distributed_type"] in ("MULTI_GPU", "FSDP", "DEEPSPEED")
+    assert read_config(config_path("fsdp2"))["fsdp_config"]["fsdp_version"] == 2
+    with pytest.raises(UserError, match="did you mean 'fsdp2'"):
+        config_path("fsdp")
+    own = tmp_path / "mine.yaml"
+    own.write_text("distributed_type: MULTI_GPU\nnum_machines: 1\n")
+    command = launch_command(3, str(own), strip_launch_args(["run", "r.yaml", "--num-processes", "3",
+                                                             "--accelerate-config=x", "--set", "seed=1"]))
+    assert command[1:] == ["-m", "accelerate.commands.launch", "--config_file", str(own), "--num_processes", "3",
+                           "--num_machines", "1", "-m", "alpacafarm", "run", "r.yaml", "--set", "seed=1"]
+    if importlib.util.find_spec("deepspeed") is None:
+        with pytest.raises(MissingPackageError, match="pip install deepspeed"):
+            launch_command(2, "zero3", [])
+
+
+def test_zero_config_without_deepspeed_is_one_line_exit_2(tmp_path: Path):
+    import importlib.util
+
+    from conftest import run_cli
+
+    if importlib.util.find_spec("deepspeed") is not None:
+        pytest.skip("deepspeed is installed here")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: z\nstages:\n  - {name: split, method: split_instructions}\n"
+                      "data:\n  instructions: {builtin: alpaca_eval_sample, limit: 4}\n")
+    done = run_cli("run", str(recipe), "--num-processes", "2", "--accelerate-config", "zero3",
+                   "--output-dir", str(tmp_path / "run"))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: accelerate config zero3.yaml uses DeepSpeed, which is not installed: pip install deepspeed "
+        "(on a machine with CUDA)"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_failing_two_process_run_prints_one_line_and_exits_2(tmp_path: Path, tiny_model_dir: str):
+    from alpacafarm.testing import write_records
+
+    data = write_records(tmp_path / "d.jsonl", [{"instruction": f"x{i}", "input": ""} for i in range(4)])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: f\nmodel: {{name: {tiny_model_dir}, dtype: float32, device: cpu}}\n"
+                      f"data:\n  demonstrations: {{path: {data}}}\n"
+                      "stages:\n  - {name: sft, method: sft, inputs: {sft_data: demonstrations},"
+                      " config: {max_steps: 1, per_device_train_batch_size: 2}}\n")
+    done = subprocess.run([sys.executable, "-m", "alpacafarm", "run", str(recipe), "--num-processes", "2",
+                           "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert errors == ["error: an SFT record has no 'output' field (fields: input, instruction); set "
+                      "stages.<name>.config.response_field"]
+    assert "UserError: an SFT record" in (tmp_path / "run" / "error.log").read_text()  # the traceback, once
+
+
+# ----------------------------------------------------------------------------------------------- a whole recipe
+
+#: Installed through ``sitecustomize`` in every launched process: records each file-system write (open for
+#: writing, mkdir of a new folder, rename, remove, rmtree, SQLite connect) under AF_AUDIT_ROOT, per rank, with
+#: Python's audit hooks — real writes, nothing mocked. (Writes done in native code, e.g. safetensors, are not seen.)
+AUDIT_HOOK = '''
+import os, sys
+_root, _log = os.environ.get("AF_AUDIT_ROOT"), os.environ.get("AF_AUDIT_LOG")
+if _root and _log:
+    _rank = os.environ.get("RANK", "0")
+    _fd = os.open(f"{_log}.rank{_rank}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    _busy = []
+    _WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+    def _hook(event, args):
+        if _busy:
+            return
+        path = None
+        if event == "open":
+            mode, flags = args[1], args[2]
+            if (isinstance(mode, str) and any(c in mode for c in "wax+")) or (mode is None and flags & _WRITE):
+                path = args[0]
+        elif event in ("os.mkdir", "os.remove", "os.rmdir", "shutil.rmtree", "os.rename", "os.replace",
+                       "sqlite3.connect"):
+            path = args[0]
+        if isinstance(path, (str, os.PathLike)):
+            full = os.path.abspath(os.fspath(path))
+            if full.startswith(_root) and not (event == "os.mkdir" and os.path.isdir(full)):  # exist_ok no-op
+                _busy.append(1)
+                try:
+                    os.write(_fd, f"{event} {full}\\n".encode())
+                finally:
+                    _busy.pop()
+
+    sys.addaudithook(_hook)
+'''
+
+SFT_RECORDS = [{"instruction": f"Name the colour number {i}.", "input": "", "output": f"Colour {i} is blue."}
+               for i in range(8)]
+
+
+def tiny_recipe(tmp_path: Path, model: str) -> Path:
+    """SFT, reward model, DPO, PPO, best-of-n, expert iteration and generation on a tiny random-init model, at the
+    smallest sizes."""
+    from alpacafarm.testing import learnable_preferences, write_records
+
+    sft = write_records(tmp_path / "sft.jsonl", SFT_RECORDS)
+    prefs = write_records(tmp_path / "prefs.jsonl", learnable_preferences(8))
+    prompts = write_records(tmp_path / "prompts.jsonl", [{"instruction": f"Tell me about topic {i}.", "input": ""}
+                                                         for i in range(10)])
+    train = ("per_device_train_batch_size: 2, max_steps: 2, learning_rate: 1.0e-3, save_strategy: 'no', "
+             "logging_steps: 1")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        name: two-ranks
+        seed: 5
+        model: {{name: {model}, dtype: float32, device: cpu}}
+        data:
+          demonstrations: {{path: {sft}}}
+          preferences: {{path: {prefs}}}
+          instructions: {{path: {prompts}}}
+        stages:
+          - {{name: split, method: split_instructions, config: {{eval_size: 5}}}}
+          - {{name: sft, method: sft, inputs: {{sft_data: demonstrations}}, config: {{{train}}}}}
+          - {{name: rm, method: reward_model, config: {{{train}, eval_fraction: 0.25}}}}
+          - {{name: dpo, method: dpo, config: {{{train}}}}}
+          - {{name: ppo, method: ppo, config: {{max_steps: 1, rollout_batch_size: 4, mini_batch_size: 4,
+              per_device_train_batch_size: 4, generation_batch_size: 4, max_new_tokens: 4, score_batch_size: 4,
+              save_steps: 1}}}}
+          - {{name: bon, method: best_of_n, inputs: {{sft_model: base_model}},
+              config: {{n: 3, sampling: {{max_new_tokens: 5, batch_size: 2}}}}}}
+          - {{name: ei, method: expert_iteration, inputs: {{sft_model: base_model}},
+              config: {{n: 2, rounds: 1, max_new_tokens: 4, generation_batch_size: 2, {train}}}}}
+          - {{name: outputs, method: generate_outputs, inputs: {{sft_model: base_model}},
+              config: {{sampling: {{temperature: 1.0, max_new_tokens: 6, batch_size: 2}}}}}}
+          - {{name: dpo_outputs, method: generate_outputs, inputs: {{sft_model: dpo}},
+              config: {{sampling: {{max_new_tokens: 4, batch_size: 2}}}}}}
+        """), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> dict[str, Any]:
+    """The tiny recipe through ``alpacafarm run`` on one process and with ``--num-processes 2``."""
+    tmp_path = tmp_path_factory.mktemp("ranks")
+    recipe = tiny_recipe(tmp_path, tiny_model_dir)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(AUDIT_HOOK, encoding="utf-8")
+    runs: dict[str, Any] = {}
+    for name, extra in (("one", []), ("two", ["--num-processes", "2"])):
+        run_dir = tmp_path / name
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "AF_AUDIT_ROOT": str(run_dir),
+               "AF_AUDIT_LOG": str(tmp_path / f"writes-{name}"),
+               "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run([sys.executable, "-m", "alpacafarm", "run", str(recipe), "--output-dir", str(run_dir),
+                               *extra], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        runs[name] = {"dir": run_dir, "stdout": done.stdout,
+                      "writes": {p.name.rsplit(".", 1)[1]: p.read_text().splitlines()
+                                 for p in tmp_path.glob(f"writes-{name}.rank*")}}
+    return runs
+
+
+def manifest(run: dict[str, Any], stage: str) -> dict[str, Any]:
+    return json.loads((run["dir"] / "stages" / stage / "manifest.json").read_text())
+
+
+def test_two_processes_really_ran_and_only_rank_0_wrote(two_runs: dict[str, Any]):
+    two = two_runs["two"]
+    assert "running on 2 processes" in (two["dir"] / "run.log").read_text()
+    for stage in ("sft", "rm", "dpo", "bon", "ei", "outputs"):  # the stages every rank ran
+        assert (manifest(two, stage)["world_size"], manifest(two, stage)["ranks_ran"]) == (2, 2), stage
+    assert manifest(two, "split")["ranks_ran"] == 1 and manifest(two_runs["one"], "sft")["world_size"] == 1
+    writes = two["writes"]
+    assert set(writes) == {"rank0", "rank1"}  # both ranks ran (the hook loaded in each) ...
+    assert any("manifest.json" in w for w in writes["rank0"])  # ... the hook sees rank 0's writes ...
+    assert writes["rank1"] == []  # ... and rank 1 wrote nothing in the run directory
+
+
+def test_two_process_outputs_equal_the_single_process_run(two_runs: dict[str, Any]):
+    from alpacafarm.data import read_records
+
+    one, two = two_runs["one"]["dir"], two_runs["two"]["dir"]
+    for file in ("outputs/outputs.jsonl", "bon/samples.jsonl", "ei/round_1/samples.jsonl"):
+        a, b = read_records(one / "stages" / file), read_records(two / "stages" / file)
+        keys = ("instruction", "output", "sample_index")
+        assert [{k: r[k] for k in keys} for r in a] == [{k: r[k] for k in keys} for r in b], file
+        assert len({r["output"] for r in a}) > 1  # real sampling, not one repeated answer
+    # every trainer saved once and the next stage loaded it: DPO's outputs come from the saved DPO model
+    for stage in ("sft", "rm", "dpo", "ppo", "ei/round_1"):
+        assert (two / "stages" / stage / "model" / "config.json").is_file(), stage
+    assert len(read_records(two / "stages/dpo_outputs/outputs.jsonl")) == 5
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], Path(sys.argv[2]))
