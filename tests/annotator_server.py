@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Callable
 
-from alpacafarm.testing.openai_server import Fault, request_text
+from alpacafarm.testing.openai_server import FakeOpenAIServer, Fault, request_text
 from alpacafarm.types import Pair
 
 TAG = re.compile(r"\[\[p(\d+):(good|bad)\]\]")
@@ -62,3 +63,76 @@ class TagResponder:
         if len(firsts) == 1:
             lines.insert(0, f"Output ({firsts[0]})")
         return "Here are my verdicts.\n" + "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- AlpacaEval's answer formats
+
+
+def regex_answer(outputs_to_match: dict, choice: int) -> str:
+    """A line that an AlpacaEval ``regex_parser`` with these patterns reads as ``choice`` (and not as the other)."""
+    a_or_b = "a" if choice == 1 else "b"
+    candidates = [f"Output ({a_or_b})", f"({a_or_b})", f'"Output (a) is better than Output (b)": '
+                  f'{"true" if choice == 1 else "false"}']
+    other = 2 if choice == 1 else 1
+    for candidate in candidates:
+        text = "\n" + candidate
+        if re.search(outputs_to_match[choice], text) and not re.search(outputs_to_match[other], text):
+            return text
+    raise ValueError(f"no answer matches {outputs_to_match}")
+
+
+class AlpacaEvalTagResponder:
+    """Answers tagged pairs (:func:`tagged_pairs`) correctly in the answer format of the AlpacaEval member that sent
+    the request (found by the request's model and the start of its prompt), padding answers included."""
+
+    def __init__(self, members: list) -> None:
+        from alpacafarm_annotators.alpaca_eval_source import PADDING, chat_messages, fill_template, pair_row
+
+        self.members = []
+        for m in members:  # each member's fixed text: its rendered prompt up to the first pair
+            rows = [pair_row(PADDING, m.template)] * m.batch_size
+            text = fill_template(m.template, rows, m.batch_size).strip()
+            joined = "\n".join(x["content"] for x in chat_messages(text)) if m.chat else text
+            self.members.append((m, joined[:joined.index(PADDING.instruction)]))
+
+    def member(self, body: dict):
+        sent = ("\n".join(x["content"] for x in body["messages"]) if "messages" in body else str(body.get("prompt")))
+        found = [(len(prefix), i) for i, (member, prefix) in enumerate(self.members)
+                 if member.model == body.get("model") and sent.startswith(prefix)]
+        if not found:
+            raise AssertionError(f"no member sends {body.get('model')}: {sent[:80]!r}")
+        return self.members[max(found)[1]][0]
+
+    def __call__(self, body: dict) -> str:
+        member = self.member(body)
+        firsts, seen = [], set()
+        for pair_id, side in TAG.findall(request_text(body)):
+            if pair_id not in seen:
+                seen.add(pair_id)
+                firsts.append(1 if side == "good" else 2)
+        firsts += [1] * (member.batch_size - len(firsts))  # the padding pair
+        return "".join(regex_answer(member.parser_kwargs["outputs_to_match"], c) for c in firsts)
+
+
+class LogprobServer(FakeOpenAIServer):
+    """A fake server whose chat completions carry the top log-probabilities ``top(body)`` gives for the first
+    (only) answer token, as a logprob-weighted judge (AlpacaEval 2's) reads them."""
+
+    def __init__(self, top: Callable[[dict], list[tuple[str, float]]], **kwargs) -> None:
+        super().__init__(lambda body: top(body)[0][0], **kwargs)
+        self.top = top
+
+    def _completion(self, path: str, body: dict, text: str) -> dict:
+        payload = super()._completion(path, body, text)
+        if body.get("logprobs"):
+            top = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in self.top(body)]
+            for choice in payload["choices"]:
+                choice["logprobs"] = {"content": [{**top[0], "top_logprobs": top}], "refusal": None}
+        return payload
+
+
+class FewChoicesServer(FakeOpenAIServer):
+    """A server that ignores ``n`` (llama.cpp's does): one choice per request, whatever was asked."""
+
+    def _completion(self, path: str, body: dict, text: str) -> dict:
+        return super()._completion(path, {**body, "n": 1}, text)

@@ -60,8 +60,8 @@ def test_the_paper_pool_through_the_cli_is_reproducible_across_processes(tmp_pat
         for run in range(2):
             out = tmp_path / f"out{run}.json"
             run_env = {**env, "ALPACAFARM_CACHE_DIR": str(tmp_path / f"cache{run}"), "PYTHONHASHSEED": str(run)}
-            result = run_cli("annotate", str(tmp_path / "pairs.jsonl"), "--annotator", "alpacafarm_ann", "--base-url",
-                             server.base_url, "--seed", "11", "-o", str(out), env=run_env)
+            result = run_cli("annotate", str(tmp_path / "pairs.jsonl"), "--annotator", "alpacafarm_ann_builtin",
+                             "--base-url", server.base_url, "--seed", "11", "-o", str(out), env=run_env)
             assert result.returncode == 0, result.stderr
             outputs.append(json.loads(out.read_text()))
     keys = ["preference", "annotator", "swapped", "noise"]
@@ -106,7 +106,7 @@ def test_unknown_annotator_is_a_one_line_error(tmp_path: Path, env):
 
 def test_replicates_write_k_annotations_per_pair_each_paid_once(tmp_path: Path, env):
     write_pairs(tmp_path / "pairs.jsonl", 12)
-    base = ["annotate", str(tmp_path / "pairs.jsonl"), "--annotator", "alpacafarm_ann", "--seed", "3"]
+    base = ["annotate", str(tmp_path / "pairs.jsonl"), "--annotator", "alpacafarm_ann_builtin", "--seed", "3"]
     with FakeOpenAIServer(TagResponder()) as server:
         single = run_cli(*base, "--base-url", server.base_url, "-o", str(tmp_path / "one.json"), env=env)
         assert single.returncode == 0, single.stderr

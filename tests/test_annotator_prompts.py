@@ -33,6 +33,8 @@ def _configs() -> dict[str, PromptedAnnotatorConfig | PoolConfig]:
     out: dict[str, PromptedAnnotatorConfig | PoolConfig] = {}
     for path in sorted(CONFIG_DIR.glob("*.yaml")):
         data = _load(path)
+        if data.get("kind") == "alpaca_eval":  # the paper's configs, read from alpaca-eval (test_alpaca_eval_configs)
+            continue
         out[path.stem] = (PoolConfig if data.get("kind") == "pool" else PromptedAnnotatorConfig).model_validate(data)
     return out
 
@@ -52,10 +54,15 @@ def _text(prompt: list[dict[str, Any]] | str) -> str:
 
 def test_config_inventory():
     assert len(PROMPTED) == 14 and len(POOLS) == 4
-    assert set(POOLS) == {"alpacafarm_eval", "alpacafarm_ann", "alpacafarm_gpt4", "offline_ann"}
+    assert set(POOLS) == {"alpacafarm_eval_builtin", "alpacafarm_ann_builtin", "alpacafarm_gpt4_builtin", "offline_ann"}
     assert POOLS["offline_ann"].annotators == ["offline"] and POOLS["offline_ann"].p_label_flip == 0.25
+    presets = {path.stem: _load(path) for path in CONFIG_DIR.glob("*.yaml") if _load(path)["kind"] == "alpaca_eval"}
+    assert {k: (v["config"], v["fallback"], v["p_label_flip"]) for k, v in presets.items()} == {
+        "alpacafarm_ann": ("alpaca_farm", "alpacafarm_ann_builtin", 0.25),
+        "alpacafarm_eval": ("alpaca_farm", "alpacafarm_eval_builtin", 0.0),
+        "alpacafarm_gpt4": ("alpaca_farm_greedy_gpt4", "alpacafarm_gpt4_builtin", 0.0)}
     for path in CONFIG_DIR.glob("*.yaml"):
-        assert _load(path)["kind"] in ("prompted", "pool"), path.name
+        assert _load(path)["kind"] in ("prompted", "pool", "alpaca_eval"), path.name
 
 
 @pytest.mark.parametrize("name", sorted(PROMPTED))
@@ -78,7 +85,7 @@ def test_prompted_config_renders(name: str, pairs: list[Pair]):
 
 
 def test_pools_mirror_the_paper():
-    ev, ann, gpt4 = POOLS["alpacafarm_eval"], POOLS["alpacafarm_ann"], POOLS["alpacafarm_gpt4"]
+    ev, ann, gpt4 = POOLS["alpacafarm_eval_builtin"], POOLS["alpacafarm_ann_builtin"], POOLS["alpacafarm_gpt4_builtin"]
     assert len(THIRTEEN) == 13
     for pool in (ev, ann):
         assert sorted(pool.annotators) == THIRTEEN and len(set(pool.annotators)) == 13

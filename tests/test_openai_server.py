@@ -223,3 +223,83 @@ def test_base_url_needs_start() -> None:
     with pytest.raises(RuntimeError):
         _ = server.base_url
     server.stop()  # stopping a server that never started is harmless
+
+
+# ------------------------------------------------------------------------ the OpenAI generation backend
+
+GEN_RECORDS = [{"instruction": "Add 2 and 3."}, {"instruction": "Translate", "input": "hola"}]
+
+
+def _backend(server: FakeOpenAIServer, prompt_format: str, **options: object):
+    from alpacafarm.plugins import get_registry
+    from alpacafarm.recipe import ModelSpec
+
+    # "served-model" is no local folder and no hub model: nothing can load its tokenizer here
+    spec = ModelSpec(name="served-model", prompt_format=prompt_format)
+    return get_registry().create("generation_backend", "openai", {"base_url": server.base_url, **options},
+                                 spec=spec, model_path="served-model")
+
+
+def test_chat_models_are_asked_through_chat_completions_without_a_tokenizer():
+    from alpacafarm.generation import SamplingConfig, generate_records
+
+    with FakeOpenAIServer(lambda body: f"re: {request_text(body)}") as server:
+        backend = _backend(server, "chat_template")
+        rows = generate_records(backend, GEN_RECORDS, SamplingConfig(n=2, max_new_tokens=5, temperature=0.7))
+    assert [(r["instruction"], r["sample_index"], r["output"]) for r in rows] == [
+        ("Add 2 and 3.", 0, "re: Add 2 and 3."), ("Add 2 and 3.", 1, "re: Add 2 and 3."),
+        ("Translate", 0, "re: Translate\n\nhola"), ("Translate", 1, "re: Translate\n\nhola")]
+    assert {r.path for r in server.requests} == {"/v1/chat/completions"}
+    bodies = sorted((r.body for r in server.requests), key=lambda b: b["messages"][0]["content"])
+    assert [b["messages"] for b in bodies] == [[{"role": "user", "content": "Add 2 and 3."}],
+                                               [{"role": "user", "content": "Translate\n\nhola"}]]
+    assert all(b["n"] == 2 and b["max_tokens"] == 5 and b["model"] == "served-model" for b in bodies)
+    assert backend.last_finished == [[True, True], [True, True]]
+
+
+def test_endpoint_option_overrides_the_model_blocks_format():
+    from alpacafarm.generation import SamplingConfig, generate_records
+
+    with FakeOpenAIServer(lambda body: "ok") as server:
+        generate_records(_backend(server, "alpaca", endpoint="chat"), GEN_RECORDS[:1], SamplingConfig())
+        generate_records(_backend(server, "alpaca"), GEN_RECORDS[:1], SamplingConfig())
+    chat, completion = server.requests
+    assert chat.path == "/v1/chat/completions" and completion.path == "/v1/completions"
+    prompt = completion.body["prompt"]
+    assert prompt.startswith("Below is an instruction") and "Add 2 and 3." in prompt
+
+
+@pytest.mark.parametrize("prompt_format", ["chat_template", "alpaca"])
+def test_n_samples_are_guaranteed_when_the_server_ignores_n(prompt_format: str):
+    from annotator_server import FewChoicesServer
+
+    from alpacafarm.generation import SamplingConfig, generate_records
+
+    with FewChoicesServer(lambda body: f"sample seed {body['seed']}") as server:
+        backend = _backend(server, prompt_format)
+        rows = generate_records(backend, GEN_RECORDS, SamplingConfig(n=3, max_new_tokens=4, seed=5))
+    by_instruction = {}
+    for row in rows:
+        by_instruction.setdefault(row["instruction"], []).append(row)
+    assert {k: [r["sample_index"] for r in v] for k, v in by_instruction.items()} == {
+        "Add 2 and 3.": [0, 1, 2], "Translate": [0, 1, 2]}
+    assert len(server.requests) == 6 and sorted(r.body["n"] for r in server.requests) == [1, 1, 2, 2, 3, 3]
+    for samples in by_instruction.values():  # each extra request samples with a seed of its own
+        assert len({r["output"] for r in samples}) == 3
+    assert [len(f) for f in backend.last_finished] == [3, 3]
+
+
+def test_a_server_that_returns_no_choices_is_one_line(monkeypatch):
+    from annotator_server import FewChoicesServer
+
+    from alpacafarm.errors import UserError
+    from alpacafarm.generation import SamplingConfig
+
+    class NoChoices(FewChoicesServer):
+        def _completion(self, path: str, body: dict, text: str) -> dict:
+            return {**super()._completion(path, body, text), "choices": []}
+
+    with NoChoices(lambda body: "x") as server:
+        backend = _backend(server, "chat_template")
+        with pytest.raises(UserError, match=r"0 of n=2 samples after 4 requests"):
+            backend.generate(["hi"], SamplingConfig(n=2))

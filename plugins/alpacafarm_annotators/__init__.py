@@ -14,10 +14,31 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 def register_annotators(register):
     for path in sorted(CONFIG_DIR.glob("*.yaml")):  # annotators defined as data, one file each
         register(path.stem, f"alpacafarm_annotators.presets:{path.stem}", description=f"configs/{path.name}")
+    for name in alpaca_eval_configs():  # AlpacaEval's evaluator configs through this engine (extra: alpaca-eval)
+        register(f"alpaca_eval:{name}", f"alpacafarm_annotators.alpaca_eval_source:config_{name.encode().hex()}",
+                 description=f"AlpacaEval's evaluators_configs/{name}, run by this engine (extra: alpaca-eval)")
     register("offline", "alpacafarm_annotators.offline:OfflineAnnotator",
              description="offline judge: MiniLM + text features, no network, $0, order-independent")
     register("local_judge", "alpacafarm_annotators.local_judge:LocalJudge",
              description="a local causal LM's log-probabilities of the answer labels, both orders averaged")
+
+
+#: registered even without the extra, so that naming them says which extra to install
+ALPACA_EVAL_KNOWN = ("alpaca_farm", "alpaca_farm_greedy_gpt4", "weighted_alpaca_eval_gpt4_turbo")
+
+
+def alpaca_eval_configs() -> list[str]:
+    """The installed alpaca_eval package's evaluator configs (found without importing it), plus ALPACA_EVAL_KNOWN."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("alpaca_eval")
+    except (ImportError, ValueError):
+        spec = None
+    found = set(ALPACA_EVAL_KNOWN)
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        found.update(p.parent.name for p in Path(folder, "evaluators_configs").glob("*/configs.yaml"))
+    return sorted(found)
 
 
 @hookimpl

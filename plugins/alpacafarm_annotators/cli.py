@@ -34,9 +34,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser(prog="alpacafarm annotate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("input", help="JSON or JSONL records with instruction, optional input, output_1, output_2")
-    parser.add_argument("--annotator", required=True, help="a registered annotator (see: alpacafarm plugins)")
-    parser.add_argument("-o", "--output", required=True, help="output JSON file (records + preference and costs)")
+    parser.add_argument("input", nargs="?", help="JSON or JSONL records with instruction, optional input, output_1, "
+                        "output_2")
+    parser.add_argument("--annotator", required=True, help="a registered annotator (see: alpacafarm plugins), or "
+                        "alpaca_eval:<config> for one of AlpacaEval's evaluator configs (extra: alpaca-eval)")
+    parser.add_argument("-o", "--output", help="output JSON file (records + preference and costs)")
+    parser.add_argument("--describe", action="store_true", help="print the resolved annotator (members, models, "
+                        "where each template comes from, parsers, decoding) and exit; needs no input")
     parser.add_argument("--replicates", type=int, default=1, metavar="K",
                         help="independent annotations per pair (default 1), to measure the annotator's variance")
     add_annotator_options(parser)
@@ -51,6 +55,10 @@ def main(argv: list[str]) -> int:
     from alpacafarm.types import Pair
 
     args = parse_args(argv)
+    if args.describe:
+        return describe(args)
+    if args.input is None or args.output is None:
+        raise UserError("annotate needs an INPUT file and -o OUTPUT (or --describe)")
     if args.replicates < 1:
         raise UserError(f"--replicates must be >= 1, got {args.replicates}")
     path = Path(args.input)
@@ -119,4 +127,23 @@ def main(argv: list[str]) -> int:
             f"{summary.failed} of {len(annotations)} annotations failed ({args.annotator}{where}): first error: "
             f"{summary.first_error}; what succeeded is in {args.output} and cached: re-run to ask only for the "
             "failed pairs")
+    return 0
+
+
+def describe(args: argparse.Namespace) -> int:
+    """``--describe``: the annotator as built from these options, without annotating (nothing is sent)."""
+    from alpacafarm.annotation import annotator_from_options
+    from alpacafarm.plugins import get_registry
+
+    annotator = annotator_from_options(get_registry(), args.annotator, args)
+    info = annotator.describe() if hasattr(annotator, "describe") else {"name": annotator.name,
+                                                                         "kind": type(annotator).__name__}
+    members = info.pop("members", None)
+    for key, value in info.items():
+        print(f"{key}: {value}")
+    for i, member in enumerate(members or [], start=1):
+        print(f"member {i}/{len(members)}: {member.pop('name')}")
+        for key, value in member.items():
+            print(f"  {key}: {json.dumps(value) if isinstance(value, dict | list) else value}")
+    annotator.close()
     return 0

@@ -21,17 +21,26 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 from alpacafarm.annotation import Annotator, ProgressCallback, aannotate_replicate, identical_tie
 from alpacafarm.annotation_cache import LedgerTotals
 from alpacafarm.seeding import stable_hash, stable_uniform
-from alpacafarm.types import Annotation, Pair, flip
+from alpacafarm.types import Annotation, Pair, Preference, flip
 from alpacafarm_annotators.config import PoolConfig
 
 
 def _replicate_parts(replicate: int) -> tuple[object, ...]:
     """What replicate k adds to a seed: nothing for 0 (the draws every pool made before replicates existed)."""
     return ("replicate", replicate) if replicate else ()
+
+
+def unswap(preference: Preference | float) -> Preference | float:
+    """A label given to the swapped pair, in the caller's order: 1 <-> 2, and a continuous preference p in [1, 2]
+    (AlpacaEval's logprob-weighted judges) becomes 3 - p; a tie (0) and None stay as they are."""
+    if isinstance(preference, float) and preference != 0:
+        return 3.0 - preference
+    return flip(preference)
 
 
 class AnnotatorPool(Annotator):
@@ -56,6 +65,13 @@ class AnnotatorPool(Annotator):
         """The members' endpoints (base URLs), comma-separated; None when no member calls one."""
         found = dict.fromkeys(e for m in self.members if (e := getattr(m, "endpoint", None)))
         return ", ".join(found) or None
+
+    def describe(self) -> dict[str, Any]:
+        """The pool and its resolved members (each member's own ``describe()`` when it has one)."""
+        members = [m.describe() if hasattr(m, "describe") else {"name": getattr(m, "name", type(m).__name__),
+                                                                "kind": type(m).__name__} for m in self.members]
+        return {"name": self.name, "description": self.config.description, "p_label_flip": self.config.p_label_flip,
+                "randomize_order": self.config.randomize_order, "seed": self.config.seed, "members": members}
 
     def member_index(self, pair: Pair, replicate: int = 0) -> int:
         """Which member annotates this pair's instruction (in replicate ``replicate``)."""
@@ -99,7 +115,7 @@ class AnnotatorPool(Annotator):
                                                     replicate)
             for (i, _, swapped), annotation in zip(items, annotations, strict=True):
                 if swapped:
-                    annotation.preference = flip(annotation.preference)
+                    annotation.preference = unswap(annotation.preference)
                 annotation.swapped = swapped
                 results[i] = annotation
 

@@ -101,7 +101,29 @@ def build_pool(config: PoolConfig, name: str, registry: Registry, *, cache: Anno
     return AnnotatorPool(config, members, name)
 
 
-def __getattr__(name: str) -> AnnotatorFactory:
+#: the keys of a ``kind: alpaca_eval`` preset file (an AlpacaEval config run by this engine, with pool settings)
+ALPACA_EVAL_PRESET_KEYS = {"kind", "description", "config", "fallback", "p_label_flip", "randomize_order", "seed",
+                           "overrides"}
+
+
+def alpaca_eval_preset(name: str, data: dict[str, Any]) -> Any:
+    """A ``kind: alpaca_eval`` preset (``alpacafarm_ann``...): AlpacaEval's config ``config`` with these settings.
+    Without the extra it fails loudly when used, naming the extra and its built-in ``fallback`` (never substituted)."""
+    from alpacafarm_annotators.alpaca_eval_source import AlpacaEvalSource
+
+    unknown = sorted(set(data) - ALPACA_EVAL_PRESET_KEYS)
+    if unknown or "config" not in data:
+        raise UserError(f"annotator {name!r}: configs/{name}.yaml: "
+                        + (f"unknown key {unknown[0]!r}" if unknown else "'config' (an AlpacaEval config) is missing")
+                        + f" (allowed: {', '.join(sorted(ALPACA_EVAL_PRESET_KEYS))})")
+    defaults = {k: data[k] for k in ("p_label_flip", "randomize_order", "seed", "overrides") if k in data}
+    return AlpacaEvalSource(data["config"], name, defaults, data.get("description", ""), data.get("fallback"))
+
+
+def __getattr__(name: str) -> Any:
     if name in builtin_annotator_names():
+        data = load_config_file(name)
+        if isinstance(data, dict) and data.get("kind") == "alpaca_eval":
+            return alpaca_eval_preset(name, data)
         return AnnotatorFactory(name)
     raise AttributeError(name)

@@ -80,10 +80,7 @@ class PromptedAnnotator(Annotator):
         self.config = config
         self.name = name
         self.model = config.model_map.get(config.model, config.model)
-        self.template = templates.load_template(config.template)
-        if config.parser not in parsing.PARSERS:
-            raise UserError(f"annotator {name!r}: unknown parser {config.parser!r} "
-                            f"(known: {', '.join(parsing.PARSERS)})")
+        self._init_prompting()
         self.price = config.price or price_table().get(self.model)
         self.cache = (cache or AnnotationCache()) if config.cache else None
         self.budget = budget or Budget(config.max_cost_usd)
@@ -92,14 +89,41 @@ class PromptedAnnotator(Annotator):
         if self.budget.max_cost_usd is not None and self.price is None:
             raise UserError(f"annotator {name!r}: max_cost_usd needs a price for model {self.model!r}; set 'price'")
 
+    # ------------------------------------------------------------------ prompting (subclasses may change it)
+    def _init_prompting(self) -> None:
+        """Load the template and check the parser (the built-in templates/ and parsing.PARSERS)."""
+        self.template = templates.load_template(self.config.template)
+        if self.config.parser not in parsing.PARSERS:
+            raise UserError(f"annotator {self.name!r}: unknown parser {self.config.parser!r} "
+                            f"(known: {', '.join(parsing.PARSERS)})")
+
+    def render(self, pairs: Sequence[Pair]) -> Any:
+        """The prompt of one request for ``pairs``: chat messages or one completion string."""
+        return templates.render(self.template, pairs, self.config.style)
+
+    def parse(self, completion: Completion, n: int) -> list[Any] | None:
+        """One preference per pair from a completion, or None when it cannot be read (never guessed)."""
+        return parsing.parse(self.config.parser, completion.text, n)
+
+    def fingerprint_payload(self) -> dict[str, Any]:
+        """Everything that determines a label (not the endpoint or key)."""
+        return {"model": self.model, "template": templates.template_text(self.template), "style": self.config.style,
+                "batch_size": self.config.batch_size, "decoding": self.config.decoding, "parser": self.config.parser,
+                "logprobs": self.config.logprobs}
+
+    def describe(self) -> dict[str, Any]:
+        """What this judge is, for ``annotate --describe``: model, template and where it comes from, parser."""
+        source = (self.config.template if self.config.template.endswith((".yaml", ".yml"))
+                  else f"alpacafarm built-in: plugins/alpacafarm_annotators/templates/{self.config.template}.yaml")
+        return {"name": self.name, "model": self.model, "endpoint": f"{self.config.style} ({self.endpoint})",
+                "batch_size": self.config.batch_size, "template": source, "parser": self.config.parser,
+                "decoding": dict(self.config.decoding)}
+
     # ------------------------------------------------------------------ identity, cost
     @property
     def fingerprint(self) -> str:
         """What determines a label: model, template, style, batch size, decoding, parser (not the endpoint or key)."""
-        payload = {"model": self.model, "template": templates.template_text(self.template), "style": self.config.style,
-                   "batch_size": self.config.batch_size, "decoding": self.config.decoding, "parser": self.config.parser,
-                   "logprobs": self.config.logprobs}
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(json.dumps(self.fingerprint_payload(), sort_keys=True).encode()).hexdigest()
 
     def cost(self, tokens_in: int, tokens_out: int) -> float:
         if self.price is None:
@@ -312,7 +336,7 @@ class _Call:
         parses is asked pair by pair, and only a pair whose own answers never parse is given up as unparsed."""
         judge, batch = self.judge, [self.pairs[i] for i in indices]
         keys = [self.keys[i] for i in indices]
-        prompt = templates.render(judge.template, batch, self.config.style)
+        prompt = judge.render(batch)
         spent = [0, 0, 0.0, 0.0]  # tokens in, tokens out, price, latency of the unreadable answers
         for attempt in range(1 + self.config.parse_retries):
             estimate = judge._estimate(prompt)
@@ -332,7 +356,7 @@ class _Call:
             judge.budget.settle(estimate, judge.cost(completion.tokens_in, completion.tokens_out))
             self.answered += 1
             self.failures_in_a_row = 0
-            labels = parsing.parse(self.config.parser, completion.text, len(batch))
+            labels = judge.parse(completion, len(batch))
             last = attempt == self.config.parse_retries
             n = len(batch)
             if labels is None and not (last and n == 1):  # paid, but nothing to keep: a ledger row, no answers

@@ -7,7 +7,8 @@ judge: 1.5 is a tie), or None/NaN (the judge's answer could not be parsed: dropp
 Each parsed preference ``p`` becomes a score ``s = p - 1`` in [0, 1] (a tie, 0, scores 0.5). Then, as in the
 AlpacaEval CSVs (checked to 1e-12 against ``alpaca_eval_gpt4_leaderboard.csv``):
 
-* ``win_rate`` = 100 · mean(s); ``standard_error`` = 100 · std(s, ddof=1) / sqrt(n) (the sample standard
+* ``win_rate`` = 100 · mean(s) (with continuous preferences, AlpacaEval 2's weighted win-rate, and
+  ``continuous_preferences`` is true); ``standard_error`` = 100 · std(s, ddof=1) / sqrt(n) (the sample standard
   deviation: pandas' ``sem``);
 * ``n_wins`` = #(p > 1.5), ``n_wins_base`` = #(1 <= p < 1.5), ``n_draws`` = #(p == 0 or p == 1.5), ``n_total``
   = the number of parsed preferences; ``discrete_win_rate`` = 100 · (n_wins + n_draws / 2) / n_total;
@@ -123,6 +124,8 @@ def compute_metrics(preferences: Sequence[Any], output_lengths: Sequence[int] | 
     parsed = [i for i, s in enumerate(all_scores) if s is not None]
     metrics = _summary([all_scores[i] for i in parsed], [preferences[i] for i in parsed])
     metrics["n_unparsed"] = n - len(parsed)
+    # a logprob-weighted judge's preferences (AlpacaEval 2): win_rate is then the weighted win-rate
+    metrics["continuous_preferences"] = any(float(preferences[i]) not in (0.0, 1.0, 2.0) for i in parsed)
     metrics["avg_length"] = int(sum(output_lengths) / n) if output_lengths is not None and n else None
     lc = None
     if output_lengths is not None and reference_lengths is not None:
@@ -174,7 +177,8 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 def metrics_table(metrics: dict[str, Any], title: str) -> dict[str, Any]:
     """A printable table (``{"title", "columns", "rows"}``): the overall row, then one row per source."""
-    columns = ["subset", "win-rate %", "± SE", "LC win-rate %", "wins", "losses", "draws", "n", "unparsed",
+    rate = "weighted win-rate %" if metrics.get("continuous_preferences") else "win-rate %"
+    columns = ["subset", rate, "± SE", "LC win-rate %", "wins", "losses", "draws", "n", "unparsed",
                "avg length"]
     rows = [["all", _fmt(metrics["win_rate"]), _fmt(metrics["standard_error"]),
              _fmt(metrics.get("length_controlled_win_rate")), metrics["n_wins"], metrics["n_wins_base"],

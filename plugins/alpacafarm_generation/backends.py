@@ -11,14 +11,15 @@ import asyncio
 import importlib.util
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from alpacafarm.errors import MissingPackageError
+from alpacafarm.errors import MissingPackageError, UserError
 from alpacafarm.generation import GenerationProgress, Generator, SamplingConfig, TransformersGenerator
 from alpacafarm.models import resolve_model_path
-from alpacafarm.prompts import PromptFormat
+from alpacafarm.prompts import PromptFormat, user_message
+from alpacafarm.seeding import stable_seed
 
 
 def transformers_backend(config: None, spec: Any, model_path: str) -> Generator:
@@ -46,25 +47,65 @@ class OpenAIBackendConfig(BaseModel):
     base_url: str = Field(description="the server's /v1 URL, e.g. http://127.0.0.1:8000/v1")
     model: str | None = Field(None, description="model name the server serves; default: the model path")
     api_key_env: str = Field("OPENAI_API_KEY", description="environment variable holding the key (local: any)")
+    endpoint: Literal["auto", "chat", "completions"] = Field(
+        "auto", description="chat: /chat/completions with the instruction as the user message (the server applies "
+        "the model's chat template); completions: /completions with the prompt formatted here; auto: chat when the "
+        "model block says prompt_format: chat_template")
     max_concurrency: int = Field(16, ge=1)
     timeout_s: float = Field(300.0, gt=0)
 
 
+class ChatMessageFormat(PromptFormat):
+    """The user message of a chat request: the instruction and input merged (the server applies the chat template);
+    a folder's ``prompt_prefix`` conditioning goes before it."""
+
+    def __call__(self, instruction: str, input: str | None = None) -> str:
+        return self.conditioning.prompt_prefix + user_message(instruction, input or None)
+
+
 class OpenAIGenerator(Generator):
-    """Completions from an OpenAI-compatible server that serves the model (``vllm serve``, ``llama-server``, TGI)."""
+    """Samples from an OpenAI-compatible server that serves the model (``vllm serve``, llama.cpp's server, TGI).
+
+    Chat models (``prompt_format: chat_template``, or ``endpoint: chat``) are asked through ``/chat/completions``:
+    the server applies its chat template, so no tokenizer is needed here. Other models get the prompt formatted
+    here through ``/completions``. ``n`` samples are guaranteed per prompt: a server that returns fewer choices than
+    asked (llama.cpp's ignores ``n``) is asked again, with a fresh seed each time, for the missing ones.
+    """
 
     config_class = OpenAIBackendConfig
+    #: requests per prompt at most (n per request, the rest one by one) before a short answer is an error
+    MAX_REQUESTS_PER_SAMPLE = 2
 
     def __init__(self, config: OpenAIBackendConfig, spec: Any = None, model_path: str | None = None) -> None:
         self.config = config
         self.model = config.model or model_path
         self.api_key = os.environ.get(config.api_key_env) or "not-needed"
-        if spec is not None:
+        style = getattr(spec, "prompt_format", "alpaca") if spec is not None else "alpaca"
+        self.chat = config.endpoint == "chat" or (config.endpoint == "auto" and style == "chat_template")
+        if self.chat:
+            conditioning = PromptFormat.for_model("alpaca", model_path).conditioning  # a trained folder's, if any
+            if conditioning.response_prefix:
+                raise UserError(f"backend 'openai': {model_path} was trained behind a response prefix "
+                                f"({conditioning.response_prefix!r}), which a chat endpoint cannot continue; use "
+                                "endpoint: completions with prompt_format: alpaca")
+            self.prompt_format = ChatMessageFormat("chat", None, conditioning)
+        elif spec is not None:
             self.prompt_format = prompt_format_for(spec, model_path)
 
     def generate(self, prompts: Sequence[str], sampling: SamplingConfig,
                  progress: GenerationProgress | None = None) -> list[list[str]]:
         return asyncio.run(self._generate(list(prompts), sampling, progress))
+
+    async def _request(self, client: Any, prompt: str, n: int, sampling: SamplingConfig, seed: int) -> list[Any]:
+        """One request's choices as (text, finished) pairs, in the server's order."""
+        common = {"model": self.model, "n": n, "max_tokens": sampling.max_new_tokens,
+                  "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": seed}
+        if self.chat:
+            response = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
+            choices = sorted(response.choices, key=lambda c: c.index)
+            return [((c.message.content or "").strip(), c.finish_reason != "length") for c in choices]
+        response = await client.completions.create(prompt=prompt, **common)
+        return [(c.text.strip(), c.finish_reason != "length") for c in sorted(response.choices, key=lambda c: c.index)]
 
     async def _generate(self, prompts: list[str], sampling: SamplingConfig,
                         progress: GenerationProgress | None) -> list[list[str]]:
@@ -77,20 +118,28 @@ class OpenAIGenerator(Generator):
         semaphore = asyncio.Semaphore(self.config.max_concurrency)
 
         async def one(index: int, prompt: str) -> list[Any]:
-            async with semaphore:
-                response = await client.completions.create(
-                    model=self.model, prompt=prompt, n=sampling.n, max_tokens=sampling.max_new_tokens,
-                    temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed + index)
+            samples: list[Any] = []
+            attempt = 0
+            while len(samples) < sampling.n:
+                if attempt >= self.MAX_REQUESTS_PER_SAMPLE * sampling.n:
+                    raise UserError(f"backend 'openai' at {self.config.base_url}: {len(samples)} of n={sampling.n} "
+                                    f"samples after {attempt} requests for prompt {index} (the server returns no "
+                                    "choices)")
+                # the first request keeps the old seed; a server that returned fewer choices is asked again
+                seed = sampling.seed + index if attempt == 0 else stable_seed(sampling.seed, "sample", index, attempt)
+                async with semaphore:
+                    samples += await self._request(client, prompt, sampling.n - len(samples), sampling, seed)
+                attempt += 1
             if progress:
                 progress(1)
-            return sorted(response.choices, key=lambda c: c.index)
+            return samples[: sampling.n]
 
         try:
-            choices = list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+            groups = list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
         finally:
             await client.close()
-        self.last_finished = [[c.finish_reason != "length" for c in group] for group in choices]
-        return [[c.text.strip() for c in group] for group in choices]
+        self.last_finished = [[finished for _, finished in group] for group in groups]
+        return [[text for text, _ in group] for group in groups]
 
 
 class VLLMBackendConfig(BaseModel):
