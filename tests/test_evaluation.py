@@ -332,3 +332,35 @@ def test_an_evaluation_whose_judge_fails_is_never_complete_and_a_rerun_asks_only
         assert json.loads(manifest.read_text())["status"] == "complete"
         metrics = outcomes["evaluate"].artifact.metadata
         assert metrics["n_total"] == 10 and metrics["n_failed"] == 0 and metrics["ledger"]["requests"] == failed
+
+
+# ------------------------------------------------------------------------------------- significance in results
+
+
+def test_results_mark_differences_to_the_first_system_beyond_two_paired_ses():
+    from alpacafarm_evaluation.evaluator import System
+    from alpacafarm_evaluation.results import results_rows, results_table
+
+    keys = [f"q{i}" for i in range(40)]
+    sft = {k: 0.0 for k in keys}  # the first system loses everywhere
+    better = {k: 1.0 if i % 4 else 0.0 for i, k in enumerate(keys)}  # wins 30 of 40: Δ = +75, paired SE 6.9
+    noisy = {k: 1.0 if i % 3 == 1 else 0.0 for i, k in enumerate(keys[:6])}  # 2 wins of 6 common: Δ = +33, SE 21
+    same = dict(sft)
+
+    def metrics(scores: dict[str, float]) -> dict[str, float]:
+        return {"win_rate": 100 * sum(scores.values()) / len(scores), "standard_error": 0.0, "avg_length": 10}
+
+    evaluated = [(System(name, name, []), metrics(s), s) for name, s in
+                 [("outputs", sft), ("better", better), ("noisy", noisy), ("same", same)]]
+    rows = results_rows(evaluated, [None] * 4)
+    assert [r["vs_system"] for r in rows] == [None, "outputs", "outputs", "outputs"]
+    assert rows[1]["delta_vs_system"] == pytest.approx(75.0)
+    # paired SE = sd(d) / sqrt(n) with d = 100 * (better - sft): sd of 30 ones and 10 zeros, times 100
+    sd = math.sqrt(sum((d - 0.75) ** 2 for d in better.values()) / 39) * 100
+    assert rows[1]["paired_se_vs_system"] == pytest.approx(sd / math.sqrt(40))
+    assert [r["significant"] for r in rows] == [None, True, False, False]  # 33 < 2 x 21; same: Δ = 0, SE = 0
+    assert rows[2]["delta_vs_system"] == pytest.approx(100 / 3)
+    table = results_table(rows, "win-rate vs reference")
+    assert table["columns"][6:9] == ["Δ vs outputs", "± paired SE", "sig."]
+    assert [row[8] for row in table["rows"]] == ["-", "*", "", ""]
+    assert "* = |Δ| > 2 paired SE" in table["title"]

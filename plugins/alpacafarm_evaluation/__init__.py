@@ -15,3 +15,6 @@ def register_commands(register):
              description="win-rate metrics from recorded annotations, or annotate an outputs file and score it")
     register("leaderboard", "alpacafarm_evaluation.cli:leaderboard_main",
              description="gather evaluation results into one table (CSV, JSON) and a bar plot")
+    register("bench", "alpacafarm_evaluation.bench:main",
+             description="CI gate: run a benchmark recipe, compare each system with a committed baseline "
+                         "(PASS/FAIL/INCONCLUSIVE/STALE)")

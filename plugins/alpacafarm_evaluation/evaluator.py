@@ -99,7 +99,7 @@ class WinRateEvaluator(Method):
         from alpacafarm.data import write_json
         from alpacafarm_evaluation.metrics import metrics_table
         from alpacafarm_evaluation.pairing import annotate_and_score, load_references, pair_outputs
-        from alpacafarm_evaluation.results import proxy_rewards, results_rows, write_results
+        from alpacafarm_evaluation.results import proxy_rewards, results_rows, results_table, write_results
 
         config: WinRateConfig = self.config
         systems = self.systems(context)
@@ -143,11 +143,7 @@ class WinRateEvaluator(Method):
             title = f"win-rate of {metrics.get('generator')} vs {reference} (judge: {judge})"
             return Artifact("evaluation", str(context.stage_dir / "metrics.json"),
                             {**metrics, "table": metrics_table(metrics, title)})
-        table = {"title": f"win-rate vs {reference} (judge: {judge}); all columns in results.csv",
-                 "columns": ["system", "n", "win-rate %", "± SE", "avg len", "proxy reward", "Δ vs n₀", "± paired SE"],
-                 "rows": [[r["system"], r["n"] if r["n"] is not None else "-", _fmt(r["win_rate"]),
-                           _fmt(r["standard_error"]), _fmt(r["avg_length"], 0), _fmt(r["proxy_reward"], 3),
-                           _fmt(r["delta_vs_smallest_n"]), _fmt(r["paired_standard_error"])] for r in rows]}
+        table = results_table(rows, f"win-rate vs {reference} (judge: {judge}); all columns in results.csv")
         return Artifact("evaluation", files["json"], {"systems": rows, "annotator": judge, "reference": reference,
                                                       "results": files, "table": table})
 
@@ -183,6 +179,3 @@ def instruction_scores(annotations_path: Path) -> dict[str, float]:
     return {f"{r['instruction']}\x00{r.get('input') or ''}": v for r, v in zip(records, values, strict=True)
             if v is not None}
 
-
-def _fmt(value: Any, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"

@@ -1,9 +1,11 @@
 """The evaluation's results table and plot: one row per system, and win-rate / proxy reward against n.
 
 ``results.csv`` and ``results.json`` hold the rows (system, n, win-rate ± SE, LC win-rate, wins/losses/draws,
-avg length, proxy reward); ``results.png`` plots, for the systems that carry an ``n`` (a best-of-n sweep), the
-win-rate with ± 1 SE bars and the proxy reward against n, with every other system as a dashed reference line —
-the shape of the paper's Figure 5 / Figure 13.
+avg length, proxy reward, and paired differences: to the sweep's smallest n, and to the first evaluated system
+(the recipe's first ``evaluation.policy`` entry: the SFT model in the quickstart) with ``significant`` when that
+difference exceeds 2 paired standard errors); ``results.png`` plots, for the systems that carry an ``n`` (a
+best-of-n sweep), the win-rate with ± 1 SE bars and the proxy reward against n, with every other system as a
+dashed reference line — the shape of the paper's Figure 5 / Figure 13.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from alpacafarm.data import write_json
 logger = logging.getLogger("alpacafarm")
 
 COLUMNS = ("system", "stage", "n", "win_rate", "standard_error", "length_controlled_win_rate", "n_wins", "n_wins_base",
-           "n_draws", "n_total", "avg_length", "proxy_reward", "delta_vs_smallest_n", "paired_standard_error")
+           "n_draws", "n_total", "avg_length", "proxy_reward", "delta_vs_smallest_n", "paired_standard_error",
+           "vs_system", "delta_vs_system", "paired_se_vs_system", "significant")
+#: A paired difference counts as significant beyond this many paired standard errors (about p < 0.05, two-sided).
+SIGNIFICANCE_SES = 2.0
 
 
 def proxy_rewards(context: Any, systems: Sequence[tuple[Any, list[dict[str, Any]]]]) -> list[float | None]:
@@ -66,8 +71,11 @@ def results_rows(evaluated: Sequence[tuple[Any, dict[str, Any], dict[str, float]
                  rewards: Sequence[float | None]) -> list[dict[str, Any]]:
     """One row per system, in the evaluation's order; ``evaluated`` holds (system, metrics, per-instruction scores).
 
-    Systems with an ``n`` (a best-of-n sweep) also get their paired difference to the sweep's smallest n.
+    Systems with an ``n`` (a best-of-n sweep) also get their paired difference to the sweep's smallest n. Every
+    system after the first gets its paired difference to the first (``vs_system``) and ``significant``: whether
+    ``|Δ| > 2`` paired SE (None when the SE is undefined; a difference with zero spread counts when non-zero).
     """
+    first_name, first_scores = (evaluated[0][0].name, evaluated[0][2]) if evaluated else (None, {})
     sweeps: dict[str, tuple[int, dict[str, float]]] = {}
     for system, _, scores in evaluated:
         n = system.info.get("n")
@@ -78,10 +86,38 @@ def results_rows(evaluated: Sequence[tuple[Any, dict[str, Any], dict[str, float]
         delta = paired_se = None
         if system.info.get("n") is not None:
             delta, paired_se = paired_difference(scores, sweeps[system.stage][1])
+        versus = {"vs_system": None, "delta_vs_system": None, "paired_se_vs_system": None, "significant": None}
+        if rows:  # not the first system itself
+            diff, se = paired_difference(scores, first_scores)
+            versus = {"vs_system": first_name, "delta_vs_system": diff, "paired_se_vs_system": se,
+                      "significant": significant(diff, se)}
         rows.append({"system": system.name, "stage": system.stage, "n": system.info.get("n"),
-                     **{k: metrics.get(k) for k in COLUMNS[3:-3]}, "proxy_reward": reward,
-                     "delta_vs_smallest_n": delta, "paired_standard_error": paired_se})
+                     **{k: metrics.get(k) for k in COLUMNS[3:11]}, "proxy_reward": reward,
+                     "delta_vs_smallest_n": delta, "paired_standard_error": paired_se, **versus})
     return rows
+
+
+def significant(delta: float | None, paired_se: float | None) -> bool | None:
+    """``|Δ| > 2`` paired SE; None when there is no difference or no SE (fewer than 2 common instructions)."""
+    if delta is None or paired_se is None:
+        return None
+    return abs(delta) > SIGNIFICANCE_SES * paired_se if paired_se > 0 else delta != 0
+
+
+def results_table(rows: list[dict[str, Any]], title: str) -> dict[str, Any]:
+    """The printable results table (``{"title", "columns", "rows"}``): win-rates, the paired difference to the
+    first system with ``*`` where it is significant (|Δ| > 2 paired SE), and the sweep's difference to n₀."""
+    def fmt(value: Any, digits: int = 2) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    first = rows[0]["system"] if rows else "first"
+    columns = ["system", "n", "win-rate %", "± SE", "avg len", "proxy reward", f"Δ vs {first}", "± paired SE",
+               "sig.", "Δ vs n₀", "± paired SE (n₀)"]
+    body = [[r["system"], r["n"] if r["n"] is not None else "-", fmt(r["win_rate"]), fmt(r["standard_error"]),
+             fmt(r["avg_length"], 0), fmt(r["proxy_reward"], 3), fmt(r.get("delta_vs_system")),
+             fmt(r.get("paired_se_vs_system")), {True: "*", False: "", None: "-"}[r.get("significant")],
+             fmt(r["delta_vs_smallest_n"]), fmt(r["paired_standard_error"])] for r in rows]
+    return {"title": f"{title}; * = |Δ| > {SIGNIFICANCE_SES:g} paired SE", "columns": columns, "rows": body}
 
 
 def write_results(rows: list[dict[str, Any]], directory: Path) -> dict[str, str]:

@@ -1,0 +1,514 @@
+"""``alpacafarm bench RECIPE --baseline FILE``: the CI gate that blocks a change whose win-rate regresses.
+
+It runs a benchmark recipe through the normal pipeline (fixed seeds, data and judge; finished stages are skipped,
+as with ``alpacafarm run``), reads every evaluated system's per-instruction outcomes, and compares each system with
+the committed baseline file on the same instructions (:mod:`alpacafarm_evaluation.gate_stats`: a one-sided paired
+non-inferiority test of the win-rate against the reference). Identical outputs (same hashes on every instruction)
+pass at once.
+
+What a baseline holds (``benchmarks/baselines/*.json``): per system and instruction the score (1 win, 0.5 tie,
+0 loss against the reference) and a hash of the output; the gate's margin, alpha and power; package and plugin
+versions; and three fingerprints of what the benchmark *is*, as opposed to what it measures:
+
+* **judge** — the evaluation annotator (name, config, plugin) and the labels it gives to a fixed probe of judged
+  pairs stored in the baseline (re-judged at every run: a judge whose code changed under the same name and
+  config labels them differently);
+* **data** — the evaluated instructions and their reference outputs;
+* **recipe** — the benchmark protocol: the recipe's name, seed, model, data sources, annotators, evaluation block
+  and its stage names. Stage methods and configs are *not* in it: they are the candidate under test
+  (``--set stages.best_of_n.method=my_best_of_n`` is gated, not stale).
+
+A changed fingerprint is its own verdict, STALE: the comparison would not mean anything; ``--update-baseline``
+writes a new baseline (the pull request then shows its diff). Exit status: 0 PASS, 1 FAIL, 3 INCONCLUSIVE,
+4 STALE, 2 a user error (as for every command), 5 the run crashed (traceback printed; no verdict).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from alpacafarm.errors import UserError
+from alpacafarm_evaluation.gate_stats import (
+    DEFAULT_ALPHA,
+    DEFAULT_MARGIN,
+    DEFAULT_POWER,
+    EXIT_CODES,
+    FAIL,
+    INCONCLUSIVE,
+    PASS,
+    STALE,
+    family_alpha,
+    non_inferiority,
+    paired_differences,
+    worst,
+)
+
+BASELINE_FORMAT = "alpacafarm-bench-baseline/1"
+#: Exit status when the benchmark run itself crashed (a bug, not a user error): no verdict.
+EXIT_CRASH = 5
+#: Judged pairs kept in a baseline to fingerprint the judge by its behaviour.
+PROBE_SIZE = 24
+EVALUATION_STAGE = "evaluate"
+
+
+def digest(payload: Any) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def text_hash(text: str) -> str:
+    """A short content hash of an output (64 bits: collisions are not a concern at benchmark sizes)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def instruction_id(instruction: str, input_text: str | None) -> str:
+    return text_hash(f"{instruction}\x00{input_text or ''}")
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+
+@dataclass
+class SystemOutcomes:
+    """One evaluated system: per instruction id, its score and its output's hash."""
+
+    name: str
+    scores: dict[str, float]
+    outputs: dict[str, str]
+    win_rate: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        rows = {k: {"score": self.scores.get(k), "output": h} for k, h in sorted(self.outputs.items())}
+        return {"win_rate": self.win_rate, "n": len(self.scores), "instructions": rows}
+
+    @classmethod
+    def from_json(cls, name: str, data: dict[str, Any]) -> SystemOutcomes:
+        rows = data["instructions"]
+        return cls(name, {k: float(v["score"]) for k, v in rows.items() if v.get("score") is not None},
+                   {k: str(v["output"]) for k, v in rows.items()}, data.get("win_rate"))
+
+
+@dataclass
+class BenchRun:
+    """What a benchmark run produced: systems, fingerprints, the judge probe, versions."""
+
+    recipe: str
+    recipe_name: str
+    overrides: list[str]
+    run_dir: str
+    systems: dict[str, SystemOutcomes]
+    fingerprints: dict[str, str]
+    judge: dict[str, Any]
+    protocol: dict[str, Any]
+    probe: list[dict[str, Any]]
+    versions: dict[str, str]
+    plugin_versions: dict[str, str]
+    seconds: float
+    records: dict[str, list[dict[str, Any]]] = field(default_factory=dict, repr=False)
+    loaded: Any = field(default=None, repr=False)
+    registry: Any = field(default=None, repr=False)
+
+    def reprobe(self) -> None:
+        """Pick a new judge probe from this run's judged pairs (for a new baseline) and fingerprint the judge on it."""
+        self.probe = pick_probe(self.records)
+        self.judge = {**self.judge, "probe_labels": judge_probe(self.loaded, self.registry, self.probe)}
+        self.fingerprints = {**self.fingerprints, "judge": digest(self.judge)}
+
+
+def protocol_of(recipe: Any) -> dict[str, Any]:
+    """The parts of a recipe that define the benchmark (not the candidate): see the module docstring."""
+    data = recipe.model_dump(mode="json")
+    return {"name": data["name"], "seed": data["seed"], "model": data["model"], "data": data["data"],
+            "annotator": data["annotator"], "evaluation": data["evaluation"],
+            "stages": [[s["name"], s["enabled"]] for s in data["stages"]]}
+
+
+def judged_records(run_dir: Path, artifact: Any) -> dict[str, list[dict[str, Any]]]:
+    """Each evaluated system's judged pairs (``annotations.json`` in the win_rate evaluator's layout)."""
+    stage_dir = run_dir / "stages" / EVALUATION_STAGE
+    listed = artifact.metadata.get("systems")
+    if isinstance(listed, list):
+        files = {row["system"]: stage_dir / "systems" / row["system"].replace("/", "__") / "annotations.json"
+                 for row in listed}
+    else:
+        files = {artifact.metadata.get("generator") or "policy": stage_dir / "annotations.json"}
+    out = {}
+    for name, path in files.items():
+        if not path.is_file():
+            raise UserError(f"bench: the evaluation wrote no {path}; a benchmark recipe needs the win_rate "
+                            "evaluator (evaluation.evaluator: win_rate)")
+        out[name] = json.loads(path.read_text(encoding="utf-8"))
+    return out
+
+
+def outcomes_of(name: str, records: list[dict[str, Any]]) -> SystemOutcomes:
+    from alpacafarm_evaluation.metrics import scores
+
+    values = scores([r.get("preference") for r in records])
+    system = SystemOutcomes(name, {}, {})
+    for record, value in zip(records, values, strict=True):
+        key = instruction_id(record["instruction"], record.get("input"))
+        system.outputs[key] = text_hash(record["output_2"])
+        if value is not None:
+            system.scores[key] = value
+    if system.scores:
+        system.win_rate = round(100 * sum(system.scores.values()) / len(system.scores), 4)
+    return system
+
+
+def data_fingerprint(records: dict[str, list[dict[str, Any]]]) -> str:
+    """The evaluated instructions and their references, whatever the systems answered."""
+    return digest(sorted({(instruction_id(r["instruction"], r.get("input")), text_hash(r["output_1"]))
+                          for rows in records.values() for r in rows}))
+
+
+def pick_probe(records: dict[str, list[dict[str, Any]]], size: int = PROBE_SIZE) -> list[dict[str, Any]]:
+    """Judged pairs to fingerprint the judge with: taken round-robin over the systems, distinct outputs."""
+    probe, seen = [], set()
+    columns = [sorted(rows, key=lambda r: instruction_id(r["instruction"], r.get("input")))
+               for _, rows in sorted(records.items())]
+    for i in range(max((len(c) for c in columns), default=0)):
+        for column in columns:
+            if i < len(column) and len(probe) < size:
+                r = column[i]
+                key = (r["instruction"], r.get("input") or "", r["output_2"])
+                if key not in seen and r["output_1"] != r["output_2"]:
+                    seen.add(key)
+                    probe.append({"instruction": r["instruction"], "input": r.get("input") or "",
+                                  "output_1": r["output_1"], "output_2": r["output_2"]})
+    return probe
+
+
+def judge_probe(loaded: Any, registry: Any, probe: list[dict[str, Any]]) -> list[Any]:
+    """The recipe's evaluation judge's labels on the probe pairs."""
+    from alpacafarm.types import Pair
+
+    ref = loaded.recipe.annotator_for("evaluation")
+    annotator = registry.create("annotator", ref.name, loaded.annotator_configs.get("evaluation", ref.config))
+    try:
+        pairs = [Pair(p["instruction"], p["output_1"], p["output_2"], p["input"]) for p in probe]
+        return [a.preference for a in annotator.annotate(pairs)] if pairs else []
+    finally:
+        annotator.close()
+
+
+def judge_identity(loaded: Any, registry: Any) -> dict[str, Any]:
+    ref = loaded.recipe.annotator_for("evaluation")
+    if ref is None:
+        raise UserError(f"bench: recipe {loaded.path} names no evaluation annotator (evaluation.annotator)")
+    return {"annotator": ref.model_dump(mode="json"), "plugin": registry.entry("annotator", ref.name).plugin}
+
+
+def run_benchmark(recipe: str, overrides: list[str], output_dir: str | None,
+                  probe: list[dict[str, Any]] | None = None) -> BenchRun:
+    """Run the recipe's pipeline, then read outcomes and fingerprints. ``probe``: the baseline's judge probe
+    (re-judged now); None picks a new one from this run's judged pairs."""
+    from alpacafarm.pipeline import Pipeline, package_versions
+    from alpacafarm.plugins import get_registry
+    from alpacafarm.recipe import load_recipe
+
+    registry = get_registry()
+    loaded = load_recipe(recipe, overrides, registry)
+    if loaded.recipe.evaluation is None:
+        raise UserError(f"bench: recipe {recipe} has no 'evaluation:' block; a benchmark evaluates its systems")
+    judge = judge_identity(loaded, registry)
+    run_dir = Path(output_dir) if output_dir else Path("runs") / "bench" / loaded.recipe.name
+    started = time.perf_counter()
+    pipeline = Pipeline(loaded, registry, run_dir)
+    outcomes = {o.name: o for o in pipeline.run()}
+    records = judged_records(pipeline.run_dir, outcomes[EVALUATION_STAGE].artifact)
+    probe = pick_probe(records) if probe is None else probe
+    judge = {**judge, "probe_labels": judge_probe(loaded, registry, probe)}
+    protocol = protocol_of(loaded.recipe)
+    return BenchRun(
+        recipe=str(recipe), recipe_name=loaded.recipe.name, overrides=list(overrides), run_dir=str(pipeline.run_dir),
+        systems={name: outcomes_of(name, rows) for name, rows in records.items()},
+        fingerprints={"judge": digest(judge), "data": data_fingerprint(records), "recipe": digest(protocol)},
+        judge=judge, protocol=protocol, probe=probe, versions=package_versions(),
+        plugin_versions=dict(sorted(registry.plugin_versions.items())), seconds=time.perf_counter() - started,
+        records=records, loaded=loaded, registry=registry)
+
+
+# ------------------------------------------------------------------------------------------------ baselines
+
+
+def baseline_json(run: BenchRun, margin: float, alpha: float, power: float) -> dict[str, Any]:
+    return {
+        "format": BASELINE_FORMAT, "recipe": run.recipe, "recipe_name": run.recipe_name, "overrides": run.overrides,
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "gate": {"margin": margin, "alpha": alpha, "power": power},
+        "fingerprints": run.fingerprints, "judge": run.judge, "protocol": run.protocol, "judge_probe": run.probe,
+        "versions": run.versions, "plugin_versions": run.plugin_versions,
+        "systems": {name: system.to_json() for name, system in run.systems.items()},
+    }
+
+
+def read_baseline(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise UserError(f"--baseline {path} is a directory; give the baseline JSON file")
+    if not path.is_file():
+        raise UserError(f"--baseline {path}: no such file; create it with --update-baseline")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UserError(f"--baseline {path} is not JSON ({exc}); write a new one with --update-baseline") from None
+    if not isinstance(data, dict) or data.get("format") != BASELINE_FORMAT:
+        raise UserError(f"--baseline {path} is not an alpacafarm bench baseline (format {BASELINE_FORMAT!r}); "
+                        "write one with --update-baseline")
+    try:
+        for name, system in data["systems"].items():
+            SystemOutcomes.from_json(name, system)
+        data["fingerprints"]["judge"], data["fingerprints"]["data"], data["fingerprints"]["recipe"]
+        list(data["judge_probe"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UserError(f"--baseline {path} is damaged (missing or bad {exc}); write a new one with "
+                        "--update-baseline") from None
+    return data
+
+
+# ------------------------------------------------------------------------------------------------ comparing
+
+
+def stale_reasons(run: BenchRun, baseline: dict[str, Any]) -> list[str]:
+    """Why the baseline does not describe this benchmark any more (empty: it does)."""
+    reasons = []
+    old = baseline["fingerprints"]
+    if old["judge"] != run.fingerprints["judge"]:
+        before = baseline.get("judge") or {}
+        if {k: v for k, v in before.items() if k != "probe_labels"} != \
+                {k: v for k, v in run.judge.items() if k != "probe_labels"}:
+            reasons.append(f"judge changed: {before.get('annotator')} -> {run.judge['annotator']}")
+        else:
+            labels = list(zip(before.get("probe_labels") or [], run.judge["probe_labels"], strict=False))
+            differ = sum(a != b for a, b in labels)
+            reasons.append(f"judge changed: same name and config, but it labels {differ} of {len(labels)} "
+                           "probe pairs differently (its code or model changed)")
+    if old["data"] != run.fingerprints["data"]:
+        reasons.append("data changed: the evaluated instructions or their reference outputs differ")
+    if old["recipe"] != run.fingerprints["recipe"]:
+        before = baseline.get("protocol") or {}
+        parts = sorted(k for k in set(before) | set(run.protocol) if before.get(k) != run.protocol.get(k))
+        reasons.append(f"recipe changed: {', '.join(parts) or 'protocol'}")
+    base_systems, run_systems = set(baseline["systems"]), set(run.systems)
+    if base_systems != run_systems:
+        reasons.append(f"systems changed: baseline has {', '.join(sorted(base_systems))}; this run has "
+                       f"{', '.join(sorted(run_systems))}")
+    return reasons
+
+
+def compare(run: BenchRun, baseline: dict[str, Any], margin: float, alpha: float, power: float) -> dict[str, Any]:
+    """The gate's report: verdict, per-system tests, stale reasons; JSON-ready."""
+    reasons = stale_reasons(run, baseline)
+    names = [n for n in baseline["systems"] if n in run.systems]
+    per_system_alpha = family_alpha(alpha, len(names))
+    systems = []
+    for name in names:
+        base = SystemOutcomes.from_json(name, baseline["systems"][name])
+        cand = run.systems[name]
+        identical = base.outputs == cand.outputs
+        row: dict[str, Any] = {"system": name, "baseline_win_rate": base.win_rate, "win_rate": cand.win_rate,
+                               "identical": identical,
+                               "n_changed_outputs": sum(cand.outputs.get(k) != h for k, h in base.outputs.items())}
+        differences = paired_differences(cand.scores, base.scores)
+        if len(differences) < 2:
+            row.update(n=len(differences), verdict=INCONCLUSIVE if not reasons else STALE,
+                       note="fewer than 2 instructions in common")
+        else:
+            test = non_inferiority(differences, margin, per_system_alpha, power, identical=identical)
+            row.update(test.to_json())
+        if reasons:
+            row["verdict"] = STALE
+        systems.append(row)
+    verdict = STALE if reasons else worst([row["verdict"] for row in systems])
+    return {"verdict": verdict, "exit_code": EXIT_CODES[verdict], "stale": reasons, "systems": systems,
+            "margin": margin, "alpha": alpha, "alpha_per_system": per_system_alpha, "power": power,
+            "recipe": run.recipe, "recipe_name": run.recipe_name, "overrides": run.overrides,
+            "run_dir": run.run_dir, "seconds": round(run.seconds, 1), "fingerprints": run.fingerprints,
+            "baseline_fingerprints": baseline["fingerprints"], "baseline_created_at": baseline.get("created_at"),
+            "versions": run.versions, "baseline_versions": baseline.get("versions", {})}
+
+
+# ------------------------------------------------------------------------------------------------ reporting
+
+MEANING = {
+    PASS: "no regression beyond the margin (non-inferiority shown, or identical outputs)",
+    FAIL: "win-rate regressed: a significant drop whose size may exceed the margin",
+    INCONCLUSIVE: "the benchmark cannot tell: its interval holds both no change and a drop of the margin",
+    STALE: "the baseline does not describe this benchmark any more (judge, data, recipe or systems changed)",
+}
+
+
+def _f(value: Any, digits: int = 1, signed: bool = False) -> str:
+    if value is None:
+        return "-"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
+def _p(value: Any) -> str:
+    return "-" if value is None else ("<0.001" if value < 0.001 else f"{value:.3f}")
+
+
+def table_rows(report: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for s in report["systems"]:
+        if s["identical"] or s.get("ci_low") is None:  # nothing to test: no interval, no p-value
+            rows.append([s["system"], str(s.get("n", "-")), _f(s["baseline_win_rate"]), _f(s["win_rate"]),
+                         "identical" if s["identical"] else "-", "-", "-", "-", s["verdict"]])
+            continue
+        rows.append([s["system"], str(s["n"]), _f(s["baseline_win_rate"]), _f(s["win_rate"]),
+                     _f(s["delta"], signed=True), f"[{s['ci_low']:+.1f}, {s['ci_high']:+.1f}]", _p(s["p_value"]),
+                     _f(s["mde"]), s["verdict"]])
+    return rows
+
+
+COLUMNS = ["system", "n", "base %", "now %", "Δ", "CI", "p", "MDE", "verdict"]
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    return (f"{report['verdict']}: {MEANING[report['verdict']]} (margin {report['margin']:g} points, alpha "
+            f"{report['alpha']:g}, {report['alpha_per_system']:.3g} per system; exit {report['exit_code']})")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """A report ready to post on a pull request."""
+    icon = {PASS: "✅", FAIL: "❌", INCONCLUSIVE: "⚠️", STALE: "🕰️"}[report["verdict"]]
+    lines = [f"## {icon} alpacafarm bench: {report['verdict']} — `{report['recipe']}`", "",
+             summary_line(report), ""]
+    if report["stale"]:
+        lines += ["**Stale baseline:**", *[f"- {r}" for r in report["stale"]], "",
+                  "Write a new baseline with `alpacafarm bench RECIPE --baseline FILE --update-baseline` and "
+                  "commit it (reviewers see its diff).", ""]
+    lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(report)]
+    lines += ["", f"base % / now %: win-rate against the reference in the baseline and now; Δ: their paired "
+              f"difference on the same instructions (points); CI: the two-sided "
+              f"{100 * (1 - 2 * report['alpha_per_system']):.1f}% interval (each bound one-sided at "
+              f"{report['alpha_per_system']:.3g}); p: the one-sided non-inferiority p-value (H0: Δ <= "
+              f"-{report['margin']:g}); MDE: the regression detected with {report['power']:.0%} power "
+              "(points).", "",
+              f"Run: {report['seconds']:.0f} s; run directory `{report['run_dir']}`; baseline of "
+              f"{report.get('baseline_created_at') or '?'}."]
+    changed = {k: (report["baseline_versions"].get(k), v) for k, v in report["versions"].items()
+               if report["baseline_versions"].get(k) not in (None, v)}
+    if changed:
+        lines.append("Package versions since the baseline: " + ", ".join(
+            f"{k} {a} → {b}" for k, (a, b) in sorted(changed.items())))
+    return "\n".join(lines) + "\n"
+
+
+def show(report: dict[str, Any]) -> None:
+    from alpacafarm.console import console, print_table
+
+    print_table(f"alpacafarm bench {report['recipe_name']}: {report['verdict']}", COLUMNS, table_rows(report))
+    for reason in report["stale"]:
+        console().print(f"[yellow]stale: {reason}[/yellow]", highlight=False, soft_wrap=True)
+    console().print(summary_line(report), highlight=False, soft_wrap=True)
+
+
+# ------------------------------------------------------------------------------------------------ command
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="alpacafarm bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a benchmark recipe and compare every evaluated system with a committed baseline "
+                    "(paired non-inferiority test). Exit: 0 PASS, 1 FAIL, 3 INCONCLUSIVE, 4 STALE, 2 usage error, "
+                    "5 crash (no verdict).")
+    parser.add_argument("recipe", help="benchmark recipe, e.g. recipes/bench/best_of_n.yaml")
+    parser.add_argument("--baseline", required=True, metavar="FILE", help="the committed baseline JSON")
+    parser.add_argument("--update-baseline", action="store_true",
+                        help="write FILE from this run (after showing the comparison, if FILE exists); exit 0")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe value, e.g. --set stages.best_of_n.method=my_best_of_n")
+    parser.add_argument("--output-dir", help="run directory (default: runs/bench/<recipe name>)")
+    parser.add_argument("--margin", type=float, help=f"non-inferiority margin in win-rate points (default: the "
+                        f"baseline's, else {DEFAULT_MARGIN:g})")
+    parser.add_argument("--alpha", type=float, help=f"the gate's level (default: the baseline's, else "
+                        f"{DEFAULT_ALPHA:g}); divided among the systems")
+    parser.add_argument("--power", type=float, help=f"power at which the MDE is reported (default "
+                        f"{DEFAULT_POWER:g})")
+    parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    parser.add_argument("--report", metavar="FILE.md", help="write a Markdown report (for a pull request)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show library logs and progress bars")
+    args = parser.parse_args(argv)
+    if args.margin is not None and not args.margin > 0:
+        parser.error(f"--margin must be positive, got {args.margin:g}")
+    if args.alpha is not None and not 0 < args.alpha < 0.5:
+        parser.error(f"--alpha must be in (0, 0.5), got {args.alpha:g}")
+    if args.power is not None and not 0 < args.power < 1:
+        parser.error(f"--power must be in (0, 1), got {args.power:g}")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    """``alpacafarm bench``: returns the exit status of the verdict."""
+    args = parse_args(argv)
+    baseline_path = Path(args.baseline)
+    baseline = None
+    if not args.update_baseline:
+        baseline = read_baseline(baseline_path)
+    elif baseline_path.is_dir():
+        raise UserError(f"--baseline {baseline_path} is a directory; give the baseline JSON file")
+    elif baseline_path.exists():
+        try:  # shown for comparison before it is replaced; a damaged one is simply replaced
+            baseline = read_baseline(baseline_path)
+        except UserError as exc:
+            from alpacafarm.console import console
+
+            console().print(f"[yellow]{exc}: it is replaced[/yellow]", highlight=False, soft_wrap=True)
+    gate = (baseline or {}).get("gate", {})
+    margin = args.margin if args.margin is not None else gate.get("margin", DEFAULT_MARGIN)
+    alpha = args.alpha if args.alpha is not None else gate.get("alpha", DEFAULT_ALPHA)
+    power = args.power if args.power is not None else gate.get("power", DEFAULT_POWER)
+    if args.report:
+        report_path = Path(args.report)
+        if report_path.is_dir():
+            raise UserError(f"--report {report_path} is a directory; give a .md file")
+    from alpacafarm.library_output import route_library_output
+
+    route_library_output(verbose=args.verbose)
+    try:
+        run = run_benchmark(args.recipe, args.overrides, args.output_dir,
+                            probe=None if baseline is None else baseline["judge_probe"])
+    except (UserError, OSError, KeyboardInterrupt):
+        raise  # one line, exit 2 (or 130), as for every command
+    except Exception as exc:  # a crash is no verdict: loud, and never mistaken for FAIL (exit 1)
+        import sys
+        import traceback
+
+        traceback.print_exc()
+        print(f"error: the benchmark run crashed ({type(exc).__name__}: {exc}); no verdict (exit {EXIT_CRASH})",
+              file=sys.stderr)
+        return EXIT_CRASH
+    report = compare(run, baseline, margin, alpha, power) if baseline is not None else None
+    if args.update_baseline:
+        from alpacafarm.data import write_json
+        from alpacafarm.paths import make_dir
+
+        if baseline is not None:
+            run.reprobe()  # the new baseline's probe comes from its own judged pairs
+        make_dir(baseline_path.parent, "baseline folder")
+        write_json(baseline_path, baseline_json(run, margin, alpha, power))
+    if report is not None:
+        if args.report:
+            Path(args.report).write_text(markdown(report), encoding="utf-8")
+        if args.json:
+            print(json.dumps({**report, "baseline_updated": args.update_baseline}, sort_keys=True))
+        else:
+            show(report)
+    elif args.json:
+        print(json.dumps({"verdict": None, "baseline_updated": True, "systems": {
+            n: {"win_rate": s.win_rate, "n": len(s.scores)} for n, s in run.systems.items()}}, sort_keys=True))
+    if args.update_baseline:
+        from alpacafarm.console import console
+
+        console().print(f"baseline written: {baseline_path} ({len(run.systems)} system(s), "
+                        f"{run.seconds:.0f} s)", highlight=False, soft_wrap=True)
+        return 0
+    return report["exit_code"]
