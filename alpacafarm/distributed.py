@@ -212,7 +212,14 @@ def all_reduce_sum(tensor: Any) -> Any:
     if world_size() > 1:
         import torch.distributed as dist
 
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        if dist.get_backend() == "nccl" and not tensor.is_cuda:  # NCCL reduces GPU tensors only
+            import torch
+
+            on_gpu = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(on_gpu, op=dist.ReduceOp.SUM)
+            tensor.copy_(on_gpu)
+        else:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
 

@@ -208,8 +208,12 @@ class StageContext:
         """A rich progress bar; yields ``advance(n=1)``. Only the main process shows one (others: a no-op)."""
         from alpacafarm.console import progress_bar
 
-        if not self.is_main:
-            yield lambda n=1: None
+        if not self.is_main:  # a line that shows nothing (advance and update alike)
+            from types import SimpleNamespace
+
+            from alpacafarm.console import ProgressLine
+
+            yield ProgressLine(SimpleNamespace(update=lambda *args, **kwargs: None), None)
             return
         with progress_bar(description, total) as advance:
             yield advance
@@ -240,6 +244,9 @@ class Method:
     #: then shards its own work (TRL trainers through accelerate; sampling inside
     #: :func:`alpacafarm.sampling.sharded_across_ranks`) and writes files only where ``context.is_main``.
     all_ranks: ClassVar[bool] = False
+    #: ``True`` for a method that cannot run under several processes yet (it would start a trainer on the main
+    #: process alone, waiting forever for a partner): the pipeline then refuses the run before any stage starts.
+    single_process_only: ClassVar[bool] = False
 
     def __init__(self, config: Any = None) -> None:
         self.config = config

@@ -324,6 +324,7 @@ class Pipeline:
 
         distributed.init()
         self._check_force(force)
+        self._check_processes()
         main = distributed.is_main()
         handler: logging.Handler | None = None
         try:
@@ -351,6 +352,17 @@ class Pipeline:
             if handler is not None:
                 logger.removeHandler(handler)
                 handler.close()
+
+    def _check_processes(self) -> None:
+        """Under several processes, refuse (on every rank alike, before anything runs) a stage whose method
+        cannot run on them yet."""
+        from alpacafarm import distributed
+
+        world = distributed.world_size()
+        for stage in self.stages:
+            if world > 1 and stage.method_cls.single_process_only:
+                raise UserError(f"stage {stage.name!r} (method {stage.method}) does not run on {world} processes "
+                                "yet; run this recipe without --num-processes")
 
     def _write_run_files(self) -> None:
         import yaml

@@ -58,6 +58,10 @@ def _worker(what: str, out: Path) -> None:
         result["whitened"] = ppo_core.masked_whiten(values[part], mask[part], across_ranks=True).tolist()
         result["rewards"] = ppo_core.masked_whiten(values[part], mask[part], shift_mean=False,
                                                    across_ranks=True).tolist()
+    elif what == "ppo":
+        result.update(_ppo_run())
+    elif what == "refuse":
+        result.update(_refused_run(out))
     (out / f"rank{d.rank()}.json").write_text(json.dumps(result), encoding="utf-8")
     d.shutdown()
 
@@ -71,6 +75,88 @@ def _whiten_batch() -> tuple[Any, Any]:
     for row, length in enumerate([6, 2, 4, 5, 1]):
         mask[row, length:] = 0
     return values, mask
+
+
+PPO_PROMPTS = [{"instruction": f"Tell me something about topic number {i}.", "input": "" if i % 3 else "briefly"}
+               for i in range(12)]
+
+
+def _ppo_run() -> dict[str, Any]:
+    """Two PPO steps of our trainer on tiny random models (as many processes as launched): the logged step
+    statistics, how many completions this rank scored per step, and its trained weights."""
+    import copy
+    import hashlib
+
+    import torch
+
+    from alpacafarm.testing import tiny_causal_lm, tiny_sequence_classifier, tiny_tokenizer
+    from alpacafarm_trl.ppo_config import PPOMethodConfig
+    from alpacafarm_trl.ppo_models import SeparateModels, ValueModel
+    from alpacafarm_trl.ppo_trainer import PPOTrainer
+
+    torch.set_num_threads(1)
+    tokenizer = tiny_tokenizer()
+    policy = tiny_causal_lm(tokenizer)
+    models = SeparateModels(policy, copy.deepcopy(policy),
+                            ValueModel.from_classifier(tiny_sequence_classifier(tokenizer)))
+    scored: list[int] = []
+
+    def reward(records: list[dict[str, Any]], completions: list[str]) -> list[float]:
+        scored.append(len(completions))
+        return [(len(c) % 7) / 7 + (0.5 if r["input"] else 0.0) for r, c in zip(records, completions, strict=True)]
+
+    # Two mini-batches per step, micro-batches of 2: the update's bookkeeping across ranks is exercised.
+    args = PPOMethodConfig(output_dir="unused", max_steps=2, rollout_batch_size=8, mini_batch_size=4,
+                           per_device_train_batch_size=2, generation_batch_size=3, max_new_tokens=6,
+                           learning_rate=1e-2, save_strategy="no", seed=1)
+    trainer = PPOTrainer(args, models, tokenizer, PPO_PROMPTS, reward)
+    trainer.train()
+    steps = [{k: v for k, v in e.items() if not k.endswith("_time")} for e in trainer.state.log_history
+             if "score" in e]
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for _, p in sorted(trainer.params.items())))
+    return {"steps": steps, "scored": scored, "digest": digest.hexdigest(),
+            "weights": {name: float(p.detach().double().sum()) for name, p in trainer.params.items()}}
+
+
+def _refused_run(out: Path) -> dict[str, Any]:
+    """A recipe whose second stage's method is marked ``single_process_only``, run as a pipeline on every rank."""
+    import alpacafarm
+    from alpacafarm.method import Artifact, Method
+    from alpacafarm.pipeline import Pipeline
+    from alpacafarm.plugins import get_registry, register_plugin
+    from alpacafarm.recipe import load_recipe
+
+    ran: list[str] = []
+
+    class Numbers(Method):
+        provides = "numbers"
+
+        def run(self, context: Any) -> Artifact:
+            ran.append(context.stage)
+            return Artifact("report", None, {})
+
+    class SoloTrainer(Numbers):
+        requires = ("numbers",)
+        provides = "model"
+        single_process_only = True  # e.g. a trainer that would wait for a partner on the main process alone
+
+    class Plugin:
+        @alpacafarm.hookimpl
+        def register_methods(self, register: Any) -> None:
+            register("numbers", Numbers)
+            register("solo_trainer", SoloTrainer)
+
+    register_plugin(Plugin(), "refuse-test")
+    recipe = out / f"recipe{os.environ['RANK']}.yaml"
+    recipe.write_text("name: refuse\nstages:\n  - {name: first, method: numbers}\n"
+                      "  - {name: solo, method: solo_trainer}\n", encoding="utf-8")
+    run_dir = out / "run"
+    try:
+        Pipeline(load_recipe(recipe), get_registry(), run_dir).run()
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "ran": ran, "run_dir_exists": run_dir.exists()}
 
 
 def _torchrun(what: str, out: Path, tmp_path: Path) -> list[dict[str, Any]]:
@@ -144,6 +230,29 @@ def test_two_rank_whitening_equals_one_rank_whitening_of_the_concatenated_batch(
         assert not torch.allclose(alone, whole, atol=1e-3)
 
 
+def test_two_rank_ppo_rolls_out_per_rank_and_steps_as_one_process(tmp_path: Path):
+    import torch
+
+    ranks = _torchrun("ppo", tmp_path / "out", tmp_path)
+    one = _ppo_run()  # this pytest process: no process group, world size 1, the whole rollout batch
+    assert one["scored"] == [8, 8]
+    assert [r["scored"] for r in ranks] == [[4, 4], [4, 4]]  # each rank scored its half of every rollout batch
+    assert ranks[0]["digest"] == ranks[1]["digest"]  # gradients summed across ranks: the same weights
+    assert ranks[0]["steps"] == ranks[1]["steps"]  # statistics reduced across ranks: every rank logs the same
+    two = ranks[0]
+    assert len(two["steps"]) == len(one["steps"]) == 2
+    for step_two, step_one in zip(two["steps"], one["steps"], strict=True):
+        assert set(step_two) == set(step_one)
+        for key, value in step_one.items():  # same responses, whitening over the whole batch, the same update
+            assert step_two[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    names = sorted(one["weights"])
+    assert names == sorted(two["weights"])
+    torch.testing.assert_close(torch.tensor([two["weights"][n] for n in names], dtype=torch.float64),
+                               torch.tensor([one["weights"][n] for n in names], dtype=torch.float64),
+                               rtol=1e-4, atol=1e-4)
+    assert one["steps"][1]["kl"] != 0.0  # the first update moved the policy: the comparison covers it
+
+
 # ----------------------------------------------------------------------------------------------- launching
 
 
@@ -208,6 +317,14 @@ def test_a_failing_two_process_run_prints_one_line_and_exits_2(tmp_path: Path, t
     assert "UserError: an SFT record" in (tmp_path / "run" / "error.log").read_text()  # the traceback, once
 
 
+def test_a_method_that_cannot_run_on_two_processes_is_refused_before_anything_runs(tmp_path: Path):
+    ranks = _torchrun("refuse", tmp_path / "out", tmp_path)
+    for r in ranks:  # every rank refuses alike, before any collective, with the same one line
+        assert r["error"] == ("UserError: stage 'solo' (method solo_trainer) does not run on 2 processes yet; run "
+                              "this recipe without --num-processes")
+        assert r["ran"] == [] and r["run_dir_exists"] is False  # not even the first stage ran
+
+
 # ----------------------------------------------------------------------------------------------- a whole recipe
 
 #: Installed through ``sitecustomize`` in every launched process: records each file-system write (open for
@@ -250,8 +367,8 @@ SFT_RECORDS = [{"instruction": f"Name the colour number {i}.", "input": "", "out
 
 
 def tiny_recipe(tmp_path: Path, model: str) -> Path:
-    """SFT, reward model, DPO, PPO, best-of-n, expert iteration and generation on a tiny random-init model, at the
-    smallest sizes."""
+    """SFT, reward model, DPO, PPO, best-of-n, expert iteration, generation, binary FeedME, reward conditioning,
+    GRPO and RLOO on a tiny random-init model, at the smallest sizes."""
     from alpacafarm.testing import learnable_preferences, write_records
 
     sft = write_records(tmp_path / "sft.jsonl", SFT_RECORDS)
@@ -260,6 +377,8 @@ def tiny_recipe(tmp_path: Path, model: str) -> Path:
                                                          for i in range(10)])
     train = ("per_device_train_batch_size: 2, max_steps: 2, learning_rate: 1.0e-3, save_strategy: 'no', "
              "logging_steps: 1")
+    online = ("per_device_train_batch_size: 2, num_generations: 2, max_completion_length: 4, max_steps: 1, "
+              "learning_rate: 1.0e-3, save_strategy: 'no', report_to: none, bf16: false, score_batch_size: 4")
     path = tmp_path / "recipe.yaml"
     path.write_text(textwrap.dedent(f"""\
         name: two-ranks
@@ -285,6 +404,13 @@ def tiny_recipe(tmp_path: Path, model: str) -> Path:
               config: {{sampling: {{temperature: 1.0, max_new_tokens: 6, batch_size: 2}}}}}}
           - {{name: dpo_outputs, method: generate_outputs, inputs: {{sft_model: dpo}},
               config: {{sampling: {{max_new_tokens: 4, batch_size: 2}}}}}}
+          - {{name: feedme, method: binary_feedme, config: {{{train}}}}}
+          - {{name: rc, method: binary_reward_conditioning, config: {{{train}}}}}
+          - {{name: grpo, method: grpo, config: {{{online}}}}}
+          - {{name: rloo, method: rloo, config: {{{online}}}}}
+          - {{name: quark, method: quark, inputs: {{sft_model: base_model}},
+              config: {{rounds: 2, max_new_tokens: 4, step_batch_size: 4, per_device_train_batch_size: 2,
+              generation_batch_size: 2, score_batch_size: 4, prompts_per_round: 4, top_quantile: 0.5}}}}
         """), encoding="utf-8")
     return path
 
@@ -319,7 +445,7 @@ def manifest(run: dict[str, Any], stage: str) -> dict[str, Any]:
 def test_two_processes_really_ran_and_only_rank_0_wrote(two_runs: dict[str, Any]):
     two = two_runs["two"]
     assert "running on 2 processes" in (two["dir"] / "run.log").read_text()
-    for stage in ("sft", "rm", "dpo", "bon", "ei", "outputs"):  # the stages every rank ran
+    for stage in ("sft", "rm", "dpo", "ppo", "bon", "ei", "outputs", "feedme", "rc", "grpo", "rloo", "quark"):
         assert (manifest(two, stage)["world_size"], manifest(two, stage)["ranks_ran"]) == (2, 2), stage
     assert manifest(two, "split")["ranks_ran"] == 1 and manifest(two_runs["one"], "sft")["world_size"] == 1
     writes = two["writes"]
@@ -332,14 +458,16 @@ def test_two_process_outputs_equal_the_single_process_run(two_runs: dict[str, An
     from alpacafarm.data import read_records
 
     one, two = two_runs["one"]["dir"], two_runs["two"]["dir"]
-    for file in ("outputs/outputs.jsonl", "bon/samples.jsonl", "ei/round_1/samples.jsonl"):
+    for file in ("outputs/outputs.jsonl", "bon/samples.jsonl", "ei/round_1/samples.jsonl", "quark/round_1/pool.jsonl"):
         a, b = read_records(one / "stages" / file), read_records(two / "stages" / file)
         keys = ("instruction", "output", "sample_index")
         assert [{k: r[k] for k in keys} for r in a] == [{k: r[k] for k in keys} for r in b], file
         assert len({r["output"] for r in a}) > 1  # real sampling, not one repeated answer
     # every trainer saved once and the next stage loaded it: DPO's outputs come from the saved DPO model
-    for stage in ("sft", "rm", "dpo", "ppo", "ei/round_1"):
+    for stage in ("sft", "rm", "dpo", "ppo", "ei/round_1", "feedme", "rc", "grpo", "rloo", "quark"):
         assert (two / "stages" / stage / "model" / "config.json").is_file(), stage
+    ppo = json.loads((two / "stages/ppo/metrics.json").read_text())
+    assert ppo["world_size"] == 2 and len(set(ppo["weights_sha256_by_rank"])) == 1  # both ranks: the same policy
     assert len(read_records(two / "stages/dpo_outputs/outputs.jsonl")) == 5
 
 

@@ -121,6 +121,7 @@ class BinaryRewardConditioning(Method):
     config_class = RewardConditioningConfig
     requires = ("sft_model", "preferences")
     provides = "policy_model"
+    all_ranks = True  # TRL's trainer distributes through accelerate; the main process saves
 
     def run(self, context: StageContext) -> Artifact:
 

@@ -58,6 +58,7 @@ class BinaryFeedME(Method):
     config_class = FeedMEConfig
     requires = ("sft_model", "preferences")
     provides = "policy_model"
+    all_ranks = True  # TRL's trainer distributes through accelerate; the main process saves
 
     def run(self, context: StageContext) -> Artifact:
 

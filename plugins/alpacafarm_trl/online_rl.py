@@ -143,6 +143,8 @@ def run_online_rl(context: StageContext, config: Any, trainer_class: Any, algori
     with training_progress(trainer, context, f"training ({algorithm})"):
         result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
     model_dir = Path(context.stage_dir) / "model"
+    if not context.is_main:  # every rank holds the same weights (DDP); the main process saves them
+        return Artifact("model", str(model_dir))
     merged = save_policy(trainer, spec, model_path, model_dir, context.logger)
     logged = [e["reward"] for e in trainer.state.log_history if e.get("reward") is not None]
     metrics = {**train_summary(trainer, result), "reward_first": logged[0] if logged else None,

@@ -55,7 +55,8 @@ def train_and_save_policy(context: Any, trainer: Any, spec: Any, model_path: str
     """Train ``trainer`` (resuming an interrupted attempt), save the policy to ``model/``, write ``metrics.json``.
 
     The common ending of the SFT-style pairwise methods (binary FeedME, reward conditioning). ``before_metrics``
-    is called with the model folder after saving (e.g. to add the conditioning file).
+    is called with the model folder after saving (e.g. to add the conditioning file). Under several processes
+    every rank trains (accelerate) and only the main process saves and writes.
     """
     from alpacafarm.data import write_json
     from alpacafarm.method import Artifact
@@ -65,6 +66,8 @@ def train_and_save_policy(context: Any, trainer: Any, spec: Any, model_path: str
     with training_progress(trainer, context):
         result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
     model_dir = Path(context.stage_dir) / "model"
+    if not context.is_main:  # every rank holds the same weights (DDP); the main process saves them
+        return Artifact("model", str(model_dir))
     merged = save_policy(trainer, spec, model_path, model_dir, context.logger)
     if before_metrics is not None:
         before_metrics(model_dir)

@@ -42,6 +42,17 @@ def save_trained_policy(trainer: Any, spec: Any, sft_path: str, directory: str |
     return merge
 
 
+def weights_digest(trainer: Any) -> str:
+    """SHA-256 of the trained tensors (by name): equal on every rank when the ranks stepped alike."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, param in sorted(trainer.params.items()):
+        digest.update(name.encode())
+        digest.update(param.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
 class PPO(Method):
     """PPO of the SFT policy against the reward model on the unlabeled prompts; writes ``model/``, metrics."""
 
@@ -50,8 +61,12 @@ class PPO(Method):
     provides = "policy_model"
     description = ("PPO against the surrogate reward model with a per-token KL penalty to the SFT model "
                    "(our trainer)")
+    #: Under several processes every rank rolls out its share of each rollout batch and gradients are summed
+    #: across ranks (see :mod:`alpacafarm_trl.ppo_trainer`); the main process saves.
+    all_ranks = True
 
     def run(self, context: StageContext) -> Artifact:
+        from alpacafarm import distributed
         from alpacafarm.data import write_json
 
         spec = context.recipe.model
@@ -66,6 +81,12 @@ class PPO(Method):
         with training_progress(trainer, context, "PPO steps"):
             result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
+        digests = distributed.all_gather_object(weights_digest(trainer), context.stage) \
+            if distributed.world_size() > 1 else []
+        if len(set(digests)) > 1:  # a bug of ours, never a user's: the ranks' weights drifted apart
+            raise RuntimeError(f"stage {context.stage}: the ranks ended PPO with different weights ({digests})")
+        if not context.is_main:
+            return Artifact("model", str(model_dir))
         merge = save_trained_policy(trainer, spec, sft_path, model_dir)
         if trainer.prompt_format.conditioning != PromptConditioning():  # trained behind it: sample behind it
             trainer.prompt_format.conditioning.save(model_dir)
@@ -77,7 +98,10 @@ class PPO(Method):
             "first_score": steps[0]["score"] if steps else None,
             "final_score": steps[-1]["score"] if steps else None,
             "final_kl": steps[-1]["kl"] if steps else None, "lora": spec.lora is not None, "merged": merge,
+            "world_size": distributed.world_size(),
         }
+        if digests:
+            metrics["weights_sha256_by_rank"] = digests
         write_json(Path(context.stage_dir) / "metrics.json",
                    {**metrics, "log_history": trainer.state.log_history})
         return Artifact("model", str(model_dir), metrics)

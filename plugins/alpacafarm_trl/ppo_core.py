@@ -76,6 +76,8 @@ class Rollouts:
     penalized_kl: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    #: Where each row sits in the step's whole rollout batch (under several processes a rank holds some rows).
+    positions: list[int] | None = None
 
     @property
     def queries(self) -> list[list[int]]:
@@ -107,6 +109,56 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Population variance (ddof 0) over the positions where ``mask`` is 1."""
     mean = masked_mean(values, mask)
     return masked_mean((values - mean) ** 2, mask)
+
+
+def sum_across_ranks(sums: dict[str, float]) -> dict[str, float]:
+    """``sums`` added up over every rank (one all-reduce, float64); unchanged for one process."""
+    from alpacafarm import distributed
+
+    if distributed.world_size() == 1:
+        return dict(sums)
+    totals = torch.tensor(list(sums.values()), dtype=torch.float64)
+    distributed.all_reduce_sum(totals)
+    return dict(zip(sums, totals.tolist(), strict=True))
+
+
+def rollout_means(rollouts: Rollouts, kl_coef: float) -> dict[str, float]:
+    """A PPO step's logged rollout statistics: means over the whole rollout batch (per rollout, or per response
+    token), every rank's rows together (sums and counts added across ranks)."""
+    mask = rollouts.mask
+    kl, penalized = rollouts.kl.sum(-1), rollouts.penalized_kl.sum(-1)
+    non_score = -kl_coef * penalized
+    per_rollout = {"score": rollouts.scores, "kl": kl, "penalized_kl": penalized, "non_score_reward": non_score,
+                   "reward": rollouts.scores + non_score, "response_length": mask.sum(-1),
+                   "eos_fraction": torch.tensor(rollouts.ended, dtype=torch.float32)}
+    per_token = {"entropy": rollouts.entropy, "value_mean": rollouts.values, "return_mean": rollouts.returns}
+    sums = {k: float(v.double().sum()) for k, v in per_rollout.items()}
+    sums.update({k: float(masked_sum(v.double(), mask.double())) for k, v in per_token.items()})
+    sums.update(n_rollouts=float(len(rollouts.scores)), n_tokens=float(mask.sum()))
+    sums = sum_across_ranks(sums)
+    n_rollouts, n_tokens = max(sums.pop("n_rollouts"), 1.0), max(sums.pop("n_tokens"), 1.0)
+    return {k: v / (n_tokens if k in per_token else n_rollouts) for k, v in sums.items()}
+
+
+def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Sum the gradients of ``params`` over ranks (in place, tensor by tensor: no second copy of them all), so
+    every rank steps alike.
+
+    A parameter no rank computed a gradient for keeps ``grad = None`` (the optimizer skips it, as one process
+    would); one that only some ranks reached gets zeros on the others. No-op for one process.
+    """
+    from alpacafarm import distributed
+
+    if distributed.world_size() == 1 or not params:
+        return
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.float64)
+    distributed.all_reduce_sum(present)
+    for param, seen in zip(params, present.tolist(), strict=True):
+        if not seen:
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        distributed.all_reduce_sum(param.grad)
 
 
 def global_masked_mean_var(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

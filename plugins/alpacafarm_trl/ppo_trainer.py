@@ -18,6 +18,10 @@ Appendices A.2 and B.1) from the algorithm:
   reward model in every model layout (its second);
 * the policy and the value model then take ``ppo_epochs`` passes of clipped-loss updates over mini-batches.
 
+Under several processes (``--num-processes N``) every rank holds the whole models, samples its generation batches
+(the responses one process samples), and scores and evaluates its share of the rollouts; whitening and logged
+means are over the whole batch, gradients are summed across ranks: one process's step. The main process saves.
+
 The models come in two layouts (:mod:`alpacafarm_trl.ppo_models`, built by :mod:`alpacafarm_trl.ppo_build`):
 separate policy, reference and value models, or with ``lora:`` (and optionally ``quantization: 4bit``) ONE base
 carrying the ``policy`` adapter (and the critic's, when the reward model is LoRA adapters on that base). The
@@ -100,6 +104,7 @@ class PPOTrainer:
         self.records, self.queries, self.n_skipped = self._tokenize_prompts(records)
 
         self.max_steps = self._max_steps()
+        self._check_processes()
         self.updates_per_step = args.ppo_epochs * (args.rollout_batch_size // args.mini_batch_size)
         self.params = models.trainable_parameters()
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=args.learning_rate,
@@ -144,6 +149,13 @@ class PPOTrainer:
                             "max_prompt_length)")
         return kept, queries, skipped
 
+    def _check_processes(self) -> None:
+        from alpacafarm.distributed import world_size
+
+        if self.args.rollout_batch_size < world_size():
+            raise UserError(f"ppo: rollout_batch_size {self.args.rollout_batch_size} is smaller than the "
+                            f"{world_size()} processes (each rolls out a share of it)")
+
     def _passes(self) -> float:
         return self.max_steps * self.args.rollout_batch_size / len(self.queries)
 
@@ -186,27 +198,34 @@ class PPOTrainer:
         for start in range(0, len(ordered), size):
             yield ordered[start:start + size]
 
-    def sample_step(self, step: int) -> tuple[list[dict[str, Any]], list[Sample]]:
-        """The records of step ``step`` and one response to each, sampled from the policy as it is now.
+    def sample_step(self, step: int) -> tuple[list[dict[str, Any]], list[Sample], list[int]]:
+        """This rank's records of step ``step``, one response to each sampled from the policy as it is now,
+        and their positions in the step's whole rollout batch (all of it, in order, for one process).
 
-        Seeded by the step (and, inside the sampler, by the batch), so a resumed run samples the same.
+        Seeded by the step (and, inside the sampler, by the batch), so a resumed run samples the same. The
+        generation batches are split across ranks and gathered (:func:`~alpacafarm.sampling.sharded_across_ranks`:
+        the responses one process samples); each rank keeps a contiguous share of the rollout batch.
         """
+        from alpacafarm import distributed
+        from alpacafarm.sampling import sharded_across_ranks
+
         args = self.args
         indices = self.prompt_indices(step)
-        with self._autocast():
+        with self._autocast(), sharded_across_ranks():
             samples = sample(self.models.policy_module, self.tokenizer, [self.queries[i] for i in indices],
                              n=1, temperature=args.temperature, top_p=1.0, max_new_tokens=args.max_new_tokens,
                              batch_size=args.generation_batch_size,
                              seed=stable_seed(args.seed, "ppo-rollout", step), stop_ids=self.eos_ids,
                              generate=self.models.generate)
-        return [self.records[i] for i in indices], [group[0] for group in samples]
+        positions = distributed.shard_indices(len(indices))
+        return [self.records[indices[p]] for p in positions], [samples[p][0] for p in positions], positions
 
     @torch.no_grad()
     def rollout(self, step: int) -> Rollouts:
         """Sample, score and evaluate one rollout batch (no gradients)."""
         args = self.args
         self.models.set_training(False)
-        records, samples = self.sample_step(step)
+        records, samples, positions = self.sample_step(step)
         texts = [s.text for s in samples]
         scores = torch.tensor([float(s) for s in self.reward_fn(records, texts)], dtype=torch.float32)
         if len(scores) != len(texts):
@@ -239,7 +258,7 @@ class PPOTrainer:
                     values[i, :r] = chunk_values[j].cpu()
                     entropy[i, :r] = chunk_entropy[j].cpu()
         return Rollouts(records, samples, scores, mask, logprobs * mask, ref_logprobs * mask, values * mask,
-                        entropy * mask)
+                        entropy * mask, positions=positions)
 
     def compute_advantages(self, rollouts: Rollouts) -> Rollouts:
         """Scores → shaped per-token rewards → GAE advantages (whitened over the batch) and returns."""
@@ -253,33 +272,37 @@ class PPOTrainer:
         rewards, kl, penalized_kl = ppo_core.kl_penalized_rewards(
             scores, rollouts.logprobs, rollouts.ref_logprobs, rollouts.mask, args.kl_coef, penalty=args.kl_penalty)
         if args.whiten_rewards:
-            rewards = ppo_core.masked_whiten(rewards, rollouts.mask, shift_mean=False)
+            rewards = ppo_core.masked_whiten(rewards, rollouts.mask, shift_mean=False, across_ranks=True)
         advantages, returns = ppo_core.compute_gae(rewards, rollouts.values, rollouts.mask, gamma=args.gamma,
                                                    lam=args.lam)
-        rollouts.rewards, rollouts.kl, rollouts.penalized_kl = rewards, kl, penalized_kl
-        rollouts.advantages = ppo_core.masked_whiten(advantages, rollouts.mask)
-        rollouts.returns = returns
+        rollouts.rewards, rollouts.kl, rollouts.penalized_kl, rollouts.returns = rewards, kl, penalized_kl, returns
+        rollouts.advantages = ppo_core.masked_whiten(advantages, rollouts.mask, across_ranks=True)
         return rollouts
 
     # ---------------------------------------------------------------- update
 
     def update(self, rollouts: Rollouts, step: int) -> dict[str, float]:
-        """``ppo_epochs`` passes of clipped policy and value updates over shuffled mini-batches."""
+        """``ppo_epochs`` passes of clipped policy and value updates over shuffled mini-batches of the whole
+        rollout batch (one permutation; each rank backpropagates the rows it holds, over the mini-batch's token
+        count on all ranks, and gradients are summed across ranks before clipping: one process's update)."""
         args = self.args
         self.models.set_training(True)
         device = self.models.device
         queries, responses = rollouts.queries, rollouts.responses
-        n = len(responses)
+        local_of = {p: i for i, p in enumerate(rollouts.positions or range(len(responses)))}
+        n = int(ppo_core.sum_across_ranks({"n": float(len(responses))})["n"])
         lengths = [len(q) + len(r) for q, r in zip(queries, responses, strict=True)]
         generator = torch.Generator().manual_seed(stable_seed(args.seed, "ppo-minibatches", step))
         sums = dict.fromkeys(("policy_loss", "value_loss", "clip_fraction", "value_clip_fraction",
-                              "approx_kl"), 0.0)
-        tokens_seen, grad_norms = 0.0, []
+                              "approx_kl", "tokens_seen"), 0.0)
+        grad_norms = []
+        params = list(self.params.values())
         for _ in range(args.ppo_epochs):
             order = torch.randperm(n, generator=generator).tolist()
             for start in range(0, n, args.mini_batch_size):
-                mini = order[start:start + args.mini_batch_size]
-                n_tokens = rollouts.mask[mini].sum().clamp(min=1).to(device)
+                mini = [local_of[p] for p in order[start:start + args.mini_batch_size] if p in local_of]
+                n_tokens = torch.tensor(ppo_core.sum_across_ranks({"tokens": float(rollouts.mask[mini].sum())})[
+                    "tokens"], dtype=torch.float32).clamp(min=1).to(device)
                 self.optimizer.zero_grad(set_to_none=True)
                 for chunk in self._micro_batches(mini, lengths):
                     batch = collate([queries[i] for i in chunk], [responses[i] for i in chunk], self.pad_id,
@@ -305,39 +328,27 @@ class PPOTrainer:
                                                             args.cliprange_value, denominator=n_tokens)
                         (args.vf_coef * value.loss).backward()
                     count = float(mask.sum())
-                    tokens_seen += count
+                    sums["tokens_seen"] += count
                     sums["policy_loss"] += float(policy.loss.detach()) * float(n_tokens)
                     sums["value_loss"] += float(value.loss.detach()) * float(n_tokens)
                     sums["clip_fraction"] += float(policy.clip_fraction) * count
                     sums["value_clip_fraction"] += float(value.clip_fraction) * count
                     approx_kl = ppo_core.approx_policy_kl(new_logprobs.detach(), old_logprobs, mask)
                     sums["approx_kl"] += float(approx_kl) * count
-                grad_norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), args.max_grad_norm)
+                ppo_core.all_reduce_gradients(params)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
                 grad_norms.append(float(grad_norm))
                 self.optimizer.step()
                 self.lr_scheduler.step()
+        sums = ppo_core.sum_across_ranks(sums)
+        tokens_seen = sums.pop("tokens_seen")
         stats = {k: v / max(tokens_seen, 1.0) for k, v in sums.items()}
         stats["loss"] = stats["policy_loss"] + args.vf_coef * stats["value_loss"]
         stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
         return stats
 
     def rollout_stats(self, rollouts: Rollouts) -> dict[str, float]:
-        mask = rollouts.mask
-        kl, penalized = rollouts.kl.sum(-1), rollouts.penalized_kl.sum(-1)
-        non_score = -self.args.kl_coef * penalized
-        ended = rollouts.ended
-        return {
-            "score": float(rollouts.scores.mean()),
-            "kl": float(kl.mean()),
-            "penalized_kl": float(penalized.mean()),
-            "non_score_reward": float(non_score.mean()),
-            "reward": float((rollouts.scores + non_score).mean()),
-            "entropy": float(ppo_core.masked_mean(rollouts.entropy, mask)),
-            "response_length": float(mask.sum(-1).mean()),
-            "eos_fraction": sum(ended) / len(ended),
-            "value_mean": float(ppo_core.masked_mean(rollouts.values, mask)),
-            "return_mean": float(ppo_core.masked_mean(rollouts.returns, mask)),
-        }
+        return ppo_core.rollout_means(rollouts, self.args.kl_coef)
 
     def step(self, step: int) -> dict[str, float]:
         """One PPO step: rollouts, advantages, updates. Returns its statistics."""
@@ -355,6 +366,7 @@ class PPOTrainer:
         """Run PPO steps until ``max_steps``; returns ``transformers.trainer_utils.TrainOutput``."""
         from transformers.trainer_utils import TrainOutput
 
+        from alpacafarm import distributed
         from alpacafarm.training import logger
 
         if resume_from_checkpoint:
@@ -377,7 +389,8 @@ class PPOTrainer:
                 self.log({k: sum(s[k] for s in window) / len(window) for k in window[0]})
                 window.clear()
             if control.should_save:
-                self._save_checkpoint()
+                if distributed.is_main():  # every rank holds the same weights; the main process saves them
+                    self._save_checkpoint()
                 control = handler.on_save(self.args, state, control)
                 control.should_save = False
             if not all(math.isfinite(v) for v in stats.values()):

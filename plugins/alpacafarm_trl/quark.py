@@ -89,6 +89,9 @@ class Quark(Method):
     config_class = QuarkMethodConfig
     requires = ("sft_model", "reward_model", "instruction_splits")
     provides = "policy_model"
+    #: Under several processes every rank samples a share of the pool's batches (gathered), scores a share, and
+    #: trains (the trainer through accelerate); the main process writes (see ``run_rounds``).
+    all_ranks = True
     description = ("Quark, best-quantile variant: sample, score with the reward model, train on the top "
                    "quantile + KL")
 
@@ -128,6 +131,8 @@ class Quark(Method):
                                 context.stage)
         tokenizer.padding_side = "right"
         model_dir = Path(context.stage_dir) / "model"
+        if not context.is_main:  # every rank holds the same weights (DDP); the main process saves them
+            return Artifact("model", str(model_dir))
         save_model(trainer.model, tokenizer, model_dir, merge_adapters=merge, dtype=save_dtype(spec))
         if prompt_format.conditioning != PromptConditioning():  # trained behind it: sample behind it
             prompt_format.conditioning.save(model_dir)

@@ -12,6 +12,7 @@ through the kept samples in a seeded shuffled order; the pool is then discarded.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
@@ -291,8 +292,14 @@ def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: 
     :data:`alpacafarm.rewards.RewardFunction`. Writes ``round_<r>/pool.jsonl`` under ``out_dir``. Nothing
     survives a round but the policy's weights and the optimizer: the pool, its scores and the kept set are
     rebuilt from scratch every time.
+
+    Under several processes every rank calls this: the pool's sampling batches are split across ranks and
+    gathered (the pool one process samples), each rank scores a share of it, the trainer's steps are data
+    parallel (accelerate), the round's NLL and KL are summed over ranks, and the main process writes the pool.
     """
+    from alpacafarm import distributed
     from alpacafarm.data import write_jsonl
+    from alpacafarm.sampling import sharded_across_ranks
 
     args: QuarkMethodConfig = trainer.args
     tokenizer = trainer.processing_class
@@ -305,21 +312,28 @@ def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: 
     schedule = round_prompts(len(records), args, stable_seed(seed, "quark-prompts"))
     for r, indices in enumerate(schedule, start=1):
         started = time.perf_counter()
-        groups = sample_pool(trainer.model, tokenizer, [queries[i] for i in indices], args,
-                             seed=stable_seed(seed, "quark-round", r))
+        with sharded_across_ranks() if distributed.world_size() > 1 else contextlib.nullcontext():
+            groups = sample_pool(trainer.model, tokenizer, [queries[i] for i in indices], args,
+                                 seed=stable_seed(seed, "quark-round", r))
         pool = [(i, j, s) for i, group in zip(indices, groups, strict=True) for j, s in enumerate(group)]
         generated = time.perf_counter()
-        rewards = [float(x) for x in score([records[i] for i, _, _ in pool], [s.text for _, _, s in pool])]
-        if len(rewards) != len(pool):
-            raise ValueError(f"the scorer returned {len(rewards)} rewards for {len(pool)} rollouts")
+
+        def score_part(part: list[tuple[int, int, Sample]]) -> list[float]:
+            scores = [float(x) for x in score([records[i] for i, _, _ in part], [s.text for _, _, s in part])]
+            if len(scores) != len(part):
+                raise ValueError(f"the scorer returned {len(scores)} rewards for {len(part)} rollouts")
+            return scores
+
+        rewards = distributed.map_sharded(score_part, pool, where=f"quark round {r}: scoring")
         kept = top_quantile(rewards, args.top_quantile)
         kept_set = set(kept)
         scored = time.perf_counter()
-        write_jsonl(Path(out_dir) / f"round_{r}" / "pool.jsonl", [
-            {"round": r, "record_index": i, "sample_index": j, "instruction": records[i]["instruction"],
-             "input": records[i].get("input") or "", "output": s.text, "reward": reward,
-             "kept": k in kept_set, "finished": s.finished, "n_tokens": len(s.response_ids)}
-            for k, ((i, j, s), reward) in enumerate(zip(pool, rewards, strict=True))])
+        if distributed.is_main():
+            write_jsonl(Path(out_dir) / f"round_{r}" / "pool.jsonl", [
+                {"round": r, "record_index": i, "sample_index": j, "instruction": records[i]["instruction"],
+                 "input": records[i].get("input") or "", "output": s.text, "reward": reward,
+                 "kept": k in kept_set, "finished": s.finished, "n_tokens": len(s.response_ids)}
+                for k, ((i, j, s), reward) in enumerate(zip(pool, rewards, strict=True))])
 
         examples = [training_example(pool[k][2]) for k in kept]
         draws = draw_order(len(examples), args.steps_per_round * args.step_batch_size,
@@ -327,6 +341,9 @@ def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: 
         trainer.train_dataset = [examples[k] for k in draws]
         trainer.reset_round_terms()
         result = trainer.train()
+        if distributed.world_size() > 1:  # every rank's tokens: the round's means over the whole step batches
+            parts = distributed.all_gather_object(list(trainer.round_terms), f"quark round {r}")
+            trainer.round_terms = [sum(part[k] for part in parts) for k in range(3)]
         terms = trainer.round_means()
         kept_rewards = [rewards[k] for k in kept]
         stat = {

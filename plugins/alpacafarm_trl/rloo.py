@@ -41,6 +41,9 @@ class RLOO(Method):
     requires = ("sft_model", "instruction_splits")
     optional = ("reward_model",)
     provides = "policy_model"
+    #: TRL's trainer distributes through accelerate (each rank samples and scores its share of the completions,
+    #: the reward model loaded on every rank); the main process saves.
+    all_ranks = True
 
     def run(self, context: StageContext) -> Artifact:
         from trl import RLOOTrainer
