@@ -50,9 +50,19 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def launched_processes() -> int:
+    """How many processes the launcher started (``WORLD_SIZE``; 1 without one), whether they joined a group yet."""
+    return _env_int("WORLD_SIZE", 1)
+
+
+def local_rank() -> int:
+    """This process's index on its machine (``LOCAL_RANK``: which GPU is its own); 0 without a launcher."""
+    return _env_int("LOCAL_RANK", 0)
+
+
 def init() -> None:
     """Join the process group when a launcher started several processes; a no-op for one process."""
-    if _env_int("WORLD_SIZE", 1) <= 1 or _initialized():
+    if launched_processes() <= 1 or _initialized():
         return
     import torch
     from accelerate import PartialState

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from alpacafarm.annotation import Annotator
-    from alpacafarm.generation import Generator
+    from alpacafarm.generation import Generator, SamplingConfig
     from alpacafarm.recipe import PluginRef, Recipe
     from alpacafarm.registry import Registry
     from alpacafarm.rewards import RewardScorer
@@ -194,6 +194,34 @@ class StageContext:
                                     model_path=self.input(model_input).path,
                                     path=("stages", self.stage, "config", "backend_config"))
 
+    def generate_on_ranks(self, backend: str, backend_config: Any, records: list[dict[str, Any]],
+                          sampling: SamplingConfig, description: str) -> tuple[list[dict[str, Any]], int]:
+        """``(rows, tokens generated)`` for ``records`` on every rank, the same whatever the number of processes
+        (rows as :func:`alpacafarm.generation.generate_records` writes them; the generator is closed before this
+        returns, so the policy's memory is free for what comes next).
+
+        The ``transformers`` backend shards its batches across ranks (:func:`alpacafarm.sampling.sharded_across_ranks`:
+        the same batches and seeds as one process); any other backend (a server, vLLM) runs on the main process only
+        and its rows reach the others.
+        """
+        from alpacafarm import distributed
+        from alpacafarm.generation import generate_records
+        from alpacafarm.sampling import sharded_across_ranks
+
+        def generate() -> tuple[list[dict[str, Any]], int]:
+            generator = self.generator(backend, backend_config)
+            try:
+                with self.progress(description, len(records)) as advance:
+                    rows = generate_records(generator, records, sampling, progress=advance)
+                return rows, sum(map(sum, generator.last_token_counts or [[0]]))
+            finally:
+                generator.close()
+
+        if backend == "transformers":
+            with sharded_across_ranks():
+                return generate()
+        return distributed.run_on_main(generate, f"stage {self.stage!r}: generation ({backend})")
+
     def reward_function(self, *, batch_size: int = 8, max_length: int | None = None,
                         model_input: str = "reward_model") -> RewardScorer:
         """The reward model of input ``model_input`` as a :data:`~alpacafarm.rewards.RewardFunction` (any folder
@@ -241,8 +269,8 @@ class Method:
     annotator_role: ClassVar[str | None] = None
     #: Under several processes (``alpacafarm run --num-processes N``): ``False`` (the default, safe for any plugin)
     #: runs the stage on the main process only, the others waiting; ``True`` runs it on every rank, and the method
-    #: then shards its own work (TRL trainers through accelerate; sampling inside
-    #: :func:`alpacafarm.sampling.sharded_across_ranks`) and writes files only where ``context.is_main``.
+    #: then shards its own work (TRL trainers through accelerate; sampling through
+    #: :meth:`StageContext.generate_on_ranks`) and writes files only where ``context.is_main``.
     all_ranks: ClassVar[bool] = False
     #: ``True`` for a method that cannot run under several processes yet (it would start a trainer on the main
     #: process alone, waiting forever for a partner): the pipeline then refuses the run before any stage starts.

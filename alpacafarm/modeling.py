@@ -29,11 +29,18 @@ def torch_dtype(spec: ModelSpec) -> Any:
 
 
 def device_map(spec: ModelSpec) -> Any:
+    """Where ``device: auto`` puts a model: nowhere special on CPU; spread over the GPUs by one process; on its own
+    GPU (``LOCAL_RANK``) by each of several processes, which hold a copy each ("auto" would spread every rank's
+    models over every GPU)."""
     import torch
 
-    if spec.device == "auto":
-        return "auto" if torch.cuda.is_available() else None
-    return spec.device
+    from alpacafarm import distributed
+
+    if spec.device != "auto":
+        return spec.device
+    if not torch.cuda.is_available():
+        return None
+    return {"": distributed.local_rank()} if distributed.launched_processes() > 1 else "auto"
 
 
 def quantization_config(spec: ModelSpec) -> Any:

@@ -193,6 +193,23 @@ def test_one_process_needs_no_process_group():
         raise ValueError("boom")
 
 
+def test_each_rank_loads_its_models_on_its_own_gpu(monkeypatch: pytest.MonkeyPatch):
+    import torch
+
+    from alpacafarm.modeling import device_map
+    from alpacafarm.recipe import ModelSpec
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no GPU here: the placement is what is checked
+    spec = ModelSpec(name="m")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert device_map(spec) == "auto"  # one process: spread over every GPU
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert device_map(spec) == {"": 3}  # rank 3 of 4: its own GPU only
+    assert device_map(ModelSpec(name="m", device="cpu")) == "cpu"  # an explicit device is kept
+
+
 def test_collectives_on_two_real_ranks(tmp_path: Path):
     ranks = _torchrun("collectives", tmp_path / "out", tmp_path)
     assert [(r["rank"], r["world"], r["main"]) for r in ranks] == [(0, 2, True), (1, 2, False)]

@@ -61,13 +61,11 @@ class PreferenceData(Method):
     all_ranks = True  # sampling is split across ranks; annotation and the file are the main process's
 
     def run(self, context: StageContext) -> Artifact:
-        from alpacafarm_generation.stage import generate_on_ranks
-
         config: PreferenceDataConfig = self.config
         records = context.records("instruction_splits", config.split)[: config.max_instructions]
         sampling = config.sampling.model_copy(update={"n": config.k, "seed": config.sampling.seed + context.seed})
         # the generator is closed inside (the policy freed before the annotator: a local judge may need the memory)
-        rows, _ = generate_on_ranks(context, config.backend, config.backend_config, records, sampling, "sampling")
+        rows, _ = context.generate_on_ranks(config.backend, config.backend_config, records, sampling, "sampling")
         if not context.is_main:  # annotation runs once (on the main process), which writes the preferences
             return Artifact("dataset", str(context.stage_dir / "preferences.jsonl"))
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from alpacafarm.generation import SamplingConfig, generate_records, write_completions
+from alpacafarm.generation import SamplingConfig, write_completions
 from alpacafarm.method import OUTPUTS_FILE, Artifact, Method, StageContext
 
 
@@ -19,32 +19,6 @@ class GenerateOutputsConfig(BaseModel):
     sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=0.7, max_new_tokens=128))
     backend: str = "transformers"
     backend_config: dict[str, Any] = Field(default_factory=dict, description="the backend's own options")
-
-
-def generate_on_ranks(context: StageContext, backend: str, backend_config: Any, records: list[dict[str, Any]],
-                      sampling: SamplingConfig, description: str) -> tuple[list[dict[str, Any]], int]:
-    """``(rows, tokens generated)`` for ``records`` on every rank, the same whatever the number of processes.
-
-    The ``transformers`` backend shards its batches across ranks (:func:`alpacafarm.sampling.sharded_across_ranks`:
-    the same batches and seeds as one process); any other backend (a server, vLLM) runs on the main process only
-    and its rows reach the others.
-    """
-    from alpacafarm import distributed
-    from alpacafarm.sampling import sharded_across_ranks
-
-    def generate() -> tuple[list[dict[str, Any]], int]:
-        generator = context.generator(backend, backend_config)
-        try:
-            with context.progress(description, len(records)) as advance:
-                rows = generate_records(generator, records, sampling, progress=advance)
-            return rows, sum(map(sum, generator.last_token_counts or [[0]]))
-        finally:
-            generator.close()
-
-    if backend == "transformers":
-        with sharded_across_ranks():
-            return generate()
-    return distributed.run_on_main(generate, f"stage {context.stage!r}: generation ({backend})")
 
 
 class GenerateOutputs(Method):
@@ -60,8 +34,8 @@ class GenerateOutputs(Method):
         records = context.records("instruction_splits", config.split)[: config.max_instructions]
         sampling = config.sampling.model_copy(update={"seed": config.sampling.seed + context.seed})
         started = time.perf_counter()
-        rows, tokens = generate_on_ranks(context, config.backend, config.backend_config, records, sampling,
-                                         f"generating ({config.backend})")
+        rows, tokens = context.generate_on_ranks(config.backend, config.backend_config, records, sampling,
+                                                 f"generating ({config.backend})")
         seconds = time.perf_counter() - started
         path = context.stage_dir / OUTPUTS_FILE
         if context.is_main:

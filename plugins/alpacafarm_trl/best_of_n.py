@@ -114,8 +114,6 @@ class BestOfN(Method):
     all_ranks = True  # sampling is split across ranks
 
     def run(self, context: StageContext) -> Artifact:
-        from alpacafarm_generation.stage import generate_on_ranks
-
         config: BestOfNConfig = self.config
         records = context.records("instruction_splits", config.split)[: config.max_instructions]
         sampling = config.sampling.model_copy(update={"n": config.n, "seed": config.sampling.seed + context.seed})
@@ -123,8 +121,8 @@ class BestOfN(Method):
         # Sampling is split across ranks (the same samples as one process); scoring runs on the main process,
         # which alone writes the files: the reward scorer batches by length over all rows, so scoring a shard would
         # pad differently from one process.
-        rows, _ = generate_on_ranks(context, config.backend, config.backend_config, records, sampling,
-                                    f"best-of-{config.n}: sampling")
+        rows, _ = context.generate_on_ranks(config.backend, config.backend_config, records, sampling,
+                                            f"best-of-{config.n}: sampling")
         if not context.is_main:
             return Artifact("outputs", str(context.stage_dir))
         reward = context.reward_function(batch_size=config.score_batch_size)
