@@ -361,6 +361,8 @@ def test_results_mark_differences_to_the_first_system_beyond_two_paired_ses():
     assert [r["significant"] for r in rows] == [None, True, False, False]  # 33 < 2 x 21; same: Δ = 0, SE = 0
     assert rows[2]["delta_vs_system"] == pytest.approx(100 / 3)
     table = results_table(rows, "win-rate vs reference")
-    assert table["columns"][6:9] == ["Δ vs outputs", "± paired SE", "sig."]
-    assert [row[8] for row in table["rows"]] == ["-", "*", "", ""]
-    assert "* = |Δ| > 2 paired SE" in table["title"]
+    assert table["columns"][6] == "Δ vs outputs"
+    cells = [row[6] for row in table["rows"]]
+    assert cells == ["-", f"+75.0 ± {sd / math.sqrt(40):.1f} *", f"+33.3 ± {rows[2]['paired_se_vs_system']:.1f}",
+                     "+0.0 ± 0.0"]
+    assert "* beyond 2 SE" in table["title"]

@@ -143,7 +143,7 @@ class WinRateEvaluator(Method):
             title = f"win-rate of {metrics.get('generator')} vs {reference} (judge: {judge})"
             return Artifact("evaluation", str(context.stage_dir / "metrics.json"),
                             {**metrics, "table": metrics_table(metrics, title)})
-        table = results_table(rows, f"win-rate vs {reference} (judge: {judge}); all columns in results.csv")
+        table = results_table(rows, f"win-rate vs {reference} (judge: {judge})")
         return Artifact("evaluation", files["json"], {"systems": rows, "annotator": judge, "reference": reference,
                                                       "results": files, "table": table})
 

@@ -105,19 +105,22 @@ def significant(delta: float | None, paired_se: float | None) -> bool | None:
 
 
 def results_table(rows: list[dict[str, Any]], title: str) -> dict[str, Any]:
-    """The printable results table (``{"title", "columns", "rows"}``): win-rates, the paired difference to the
-    first system with ``*`` where it is significant (|Δ| > 2 paired SE), and the sweep's difference to n₀."""
+    """The printable results table (``{"title", "columns", "rows"}``), narrow enough for an 80-column screen:
+    win-rates, the paired difference to the first system ``Δ ± paired SE`` with ``*`` where it is significant
+    (|Δ| > 2 paired SE), and the sweep's difference to n₀. Every figure is also in results.csv."""
     def fmt(value: Any, digits: int = 2) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
+    def delta(value: Any, se: Any, mark: str = "") -> str:
+        return "-" if value is None else f"{value:+.1f} ± {fmt(se, 1)}{mark}"
+
     first = rows[0]["system"] if rows else "first"
-    columns = ["system", "n", "win-rate %", "± SE", "avg len", "proxy reward", f"Δ vs {first}", "± paired SE",
-               "sig.", "Δ vs n₀", "± paired SE (n₀)"]
+    columns = ["system", "n", "win-rate %", "± SE", "avg len", "proxy rwd", f"Δ vs {first}", "Δ vs n₀"]
     body = [[r["system"], r["n"] if r["n"] is not None else "-", fmt(r["win_rate"]), fmt(r["standard_error"]),
-             fmt(r["avg_length"], 0), fmt(r["proxy_reward"], 3), fmt(r.get("delta_vs_system")),
-             fmt(r.get("paired_se_vs_system")), {True: "*", False: "", None: "-"}[r.get("significant")],
-             fmt(r["delta_vs_smallest_n"]), fmt(r["paired_standard_error"])] for r in rows]
-    return {"title": f"{title}; * = |Δ| > {SIGNIFICANCE_SES:g} paired SE", "columns": columns, "rows": body}
+             fmt(r["avg_length"], 0), fmt(r["proxy_reward"], 3),
+             delta(r.get("delta_vs_system"), r.get("paired_se_vs_system"), " *" if r.get("significant") else ""),
+             delta(r["delta_vs_smallest_n"], r["paired_standard_error"])] for r in rows]
+    return {"title": f"{title}; Δ ± paired SE, * beyond {SIGNIFICANCE_SES:g} SE", "columns": columns, "rows": body}
 
 
 def write_results(rows: list[dict[str, Any]], directory: Path) -> dict[str, str]:
