@@ -181,12 +181,13 @@ def save_dtype(spec: ModelSpec) -> Any:
 
 
 def save_model(model: Any, tokenizer: Any, directory: str | Path, *, merge_adapters: bool = False,
-               dtype: Any = None) -> str:
+               dtype: Any = None, state_dict: dict[str, Any] | None = None) -> str:
     """Save weights (or adapters) and tokenizer; with ``merge_adapters`` a peft model is merged first.
 
     ``dtype`` (a torch dtype) is the dtype full weights are written in; the model in memory is not touched (its
     float32 master weights may still be training). Adapters (a peft model that is not merged) and quantized
-    weights are written as they are.
+    weights are written as they are. ``state_dict`` (full weights) is written instead of the model's own: the
+    weights of a sharded model, gathered whole (see :mod:`alpacafarm_trl.ppo_sharding`).
     """
     directory = Path(directory)
     if merge_adapters and hasattr(model, "merge_and_unload"):
@@ -194,12 +195,12 @@ def save_model(model: Any, tokenizer: Any, directory: str | Path, *, merge_adapt
     is_adapters = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
     quantized = getattr(model, "is_quantized", False) or getattr(model, "quantization_method", None) is not None
     if dtype is None or is_adapters or quantized:
-        model.save_pretrained(directory)
+        model.save_pretrained(directory, **({"state_dict": state_dict} if state_dict is not None else {}))
     else:
         import json
 
         state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
-                 for name, tensor in model.state_dict().items()}
+                 for name, tensor in (model.state_dict() if state_dict is None else state_dict).items()}
         model.save_pretrained(directory, state_dict=state)
         # save_pretrained records the in-memory dtype; config.json must say how the weights were written
         config_file = directory / "config.json"

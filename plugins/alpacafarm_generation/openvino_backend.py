@@ -1,5 +1,6 @@
 """The ``openvino`` generation backend: the same batched, seeded sampling as the transformers backend, with the
-model's forward pass run by OpenVINO (extra ``fast-cpu``; several times faster on a CPU).
+model's forward pass run by OpenVINO (extra ``fast-cpu``; benchmarks/generation_throughput.py says how it
+compares with transformers on your CPU).
 
 The checkpoint (any Llama-family folder a trainer saves, peft adapters merged into their base) is traced once
 from its transformers model into an OpenVINO graph whose key/value cache lives inside the compiled model (a

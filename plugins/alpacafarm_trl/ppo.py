@@ -26,19 +26,21 @@ from alpacafarm_trl.ppo_config import PPOMethodConfig
 from alpacafarm_trl.ppo_trainer import build_ppo_trainer
 
 
-def save_trained_policy(trainer: Any, spec: Any, sft_path: str, directory: str | Path) -> bool:
+def save_trained_policy(trainer: Any, spec: Any, sft_path: str, directory: str | Path,
+                        state_dict: dict[str, Any] | None = None) -> bool:
     """Save the trained policy to ``directory``; returns whether LoRA adapters were merged into full weights.
 
     Full weights are written in the model block's save dtype (:func:`alpacafarm.modeling.save_dtype`; the
     float32 master weights in memory are not touched), adapters as they are (float32). New adapters on an SFT
-    model that was itself adapters cannot name their base: they are saved merged.
+    model that was itself adapters cannot name their base: they are saved merged. ``state_dict``: the full weights
+    of a sharded policy, gathered by every rank (:meth:`alpacafarm_trl.ppo_sharding.Sharding.full_state_dict`).
     """
     from alpacafarm.modeling import is_adapter_folder, save_dtype, save_model
 
     merge = bool(spec.lora and (spec.merge_adapters or is_adapter_folder(sft_path)))
     full_weights = spec.lora is None or merge
     save_model(trainer.models.policy_export(), trainer.tokenizer, directory, merge_adapters=merge,
-               dtype=save_dtype(spec) if full_weights else None)
+               dtype=save_dtype(spec) if full_weights else None, state_dict=state_dict)
     return merge
 
 
@@ -68,7 +70,9 @@ class PPO(Method):
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm import distributed
         from alpacafarm.data import write_json
+        from alpacafarm_trl.ppo_sharding import requested_sharding
 
+        requested_sharding()  # a launch config PPO cannot honour (DeepSpeed, FSDP 1) fails before any model loads
         spec = context.recipe.model
         args = stage_training_args(self.config, context)
         sft_path = context.input("sft_model").path
@@ -81,13 +85,16 @@ class PPO(Method):
         with training_progress(trainer, context, "PPO steps"):
             result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
+        # Sharded (FSDP2): one copy of the weights exists, gathered whole on every rank to be saved. Data parallel:
+        # every rank holds its own copy, and they must agree.
+        full_state = trainer.sharding.full_state_dict(trainer.models.policy_export())
         digests = distributed.all_gather_object(weights_digest(trainer), context.stage) \
-            if distributed.world_size() > 1 else []
+            if distributed.world_size() > 1 and not trainer.sharding.active else []
         if len(set(digests)) > 1:  # a bug of ours, never a user's: the ranks' weights drifted apart
             raise RuntimeError(f"stage {context.stage}: the ranks ended PPO with different weights ({digests})")
         if not context.is_main:
             return Artifact("model", str(model_dir))
-        merge = save_trained_policy(trainer, spec, sft_path, model_dir)
+        merge = save_trained_policy(trainer, spec, sft_path, model_dir, state_dict=full_state)
         if trainer.prompt_format.conditioning != PromptConditioning():  # trained behind it: sample behind it
             trainer.prompt_format.conditioning.save(model_dir)
         steps = [e for e in trainer.state.log_history if "score" in e]

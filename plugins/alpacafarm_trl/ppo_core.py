@@ -145,10 +145,15 @@ def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
     every rank steps alike.
 
     A parameter no rank computed a gradient for keeps ``grad = None`` (the optimizer skips it, as one process
-    would); one that only some ranks reached gets zeros on the others. No-op for one process.
+    would); one that only some ranks reached gets zeros on the others. No-op for one process and for sharded
+    (DTensor) parameters.
     """
+    from torch.distributed.tensor import DTensor
+
     from alpacafarm import distributed
 
+    # Sharded (FSDP2) parameters are left alone: their gradients were already summed by FSDP2's reduce-scatter.
+    params = [p for p in params if not isinstance(p, DTensor)]
     if distributed.world_size() == 1 or not params:
         return
     present = torch.tensor([p.grad is not None for p in params], dtype=torch.float64)

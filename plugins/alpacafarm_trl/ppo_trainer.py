@@ -21,6 +21,8 @@ Appendices A.2 and B.1) from the algorithm:
 Under several processes (``--num-processes N``) every rank holds the whole models, samples its generation batches
 (the responses one process samples), and scores and evaluates its share of the rollouts; whitening and logged
 means are over the whole batch, gradients are summed across ranks: one process's step. The main process saves.
+Launched with an FSDP2 accelerate config the policy and value model are sharded across the ranks instead of copied
+(:mod:`alpacafarm_trl.ppo_sharding`: the same step, its gradients reduce-scattered as sums).
 
 The models come in two layouts (:mod:`alpacafarm_trl.ppo_models`, built by :mod:`alpacafarm_trl.ppo_build`):
 separate policy, reference and value models, or with ``lora:`` (and optionally ``quantization: 4bit``) ONE base
@@ -35,8 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
-import shutil
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -49,7 +49,7 @@ from alpacafarm.prompts import PromptFormat
 from alpacafarm.rewards import RewardFunction
 from alpacafarm.sampling import Sample, sample, stop_token_ids, tokenize_prompts
 from alpacafarm.seeding import stable_seed
-from alpacafarm_trl import ppo_core
+from alpacafarm_trl import ppo_checkpoint, ppo_core, ppo_sharding
 from alpacafarm_trl.ppo_build import build_models
 from alpacafarm_trl.ppo_config import PPOMethodConfig
 from alpacafarm_trl.ppo_core import Rollouts, collate
@@ -105,6 +105,7 @@ class PPOTrainer:
 
         self.max_steps = self._max_steps()
         self._check_processes()
+        self.sharding = ppo_sharding.shard_models(models)  # FSDP2 launch config: policy and value sharded
         self.updates_per_step = args.ppo_epochs * (args.rollout_batch_size // args.mini_batch_size)
         self.params = models.trainable_parameters()
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=args.learning_rate,
@@ -304,9 +305,11 @@ class PPOTrainer:
                 n_tokens = torch.tensor(ppo_core.sum_across_ranks({"tokens": float(rollouts.mask[mini].sum())})[
                     "tokens"], dtype=torch.float32).clamp(min=1).to(device)
                 self.optimizer.zero_grad(set_to_none=True)
-                for chunk in self._micro_batches(mini, lengths):
+                for chunk in self.sharding.even(self._micro_batches(mini, lengths), mini[0] if mini else 0):
                     batch = collate([queries[i] for i in chunk], [responses[i] for i in chunk], self.pad_id,
                                     device)
+                    if isinstance(chunk, ppo_sharding.Padding):  # keeps sharded collectives in step: no tokens
+                        batch.response_mask.zero_()
                     r = batch.response_ids.shape[1]
                     pick = (lambda t, c=chunk, width=r: t[c, :width].to(device))  # noqa: E731
                     mask = batch.response_mask
@@ -353,7 +356,8 @@ class PPOTrainer:
     def step(self, step: int) -> dict[str, float]:
         """One PPO step: rollouts, advantages, updates. Returns its statistics."""
         started = time.perf_counter()
-        rollouts = self.compute_advantages(self.rollout(step))
+        with self.sharding.gathered():  # sharded policy and value whole for the rollout (no-op unsharded)
+            rollouts = self.compute_advantages(self.rollout(step))
         rolled = time.perf_counter()
         stats = {**self.rollout_stats(rollouts), **self.update(rollouts, step)}
         stats["rollout_time"] = rolled - started
@@ -366,7 +370,6 @@ class PPOTrainer:
         """Run PPO steps until ``max_steps``; returns ``transformers.trainer_utils.TrainOutput``."""
         from transformers.trainer_utils import TrainOutput
 
-        from alpacafarm import distributed
         from alpacafarm.training import logger
 
         if resume_from_checkpoint:
@@ -389,8 +392,7 @@ class PPOTrainer:
                 self.log({k: sum(s[k] for s in window) / len(window) for k in window[0]})
                 window.clear()
             if control.should_save:
-                if distributed.is_main():  # every rank holds the same weights; the main process saves them
-                    self._save_checkpoint()
+                self._save_checkpoint()  # every rank (sharded weights are gathered); the main process writes
                 control = handler.on_save(self.args, state, control)
                 control.should_save = False
             if not all(math.isfinite(v) for v in stats.values()):
@@ -413,59 +415,12 @@ class PPOTrainer:
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
         self.control.should_log = False
 
-    def _save_checkpoint(self) -> Path:
-        """``checkpoint-N/``: trained weights (policy, value), optimizer, scheduler, RNG and trainer state."""
-        import numpy as np
-
-        output_dir = Path(self.args.output_dir)
-        final = output_dir / f"checkpoint-{self.state.global_step}"
-        partial = output_dir / f"{final.name}.partial"  # renamed when complete: a crash leaves no half one
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        torch.save({k: p.detach().cpu() for k, p in self.params.items()}, partial / "trainable.pt")
-        torch.save(self.optimizer.state_dict(), partial / "optimizer.pt")
-        torch.save(self.lr_scheduler.state_dict(), partial / "scheduler.pt")
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        torch.save(rng, partial / "rng_state.pth")
-        self.state.save_to_json(str(partial / "trainer_state.json"))
-        shutil.rmtree(final, ignore_errors=True)
-        partial.rename(final)
-        self._rotate_checkpoints(output_dir)
-        return final
-
-    def _rotate_checkpoints(self, output_dir: Path) -> None:
-        limit_ = self.args.save_total_limit
-        if not limit_ or limit_ < 1:
-            return
-        checkpoints = sorted((p for p in output_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
-                             key=lambda p: int(p.name.split("-")[-1]))
-        for old in checkpoints[:-limit_]:
-            shutil.rmtree(old, ignore_errors=True)
+    def _save_checkpoint(self) -> Path | None:
+        """``checkpoint-N/`` (:mod:`alpacafarm_trl.ppo_checkpoint`): every rank calls it, the main one writes."""
+        return ppo_checkpoint.save_checkpoint(self)
 
     def _load_checkpoint(self, path: Path) -> None:
-        import numpy as np
-        from transformers.trainer_callback import TrainerState
-
-        saved = torch.load(path / "trainable.pt", map_location="cpu", weights_only=True)
-        missing = sorted(set(self.params) - set(saved))
-        if missing:
-            raise UserError(f"checkpoint {path} does not match this model ({len(missing)} tensors missing, "
-                            f"e.g. {missing[0]})")
-        with torch.no_grad():
-            for name, param in self.params.items():
-                param.copy_(saved[name].to(param.device, param.dtype))
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.models.device,
-                                                  weights_only=True))
-        self.lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-        rng = torch.load(path / "rng_state.pth", weights_only=False)
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["cpu"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        self.state = TrainerState.load_from_json(str(path / "trainer_state.json"))
-        self.state.max_steps = self.max_steps
+        ppo_checkpoint.load_checkpoint(self, path)
 
 
 def build_ppo_trainer(config: PPOMethodConfig, spec: Any, sft_path: str, reward_path: str,
