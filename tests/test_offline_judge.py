@@ -102,6 +102,16 @@ def test_edited_or_foreign_weights_fail_loudly(tmp_path: Path) -> None:
     foreign.write_text('{"weights": {}}')
     with pytest.raises(UserError, match=r"foreign\.json.*offline-judge fit"):
         offline_judge.load_weights(foreign)
+    with pytest.raises(UserError, match=r"missing\.json: no such file"):
+        offline_judge.load_weights(tmp_path / "missing.json")
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xe9\xff")
+    with pytest.raises(UserError, match=r"binary\.json: not UTF-8 text"):
+        offline_judge.load_weights(binary)
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text('{"format": ')
+    with pytest.raises(UserError, match=r"truncated\.json: not JSON .*offline-judge fit"):
+        offline_judge.load_weights(truncated)
 
 
 @needs_model

@@ -33,13 +33,18 @@ _SCORE_DECIMALS = 6
 def load_weights(path: str | Path = WEIGHTS_FILE) -> dict[str, Any]:
     """Read a weights document and check its format and fingerprint (a corrupted file fails loudly)."""
     from alpacafarm.errors import UserError
+    from alpacafarm.paths import read_text
     from alpacafarm_annotators.judge_fit import FORMAT_VERSION, fingerprint
 
     path = Path(path)
+    if not path.is_file():
+        raise UserError(f"offline judge weights {path}: no such file")
+    text = read_text(path, "offline judge weights", display=f"offline judge weights {path}")
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"offline judge weights {path}: cannot be read ({exc})") from None
+        document = json.loads(text)
+    except ValueError as exc:
+        raise UserError(f"offline judge weights {path}: not JSON ({exc}); refit it with "
+                        "`alpacafarm offline-judge fit`") from None
     if not isinstance(document, dict) or document.get("format") != FORMAT_VERSION:
         raise UserError(f"offline judge weights {path}: not a {FORMAT_VERSION} file; refit it with "
                         "`alpacafarm offline-judge fit`")

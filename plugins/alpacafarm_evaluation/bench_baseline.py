@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from alpacafarm.errors import UserError
+from alpacafarm.paths import read_text
 
 BASELINE_FORMAT = "alpacafarm-bench-baseline/1"
 #: Judged pairs kept in a baseline to fingerprint the judge by its behaviour.
@@ -182,9 +183,10 @@ def read_baseline(path: Path) -> dict[str, Any]:
         raise UserError(f"--baseline {path} is a directory; give the baseline JSON file")
     if not path.is_file():
         raise UserError(f"--baseline {path}: no such file; create it with --update-baseline")
+    text = read_text(path, "baseline", display=f"--baseline {path}")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
+        data = json.loads(text)
+    except ValueError as exc:
         raise UserError(f"--baseline {path} is not JSON ({exc}); write a new one with --update-baseline") from None
     if not isinstance(data, dict) or data.get("format") != BASELINE_FORMAT:
         raise UserError(f"--baseline {path} is not an alpacafarm bench baseline (format {BASELINE_FORMAT!r}); "
