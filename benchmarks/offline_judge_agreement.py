@@ -1,7 +1,7 @@
 """Can the offline judge be fooled, and does it agree with GPT-4? Everything on data its weights were not fitted on.
 
 Usage: python benchmarks/offline_judge_agreement.py [--data-dir ../shared/data] [--weights FILE]
-       [--skip-smollm2] [--samples-only]
+       [--skip-smollm2] [--skip-agreement] [--samples-only]
 
 Held-out data: the judge is fitted on 3 instructions in 4 (``judge_fit.is_heldout``); every figure below uses the
 other quarter (about 200 instructions). GPT-4 agreement is also leave-one-system-out: for each system with recorded
@@ -15,9 +15,10 @@ Prints:
  2. SmolLM2-135M-Instruct sampled with the project's sampler at temperature 0.7, 2.0 and 2.5 on 48 held-out
     instructions (96 new tokens) against Davinci003's answers: win-rate;
  3. optimisation pressure: best-of-64 on the judge's score over SmolLM2 samples at temperature 1.2 on 8 held-out
-    instructions, against the average sample and the worst: fluency (share of words that are whole words of
-    MiniLM's WordPiece vocabulary, which the judge does not use) and relevance (share of the instruction's
-    content words found in the answer), and the picked answers;
+    instructions, against the average sample, the worst and the most fluent on-topic sample: fluency (share of
+    words that are whole words of MiniLM's WordPiece vocabulary, which the judge does not use; share of word pairs
+    found in answers to held-out instructions, which the judge's tables never counted) and relevance (share of the
+    instruction's content words found in the answer), and the picked answers;
  4. GPT-4 agreement (leave-one-system-out, held-out instructions): balanced accuracy on length-balanced pairs
     (lengths within 25%), per system, mean over strong systems, pooled; "prefer the longer" alongside;
  5. Spearman of win-rates against Davinci003 with the AlpacaEval GPT-4 leaderboard: systems with GPT-4
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import random
 import re
@@ -82,6 +84,21 @@ def relevance(instruction: str, output: str) -> float:
     return len(keys & set(words(output))) / len(keys) if keys else float("nan")
 
 
+class UnseenBigrams:
+    """Share of an answer's adjacent word pairs found in recorded answers the judge never saw: answers to held-out
+    instructions other than the ones the SmolLM2 sections sample on (the judge's own tables count fit answers only).
+    A measuring stick for word salad and drifting text that the judge's score cannot have been fitted to."""
+
+    def __init__(self, data: judge_fit.JudgeData, heldout: list[str], exclude: set[str]) -> None:
+        self.pairs = {p for outs in data.outputs.values() for ins in heldout if ins not in exclude and ins in outs
+                      for p in itertools.pairwise(words(outs[ins]))}
+
+    def __call__(self, text: str) -> float:
+        tokens = words(text)
+        pairs = list(itertools.pairwise(tokens))
+        return sum(p in self.pairs for p in pairs) / len(pairs) if pairs else 0.0
+
+
 class WordPieceFluency:
     """Share of an answer's words that are whole words of MiniLM's WordPiece vocabulary (not used by the judge)."""
 
@@ -129,25 +146,27 @@ def smollm2_samples(instructions: list[str], temperature: float, n: int, max_new
 def best_of_n_section(args: argparse.Namespace, judge: OfflineJudge, bon_ins: list[str],
                       davinci: dict[str, str]) -> None:
     """Section 3: best-of-n directly on the judge's score; fluency and relevance measured without the judge."""
-    fluency = WordPieceFluency()
+    fluency, unseen = WordPieceFluency(), args.unseen_bigrams
     print(f"\n== 3. best-of-{args.bon_n} on the judge's score, SmolLM2 at temperature 1.2, "
           f"{len(bon_ins)} held-out instructions ==")
     groups = smollm2_samples(bon_ins, 1.2, args.bon_n, 96)
-    rows = {"best": [], "random": [], "worst": []}
+    rows = {"best": [], "random": [], "worst": [], "oracle": []}
     picks = []
     for ins, group in zip(bon_ins, groups, strict=True):
         scores = judge.score_batch([(ins, o, None) for o in group])
         best, worst = group[int(np.argmax(scores))], group[int(np.argmin(scores))]
+        # the sample an independent reader would pick: the most unseen-corpus word pairs among on-topic samples
+        oracle = max(group, key=lambda o: (relevance(ins, o) > 0, unseen(o)))
         picks.append((ins, best))
-        for name, chosen in (("best", [best]), ("random", group), ("worst", [worst])):
-            rows[name].append((np.mean([fluency(o) for o in chosen]),
+        for name, chosen in (("best", [best]), ("random", group), ("worst", [worst]), ("oracle", [oracle])):
+            rows[name].append((np.mean([fluency(o) for o in chosen]), np.mean([unseen(o) for o in chosen]),
                                np.nanmean([relevance(ins, o) for o in chosen])))
     best_vs = np.array(judge.judge([(ins, davinci[ins], o, None) for ins, o in picks]))
-    print(f"{'selection':>10s} {'wordpiece-fluency':>18s} {'relevance':>10s}")
+    print(f"{'selection':>22s} {'wordpiece-fluency':>18s} {'unseen-bigrams':>15s} {'relevance':>10s}")
     for name, vals in rows.items():
         arr = np.array(vals)
-        label = "all samples" if name == "random" else f"{name} of {args.bon_n}"
-        print(f"{label:>12s} {arr[:, 0].mean():16.3f} {np.nanmean(arr[:, 1]):10.3f}")
+        label = {"random": "all samples", "oracle": "most fluent on-topic"}.get(name, f"{name} of {args.bon_n}")
+        print(f"{label:>22s} {arr[:, 0].mean():18.3f} {arr[:, 1].mean():15.3f} {np.nanmean(arr[:, 2]):10.3f}")
     print(f"best-of-{args.bon_n} win-rate vs Davinci003: {credit(best_vs, np.full(len(best_vs), 2)).mean():.3f}")
     for ins, best in picks[:4]:
         print(f"   Q: {ins[:90]!r}\n   A: {best[:300]!r}")
@@ -159,6 +178,7 @@ def main() -> None:
     parser.add_argument("--weights", type=Path, default=WEIGHTS_FILE, help="weights file (default: shipped)")
     parser.add_argument("--skip-smollm2", action="store_true", help="skip sections 2 and 3 (sampling)")
     parser.add_argument("--skip-best-of-n", action="store_true", help="skip section 3")
+    parser.add_argument("--skip-agreement", action="store_true", help="skip sections 4 to 6 (refits, speed)")
     parser.add_argument("--only-best-of-n", action="store_true", help="only section 3")
     parser.add_argument("--samples-only", action="store_true", help="only draw (and cache) the SmolLM2 samples")
     parser.add_argument("--smollm2-instructions", type=int, default=48)
@@ -172,6 +192,7 @@ def main() -> None:
     rng = random.Random(1234)
     smol_ins = rng.sample(heldout, min(args.smollm2_instructions, len(heldout)))
     bon_ins = smol_ins[: args.bon_instructions]
+    args.unseen_bigrams = UnseenBigrams(data, heldout, set(smol_ins))
     if args.samples_only:
         for temperature in (0.7, 2.0, 2.5):
             smollm2_samples(smol_ins, temperature, 1, 96)
@@ -208,17 +229,22 @@ def main() -> None:
         print(f"\n== 2. SmolLM2-135M-Instruct vs Davinci003 on {len(smol_ins)} held-out instructions "
               "(96 new tokens) ==")
         fluency = WordPieceFluency()
-        print(f"{'temperature':>11s} {'win-rate':>9s} {'wordpiece-fluency':>18s} {'relevance':>10s}  example")
+        print(f"{'temperature':>11s} {'win-rate':>9s} {'wordpiece-fluency':>18s} {'unseen-bigrams':>15s} "
+              f"{'relevance':>10s}  example")
         for temperature in (0.7, 2.0, 2.5):
             outs = [s[0] for s in smollm2_samples(smol_ins, temperature, 1, 96)]
             p = np.array(judge.judge([(ins, davinci[ins], o, None) for ins, o in zip(smol_ins, outs, strict=True)]))
             flu = np.mean([fluency(o) for o in outs])
+            uns = np.mean([args.unseen_bigrams(o) for o in outs])
             rel = np.nanmean([relevance(i, o) for i, o in zip(smol_ins, outs, strict=True)])
-            print(f"{temperature:11.1f} {credit(p, np.full(len(p), 2)).mean():9.3f} {flu:18.3f} {rel:10.3f}  "
+            print(f"{temperature:11.1f} {credit(p, np.full(len(p), 2)).mean():9.3f} {flu:18.3f} {uns:15.3f} "
+                  f"{rel:10.3f}  "
                   f"{outs[0][:70]!r}")
     if not args.skip_smollm2 and not args.skip_best_of_n:
         best_of_n_section(args, judge, bon_ins, davinci)
 
+    if args.skip_agreement:
+        return
     # 4/5. GPT-4 agreement, leave one system out ---------------------------------------------------------------
     print("\n== 4. agreement with GPT-4 on held-out instructions, leave-one-system-out ==")
     tables = NGramTables.from_dict(doc["ngrams"])

@@ -184,3 +184,43 @@ def test_fit_command_names_a_wrong_data_folder(tmp_path: Path) -> None:
     result = run_cli("offline-judge", "fit", "--data", str(tmp_path), "--out", str(tmp_path / "w.json"))
     assert result.returncode == 2
     assert str(tmp_path) in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@needs_model
+def test_win_probability_is_the_mirrored_bradley_terry_probability(judge, answered) -> None:
+    (ins, good), (_, other) = answered[0], answered[1]
+    salad = " ".join(sorted(good.split()))
+    pairs = [(ins, good, salad, None), (ins, good, other, None), (ins, good, good, None), (ins, "", "", None)]
+    forward = judge.win_probability(pairs)
+    backward = judge.win_probability([(i, b, a, r) for i, a, b, r in pairs])
+    assert all(0.0 <= p <= 1.0 for p in forward)
+    assert [p + q for p, q in zip(forward, backward, strict=True)] == pytest.approx([1.0] * 4, abs=1e-12)
+    assert forward[2:] == [0.5, 0.5]
+    for p, verdict in zip(forward, judge.judge(pairs), strict=True):
+        assert verdict == (1 if p > 0.5 else 2 if p < 0.5 else 0)
+    assert forward[0] > 0.9  # word salad loses by a wide margin
+    s_good, s_salad = judge.score(ins, good), judge.score(ins, salad)
+    assert forward[0] == pytest.approx(1.0 / (1.0 + 2.718281828459045 ** (s_salad - s_good)))
+
+
+def test_word_order_features_tell_prose_from_shuffled_words() -> None:
+    from alpacafarm_annotators.judge_features import word_order
+
+    prose = "Paris is the capital of France. It lies on the Seine, in the north of the country."
+    shuffled = "the capital. lies France. of Paris the is it north, on the of. Seine in country the"
+    cased, dangling = word_order(prose)
+    assert (cased, dangling) == (1.0, 0.0)
+    cased, dangling = word_order(shuffled)
+    assert cased < 0.5 and dangling >= 0.25
+    assert word_order("") == (1.0, 0.0)
+
+
+@needs_model
+def test_length_and_lists_earn_nothing_off_topic_or_in_word_salad(judge) -> None:
+    instruction = "Summarize the movie The Shining in one snarky sentence."
+    right = "A writer takes a quiet hotel job and ends up chasing his family with an axe; so much for peace."
+    near_off_topic = ("Here is a list of movies directed by Spike Lee, ordered by release date:\n\n"
+                      + "\n".join(f"{k}. Movie number {k} ({1985 + k})" for k in range(1, 16)))
+    words_of_right = right.replace(";", "").replace(".", "").split()
+    long_salad = "\n".join(f"{k}. " + " ".join(words_of_right[(k * 7) % 11:][:9][::-1]) for k in range(1, 16))
+    assert judge.judge([(instruction, right, near_off_topic, None), (instruction, right, long_salad, None)]) == [1, 1]

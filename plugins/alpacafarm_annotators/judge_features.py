@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EMBED_DIM", "STAT_NAMES", "MiniLMEmbedder", "NGramTables", "minilm_model_dir", "text_stats", "words"]
+__all__ = ["EMBED_DIM", "STAT_NAMES", "MiniLMEmbedder", "NGramTables", "minilm_model_dir", "text_stats", "word_order",
+           "words"]
 
 EMBED_DIM = 384
 _WORD = re.compile(r"[a-z]+(?:'[a-z]+)?|\d+")
@@ -43,6 +44,14 @@ _REFUSAL = re.compile(
 _LIST_ITEM = re.compile(r"^\s*(?:[-*•]|\d+[.)])\s+", re.MULTILINE)
 # A finished answer ends with one of these (sentence end, closing bracket/quote, code fence, emphasis, a number).
 _CLEAN_END = re.compile(r"""[.!?:;)\]}"'`*>|0-9]\s*$""")
+# Word order without a table: a sentence end is followed by a capital (or a number, a symbol), and a sentence or
+# clause does not end on a function word. Shuffled words break both; real prose and code rarely do.
+_SENTENCE_STOP = re.compile(r"""[a-z)\]][.!?]["')\]]*$""")
+_CLAUSE_STOP = re.compile(r"""^["'(\[]*([A-Za-z]+)[,.;:!?]["')\]]*$""")
+_FUNCTION_WORDS = frozenset(
+    ["the", "a", "an", "of", "to", "and", "or", "in", "on", "for", "with", "by", "at", "from", "as", "is", "are",
+     "was", "were", "be", "that", "this", "its", "their", "your", "our", "my", "his", "her", "which", "than", "into"]
+)
 
 
 def minilm_model_dir() -> str:
@@ -141,7 +150,19 @@ STAT_NAMES = (
     "loglen", "logwords", "nlist", "nlines", "code", "bold", "refusal", "empty",
     "rep4", "dupl_lines", "compress", "clean_end", "copied_words", "copied_bigrams",
     "known_words", "known_bigrams", "short_word_salad", "bigrams_below_0.5", "words_below_0.9",
+    "sentence_case", "dangling_function_words",
 )
+
+
+def word_order(output: str) -> tuple[float, float]:
+    """(share of sentence ends followed by a capital, a digit or a symbol; share of clause-final words that are
+    function words such as "the," or "of."). (1, 0) when the text has no sentence or clause ends."""
+    tokens = output.split()
+    ends = [nxt for tok, nxt in itertools.pairwise(tokens) if _SENTENCE_STOP.search(tok)]
+    cased = sum(not nxt[0].islower() for nxt in ends) / len(ends) if ends else 1.0
+    stops = [m.group(1).lower() for m in map(_CLAUSE_STOP.match, tokens) if m]
+    dangling = sum(w in _FUNCTION_WORDS for w in stops) / len(stops) if stops else 0.0
+    return cased, dangling
 
 
 def text_stats(instruction: str, output: str, tables: NGramTables) -> list[float]:
@@ -177,6 +198,7 @@ def text_stats(instruction: str, output: str, tables: NGramTables) -> list[float
         # hinges: prose far below real answers' usual shares of known word pairs / words
         max(0.0, 0.5 - known_bigrams) if out_words else 0.0,
         max(0.0, 0.9 - known_words) if out_words else 0.0,
+        *word_order(output),
     ]
 
 

@@ -7,11 +7,13 @@ What the fit uses (every file is described in the data folder's SOURCES.md):
   systems, soft labels), on the FIT instructions only (3 in 4, chosen by a hash of the text; the others are held
   out for ``benchmarks/offline_judge_agreement.py``);
 * synthetic hard negatives that must always lose, built from recorded answers to fit instructions: word salad,
-  random corpus words, invented words, an answer to a different instruction, a repetition loop, a truncation
-  mid-sentence, and a restatement of the instruction (:func:`degenerate`);
+  random corpus words, invented words, an answer to a different instruction (a well-formatted one, and the answer
+  to the instruction sharing the most words), a repetition loop, a truncation mid-sentence, a restatement of the
+  instruction, and words drawn from the answer and instruction themselves (:func:`degenerate`);
 * the word and word-pair tables of the fluency features, counted on every system's answers to fit instructions.
 
-The head is linear over the features of :mod:`judge_features`, fitted Bradley-Terry (logistic loss on score
+The head is linear over the features of :mod:`judge_features`, with length and layout multiplied by a gate that
+is open only for on-topic, fluent text (:data:`GATED_STATS`), fitted Bradley-Terry (logistic loss on score
 differences, L2 penalty) by Newton's method from zero: the same data and seed give byte-identical weights.
 Two heads are fitted: one without a reference answer and one that also reads the output's similarity to a strong
 reference answer.
@@ -38,14 +40,27 @@ from alpacafarm_annotators.judge_features import (
     MiniLMEmbedder,
     NGramTables,
     text_stats,
+    words,
 )
 
-FORMAT_VERSION = "offline-judge-2"
+#: words too common to say what an instruction is about (the nearest-instruction search ignores them)
+STOPWORDS = frozenset(
+    ["a", "an", "the", "and", "or", "of", "to", "in", "on", "for", "with", "by", "at", "from", "as", "is", "are",
+     "was", "were", "be", "it", "its", "this", "that", "what", "which", "who", "how", "why", "when", "where", "do",
+     "does", "did", "can", "could", "should", "would", "will", "i", "you", "me", "my", "your", "we", "our", "they",
+     "them", "their", "please", "give", "write", "list", "make", "provide", "describe", "explain", "tell", "some",
+     "any", "all"]
+)
+
+FORMAT_VERSION = "offline-judge-3"
 #: each synthetic pair counts as this many GPT-4 judgments: degenerate text must lose by a wide margin
-SYNTHETIC_WEIGHT = 30.0
+SYNTHETIC_WEIGHT = 60.0
 #: the embedding features' L2 penalty relative to the others
 EMBEDDING_L2_FACTOR = 10.0
-FAMILIES = ("word_salad", "random_words", "invented_words", "off_topic", "repetition", "truncation", "restate")
+FAMILIES = ("word_salad", "random_words", "invented_words", "off_topic", "repetition", "truncation", "restate",
+            "off_topic_near", "on_topic_words")
+#: families added in format 3; they draw from their own random stream so the first seven stay as they were
+_NEW_FAMILIES = ("off_topic_near", "on_topic_words")
 RESULTS = "tatsu-lab_alpaca_eval/results"
 DAVINCI_REFERENCE = "stanford-cs336_spring2024-assignment5-alignment/data/alpaca_eval/alpaca_eval.jsonl"
 #: Strong systems: synthetic negatives are built from their answers, and they serve as reference answers.
@@ -55,8 +70,22 @@ DAVINCI = "text_davinci_003_reference"  # the AlpacaEval 1 reference outputs (no
 #: off-topic answer is far below all of them, an on-topic one above), so being off-topic can cost more than any
 #: amount of formatting or length can earn
 RELEVANCE_LEVELS = (0.2, 0.35, 0.5)
-FEATURE_NAMES = (*STAT_NAMES, "cos_ins", "cos_above_0.8", *(f"cos_below_{level}" for level in RELEVANCE_LEVELS),
+#: Length and layout earn credit only in an answer that is on topic and fluent: these statistics are multiplied by
+#: a gate in [0, 1], the product of a relevance ramp (cosine to the instruction from RELEVANCE_RAMP[0] to [1]) and a
+#: fluency ramp (share of known word pairs from FLUENCY_RAMP[0] to [1]). Without it a long, list-formatted answer
+#: to another question, or a long stream of loosely connected words, outscores a short right answer.
+GATED_STATS = ("loglen", "logwords", "nlist", "nlines", "code", "bold")
+RELEVANCE_RAMP = (0.2, 0.55)
+FLUENCY_RAMP = (0.25, 0.55)
+FEATURE_NAMES = (*(f"{name}*gate" if name in GATED_STATS else name for name in STAT_NAMES), "cos_ins",
+                 "cos_above_0.8", *(f"cos_below_{level}" for level in RELEVANCE_LEVELS), "gate",
                  *(f"out_{i}" for i in range(EMBED_DIM)), *(f"prod_{i}" for i in range(EMBED_DIM)))
+_GATED_COLUMNS = [STAT_NAMES.index(name) for name in GATED_STATS]
+_KNOWN_BIGRAMS = STAT_NAMES.index("known_bigrams")
+
+
+def _ramp(value: float, bounds: tuple[float, float]) -> float:
+    return min(1.0, max(0.0, (value - bounds[0]) / (bounds[1] - bounds[0])))
 
 
 def is_heldout(instruction: str) -> bool:
@@ -140,7 +169,7 @@ def degenerate(family: str, instruction: str, answer: str, rng: random.Random, c
     """A rival to ``answer`` that no reader would prefer (``family`` in :data:`FAMILIES`).
 
     ``corpus_words`` are whitespace tokens of real answers (random words); ``other_answer`` is an answer to a
-    different instruction (off-topic).
+    different instruction (off-topic; for ``off_topic_near``, to the instruction sharing the most words).
     """
     # The rivals keep the answer's layout (line breaks, list markers' positions): only the words change.
     parts = re.split(r"(\s+)", answer.strip())
@@ -166,8 +195,11 @@ def degenerate(family: str, instruction: str, answer: str, rng: random.Random, c
             a, b = rng.choice(corpus_words), rng.choice(corpus_words)
             out.append(a[: max(1, len(a) // 2)] + b[len(b) // 2:] if rng.random() < 0.6 else a)
         return relayout(out)
-    if family == "off_topic":
+    if family in ("off_topic", "off_topic_near"):
         return other_answer
+    if family == "on_topic_words":  # drawn (with repeats) from the answer's and the instruction's own words
+        vocabulary = [w for w in (answer + " " + instruction).split() if any(c.isalpha() for c in w)] or tokens
+        return relayout([rng.choice(vocabulary) for _ in tokens])
     if family == "repetition":
         loop = "".join(parts[: 2 * rng.randint(4, 12) - 1]) or instruction
         text = loop
@@ -197,7 +229,9 @@ def synthetic_pairs(data: JudgeData, instructions: Sequence[str], seed: int,
     (a shuffled or truncated three-word answer is not clearly worse).
     """
     rng = random.Random(seed)
+    extra_rng = random.Random(seed + 7919)
     pool = [ins for ins in instructions]
+    vocab = [set(words(ins)) - STOPWORDS for ins in pool]
     corpus = corpus_words_of([data.outputs[s][ins] for s in sources for ins in instructions
                               if ins in data.outputs.get(s, {})])
     out = []
@@ -206,6 +240,16 @@ def synthetic_pairs(data: JudgeData, instructions: Sequence[str], seed: int,
             source = sources[(k + j) % len(sources)]
             answer = data.outputs.get(source, {}).get(ins, "")
             if len(answer.split()) < min_words or len(pool) < 2:
+                continue
+            if family in _NEW_FAMILIES:
+                other = ""
+                if family == "off_topic_near":  # the nearest other instruction's answer (Jaccard of content words)
+                    near = max((o for o in range(len(pool)) if pool[o] != ins and pool[o] in data.outputs[source]),
+                               key=lambda o: len(vocab[k] & vocab[o]) / (len(vocab[k] | vocab[o]) or 1),
+                               default=None)
+                    other = data.outputs[source][pool[near]] if near is not None else ""
+                out.append((family, source, ins, answer,
+                            degenerate(family, ins, answer, extra_rng, corpus, other)))
                 continue
             # off-topic: of 4 answers to other instructions, the one with the most lines, then the longest (a
             # well-formatted answer to another question is the hardest off-topic rival)
@@ -229,13 +273,18 @@ class Featurizer:
         for r, (ins, out, ref) in enumerate(items):
             e_ins, e_out = vectors[ins].astype(np.float64), vectors[out].astype(np.float64)
             cos = float(e_ins @ e_out)
-            rows[r, :len(STAT_NAMES)] = text_stats(ins, out, self.tables)
+            stats = text_stats(ins, out, self.tables)
+            gate = _ramp(cos, RELEVANCE_RAMP) * _ramp(stats[_KNOWN_BIGRAMS], FLUENCY_RAMP)
+            for column in _GATED_COLUMNS:
+                stats[column] *= gate
+            rows[r, :len(STAT_NAMES)] = stats
             rows[r, len(STAT_NAMES)] = cos
             rows[r, len(STAT_NAMES) + 1] = max(0.0, cos - 0.8)  # so close to the instruction: restating it?
             start = len(STAT_NAMES) + 2
             for k, level in enumerate(RELEVANCE_LEVELS):
                 rows[r, start + k] = max(0.0, level - cos)
-            start += len(RELEVANCE_LEVELS)
+            rows[r, start + len(RELEVANCE_LEVELS)] = gate
+            start += len(RELEVANCE_LEVELS) + 1
             rows[r, start:start + EMBED_DIM] = e_out
             rows[r, start + EMBED_DIM:len(FEATURE_NAMES)] = e_ins * e_out
             rows[r, -1] = float(vectors[ref].astype(np.float64) @ e_out) if ref is not None else 0.0
@@ -355,6 +404,8 @@ def fit(data_dir: Path, seed: int = 0, l2: float = 30.0, max_instructions: int |
         "format": FORMAT_VERSION,
         "fit": {"seed": seed, "l2": l2, "embedding_l2_factor": EMBEDDING_L2_FACTOR,
                 "synthetic_weight": synthetic_weight, "max_instructions": max_instructions,
+                "gate": {"stats": list(GATED_STATS), "relevance_ramp": list(RELEVANCE_RAMP),
+                         "fluency_ramp": list(FLUENCY_RAMP)},
                 "families": list(FAMILIES),
                 "heldout_rule": "crc32(instruction) % 4 == 0", "n_pairs": len(pairs.first),
                 "data_sha256": data.fingerprint(), "embedding": "all-MiniLM-L6-v2, mean pooled, 128 tokens"},

@@ -4,13 +4,15 @@ The default annotator of CPU runs and CI (the simulated human when no LLM judge 
 scalar score for its instruction; the pair preference is the sign of the score difference, so ``judge(a, b)`` is
 exactly the mirror of ``judge(b, a)`` and identical outputs (or equal scores) tie.
 
-The score is a linear head over the features of :mod:`judge_features` (MiniLM embeddings of instruction and
-output, their cosine and elementwise product; word and word-pair fluency against tables of real answers; length,
-structure, repetition, refusals, a clean ending, text copied from the instruction). It was fitted Bradley-Terry
-(see :mod:`judge_fit`) on recorded AlpacaEval GPT-4 judgments and on synthetic rivals that must always lose (word
-salad, random or invented words, off-topic answers, repetition loops, truncations, restatements of the
-instruction). The weights ship in ``offline_judge_weights.json`` with their fingerprint; refit them with
-``alpacafarm offline-judge fit --data ../shared/data --out FILE`` and load another file with ``weights_file``.
+The score is a linear head over the features of :mod:`judge_features` (MiniLM embeddings of instruction and output,
+their cosine and elementwise product; word and word-pair fluency against tables of real answers; length, structure,
+repetition, refusals, a clean ending, word order, text copied from the instruction); length and layout count only as
+far as the output is on topic and fluent (a gate on the cosine and the known word pairs). It was fitted Bradley-
+Terry (see :mod:`judge_fit`) on recorded AlpacaEval GPT-4 judgments and on synthetic rivals that must always lose
+(word salad, random or invented words, off-topic answers, repetition loops, truncations, restatements of the
+instruction). :meth:`OfflineJudge.win_probability` gives the fitted probability that one output beats the other. The
+weights ship in ``offline_judge_weights.json`` with their fingerprint; refit them with ``alpacafarm offline-judge
+fit --data ../shared/data --out FILE`` and load another file with ``weights_file``.
 """
 
 from __future__ import annotations
@@ -112,6 +114,27 @@ class OfflineJudge:
     def score(self, instruction: str, output: str, reference: str | None = None) -> float:
         """Score one output for an instruction (see :meth:`score_batch`)."""
         return self.score_batch([(instruction, output, reference)])[0]
+
+    def win_probability(self, pairs: Sequence[tuple[str, str, str, str | None]]) -> list[float]:
+        """P(output_1 beats output_2) for (instruction, output_1, output_2, reference) tuples.
+
+        The Bradley-Terry probability the head was fitted with: the logistic function of the score difference
+        (output_1's minus output_2's). Mirrors exactly (swapping the outputs gives 1 - p) and is 0.5 wherever
+        :meth:`judge` says tie; above 0.5 exactly where :meth:`judge` says 1.
+        """
+        import math
+
+        items: list[tuple[str, str, str | None]] = []
+        for instruction, out_1, out_2, reference in pairs:
+            items.append((instruction, out_1 or "", reference))
+            items.append((instruction, out_2 or "", reference))
+        scores = self.score_batch(items)
+        probabilities = []
+        for (_, out_1, out_2, _), s1, s2 in zip(pairs, scores[0::2], scores[1::2], strict=True):
+            diff = 0.0 if (out_1 or "") == (out_2 or "") else s1 - s2
+            # the two-sided form keeps p(a, b) + p(b, a) == 1 exactly and never overflows
+            probabilities.append(1.0 / (1.0 + math.exp(-diff)) if diff >= 0 else 1.0 - 1.0 / (1.0 + math.exp(diff)))
+        return probabilities
 
     def judge(self, pairs: Sequence[tuple[str, str, str, str | None]]) -> list[int]:
         """Judge (instruction, output_1, output_2, reference) tuples.
