@@ -61,15 +61,34 @@ def build_parser(plugin_commands: dict[str, str]) -> argparse.ArgumentParser:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from alpacafarm.console import console, print_table
-    from alpacafarm.pipeline import Pipeline
-    from alpacafarm.plugins import get_registry
-    from alpacafarm.recipe import load_recipe
+    from alpacafarm import distributed
 
     if not args.plan:  # before anything is imported or loaded: library chatter goes to run.log, not the console
         from alpacafarm.library_output import route_library_output
 
         route_library_output(verbose=args.verbose)
+    main = True
+    try:
+        if not args.plan:  # one of a launcher's ranks joins the group before the recipe loads (distributed.init)
+            distributed.init()
+        main = distributed.is_main()
+        return _run(args, main)
+    except Exception as exc:
+        if main:
+            raise
+        if args.debug:  # the main process reports every rank's failure in one line; --debug shows this rank's
+            traceback.print_exc()
+        return getattr(exc, "exit_code", 1)
+    finally:
+        distributed.shutdown()
+
+
+def _run(args: argparse.Namespace, main: bool) -> int:
+    from alpacafarm.console import console, print_table
+    from alpacafarm.pipeline import Pipeline
+    from alpacafarm.plugins import get_registry
+    from alpacafarm.recipe import load_recipe
+
     registry = get_registry()
     loaded = load_recipe(args.recipe, args.overrides, registry)
     pipeline = Pipeline(loaded, registry, args.output_dir)
@@ -80,21 +99,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     processes, config = launch_settings(args, loaded.recipe)
     if processes is not None:  # several processes asked for and not yet launched: re-launch through accelerate
         return relaunch(processes, config, sys.argv[1:] if args.argv is None else args.argv)
-    from alpacafarm import distributed
-
-    main = True
-    try:
-        distributed.init()
-        main = distributed.is_main()
-        outcomes = pipeline.run(force=args.force)
-    except Exception as exc:
-        if main:
-            raise
-        if args.debug:  # the main process reports every rank's failure in one line; --debug shows this rank's
-            traceback.print_exc()
-        return getattr(exc, "exit_code", 1)
-    finally:
-        distributed.shutdown()
+    outcomes = pipeline.run(force=args.force)
     if not main:
         return 0
     rows = [[o.name, o.status, f"{o.seconds:.1f}s", o.artifact.kind, o.artifact.path or ""] for o in outcomes]
@@ -176,6 +181,15 @@ def _report_error(error: UserError, raised: BaseException, debug: bool) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    code = _main(argv)
+    from alpacafarm import distributed
+
+    if distributed.joined_by_us():  # one of a launcher's ranks, done: exit now (see distributed.end_process)
+        distributed.end_process(code)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:

@@ -17,7 +17,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from alpacafarm.errors import UserError
 
@@ -60,12 +60,45 @@ def local_rank() -> int:
     return _env_int("LOCAL_RANK", 0)
 
 
+#: Modules whose functions take ``group=dist.group.WORLD`` as a default argument, evaluated when the module is first
+#: imported: imported after the process group started, they keep it alive past ``destroy_process_group`` (DDP
+#: imports the first; accelerate imports DeepSpeed's where it is installed), so the group's gloo worker threads
+#: outlive it and one may free the last collective's tensors while the interpreter is finalizing: "terminate
+#: called without an active exception", SIGABRT, and a run that finished its work exits 1. Imported before the
+#: group starts, their defaults are ``None``. (A library not installed is skipped.)
+GROUP_DEFAULT_MODULES = ("torch.distributed.nn.functional", "torch.distributed.optim.zero_redundancy_optimizer",
+                         "torch.distributed.fsdp.sharded_grad_scaler", "deepspeed.comm.torch")
+
+
+_JOINED = False  # set by init() in one of a launcher's ranks
+
+
+def joined_by_us() -> bool:
+    """Whether :func:`init` ran in one of a launcher's ranks (this process then ends through :func:`end_process`)."""
+    return _JOINED
+
+
 def init() -> None:
-    """Join the process group when a launcher started several processes; a no-op for one process."""
-    if launched_processes() <= 1 or _initialized():
+    """Join the process group when a launcher started several processes; a no-op for one process.
+
+    Call it before anything else can start the group (a TRL config starts one when it is validated): see
+    :data:`GROUP_DEFAULT_MODULES` for why the order matters.
+    """
+    global _JOINED
+    if launched_processes() <= 1:
         return
+    _JOINED = True
+    if _initialized():
+        return
+    import importlib
+    import importlib.util
+
     import torch
     from accelerate import PartialState
+
+    for module in GROUP_DEFAULT_MODULES:
+        if importlib.util.find_spec(module.split(".")[0]) is not None:
+            importlib.import_module(module)
 
     # Joins torch.distributed from the launcher's environment (NCCL on GPUs). cpu=True where there is no GPU:
     # accelerate then joins over gloo (without it, a CPU-only rank stays alone).
@@ -244,3 +277,25 @@ def shutdown() -> None:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+
+
+def end_process(code: int) -> NoReturn:
+    """End one of a launcher's ranks with ``code`` once its command has returned: exit handlers run and output is
+    flushed, then the process exits without finalizing the interpreter.
+
+    A process group something still references (FSDP2's DTensor caches hold its device mesh; see also
+    :data:`GROUP_DEFAULT_MODULES`) outlives ``destroy_process_group``, and its gloo/NCCL worker threads keep running.
+    If the interpreter is finalized under them, one may need the GIL to free a collective's tensors and is killed
+    inside a ``noexcept`` destructor: "terminate called without an active exception", SIGABRT, and a rank that
+    finished its work exits 1. Nothing is left to do at that point, so the process ends before finalization.
+    """
+    import atexit
+    import logging
+    import sys
+
+    atexit._run_exitfuncs()  # what a normal exit runs first (logging's flush, handlers registered by libraries)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken stream cannot be flushed; the exit code stands
+            stream.flush()
+    os._exit(code)

@@ -62,6 +62,12 @@ def _worker(what: str, out: Path) -> None:
         result.update(_ppo_run())
     elif what == "refuse":
         result.update(_refused_run(out))
+    elif what == "score":
+        from alpacafarm_trl.best_of_n import score_rows
+
+        calls: list[list[str]] = []
+        result["scores"] = score_rows(_LengthReward(calls), SCORED_ROWS, 3, "scoring")
+        result["scored"] = calls
     (out / f"rank{d.rank()}.json").write_text(json.dumps(result), encoding="utf-8")
     d.shutdown()
 
@@ -75,6 +81,22 @@ def _whiten_batch() -> tuple[Any, Any]:
     for row, length in enumerate([6, 2, 4, 5, 1]):
         mask[row, length:] = 0
     return values, mask
+
+
+SCORED_ROWS = [{"instruction": f"Question {i}?", "input": "", "output": "word " * (i * 7 % 11)} for i in range(10)]
+
+
+class _LengthReward:
+    """A reward that records each batch it scores (outputs) and depends on the batch (its longest output), as a
+    padded reward model may: scores equal one process's only if the batches do."""
+
+    def __init__(self, calls: list[list[str]]) -> None:
+        self.calls = calls
+
+    def __call__(self, records: list[dict[str, Any]], completions: list[str]) -> list[float]:
+        self.calls.append(list(completions))
+        longest = max(len(c) for c in completions)
+        return [len(c) + longest / 1000 for c in completions]
 
 
 PPO_PROMPTS = [{"instruction": f"Tell me something about topic number {i}.", "input": "" if i % 3 else "briefly"}
@@ -230,6 +252,18 @@ def test_a_failure_on_one_rank_stops_every_rank_with_one_message_naming_it(tmp_p
     assert [r["after"] for r in ranks] == ["in step", "in step"]
 
 
+def test_best_of_n_scoring_is_split_across_ranks_in_the_batches_of_one_process(tmp_path: Path):
+    from alpacafarm_trl.best_of_n import score_rows
+
+    one_calls: list[list[str]] = []
+    one = score_rows(_LengthReward(one_calls), SCORED_ROWS, 3)
+    ranks = _torchrun("score", tmp_path / "out", tmp_path)
+    assert [r["scores"] for r in ranks] == [one, one]  # every rank has every score, equal to one process's
+    assert len(one_calls) == 4 and [len(r["scored"]) for r in ranks] == [2, 2]  # each rank scored half the batches
+    assert ranks[0]["scored"] + ranks[1]["scored"] != one_calls  # ... batch b on rank b mod 2:
+    assert sorted(ranks[0]["scored"] + ranks[1]["scored"]) == sorted(one_calls)  # the same batches as one process
+
+
 def test_two_rank_whitening_equals_one_rank_whitening_of_the_concatenated_batch(tmp_path: Path):
     import torch
 
@@ -311,7 +345,7 @@ def test_zero_config_without_deepspeed_is_one_line_exit_2(tmp_path: Path):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "error: accelerate config zero3.yaml uses DeepSpeed, which is not installed: pip install deepspeed "
-        "(on a machine with CUDA)"]
+        "--no-build-isolation"]
     assert not (tmp_path / "run").exists()
 
 
@@ -377,6 +411,39 @@ if _root and _log:
                     _busy.pop()
 
     sys.addaudithook(_hook)
+
+    import atexit
+
+    def _threads_at_exit():  # after the command returned (and left its process group): which threads still run
+        names = []
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/comm") as fh:
+                    names.append(fh.read().strip())
+            except OSError:
+                pass
+        with open(f"{_log}.threads", "a") as fh:
+            fh.write(f"{os.environ.get('RANK', '-')} {' '.join(sorted(names))}\\n")
+
+    atexit.register(_threads_at_exit)
+
+    if "LOCAL_RANK" in os.environ:  # a launcher's rank: a worker thread still running when the command returns
+        import threading, time
+
+        def _outlive():  # (a process group's, kept alive under FSDP2): the rank must not wait for it, nor die of it
+            joined = False
+            while True:  # until the command has left its process group
+                time.sleep(0.2)
+                dist = sys.modules.get("torch.distributed")
+                up = dist is not None and dist.is_available() and dist.is_initialized()
+                if joined and not up:
+                    break
+                joined = joined or up
+            time.sleep(5)
+            with open(f"{_log}.outlived", "a") as fh:
+                fh.write(os.environ.get("RANK", "-") + "\\n")
+
+        threading.Thread(target=_outlive, name="outliving", daemon=False).start()
 '''
 
 SFT_RECORDS = [{"instruction": f"Name the colour number {i}.", "input": "", "output": f"Colour {i} is blue."}
@@ -449,7 +516,11 @@ def two_runs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> d
         done = subprocess.run([sys.executable, "-m", "alpacafarm", "run", str(recipe), "--output-dir", str(run_dir),
                                *extra], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-        runs[name] = {"dir": run_dir, "stdout": done.stdout,
+        threads = tmp_path / f"writes-{name}.threads"
+        outlived = tmp_path / f"writes-{name}.outlived"
+        runs[name] = {"dir": run_dir, "stdout": done.stdout, "stderr": done.stderr,
+                      "outlived": outlived.read_text().split() if outlived.is_file() else [],
+                      "threads_at_exit": threads.read_text().splitlines() if threads.is_file() else [],
                       "writes": {p.name.rsplit(".", 1)[1]: p.read_text().splitlines()
                                  for p in tmp_path.glob(f"writes-{name}.rank*")}}
     return runs
@@ -471,6 +542,20 @@ def test_two_processes_really_ran_and_only_rank_0_wrote(two_runs: dict[str, Any]
     assert writes["rank1"] == []  # ... and rank 1 wrote nothing in the run directory
 
 
+def test_every_rank_leaves_its_process_group_before_exit(two_runs: dict[str, Any]):
+    # A group kept alive past destroy_process_group (a library function's default argument captured it) keeps its
+    # gloo threads running into interpreter shutdown, where one may free a collective's tensors and abort the rank
+    # ("terminate called without an active exception"): a finished run then exited 1, now and then.
+    at_exit = {line.split(" ", 1)[0]: line for line in two_runs["two"]["threads_at_exit"]}
+    assert {"0", "1"} <= set(at_exit)
+    for rank_ in ("0", "1"):
+        assert "gloo" not in at_exit[rank_], at_exit[rank_]
+    assert "terminate called" not in two_runs["two"]["stderr"]
+    # Threads that outlive the command (FSDP2's DTensor caches keep the group, and its threads, alive) do not get
+    # to run into interpreter shutdown: a rank ends right after its command returned (distributed.end_process).
+    assert two_runs["two"]["outlived"] == []
+
+
 def test_two_process_outputs_equal_the_single_process_run(two_runs: dict[str, Any]):
     from alpacafarm.data import read_records
 
@@ -480,6 +565,11 @@ def test_two_process_outputs_equal_the_single_process_run(two_runs: dict[str, An
         keys = ("instruction", "output", "sample_index")
         assert [{k: r[k] for k in keys} for r in a] == [{k: r[k] for k in keys} for r in b], file
         assert len({r["output"] for r in a}) > 1  # real sampling, not one repeated answer
+    # best-of-n scored its samples on both ranks: the same scores and the same choice for every n
+    for file in ("samples", "best_of_1", "best_of_2", "best_of_3"):
+        a, b = (read_records(run / "stages" / "bon" / f"{file}.jsonl") for run in (one, two))
+        assert a == b, file
+    assert len({r["reward"] for r in read_records(one / "stages/bon/samples.jsonl")}) > 1
     # every trainer saved once and the next stage loaded it: DPO's outputs come from the saved DPO model
     for stage in ("sft", "rm", "dpo", "ppo", "ei/round_1", "feedme", "rc", "grpo", "rloo", "quark"):
         assert (two / "stages" / stage / "model" / "config.json").is_file(), stage

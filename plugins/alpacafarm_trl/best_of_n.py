@@ -82,10 +82,41 @@ def sample_and_score(generator: Generator, reward: RewardFunction, records: Sequ
     return score_groups(reward, records, rows, sampling.n)
 
 
+def score_batches(reward: RewardFunction, rows: Sequence[dict[str, Any]], batch_size: int) -> list[list[int]]:
+    """The scoring batches of ``rows`` (lists of row indices): longest text first, ``batch_size`` a batch.
+
+    The same batches whatever the number of processes, so that a batch's scores do not depend on it (the reward
+    model pads a batch to its longest text). With a reward model's scorer the order is the one it sorts by itself
+    (its full text), so one process scores exactly as it would all rows at once."""
+    full_text = getattr(reward, "full_text", None)
+    lengths = [len(full_text(row, row["output"])) if full_text is not None
+               else len(row["instruction"]) + len(row.get("input") or "") + len(row["output"]) for row in rows]
+    order = sorted(range(len(rows)), key=lambda i: -lengths[i])
+    return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+def score_rows(reward: RewardFunction, rows: Sequence[dict[str, Any]], batch_size: int, where: str = "") -> list[float]:
+    """The reward of every row, its :func:`score_batches` split across ranks (batch ``b`` on rank ``b mod world``)
+    and gathered on every rank: the same scores as one process."""
+    from alpacafarm import distributed
+
+    batches, world = score_batches(reward, rows, batch_size), distributed.world_size()
+    mine = batches[distributed.rank()::world]
+    scored = [reward([rows[i] for i in batch], [rows[i]["output"] for i in batch]) for batch in mine]
+    scores: list[float] = [0.0] * len(rows)
+    for rank_, values in enumerate(distributed.all_gather_object(scored, where)):
+        for batch, batch_scores in zip(batches[rank_::world], values, strict=True):
+            for i, value in zip(batch, batch_scores, strict=True):
+                scores[i] = float(value)
+    return scores
+
+
 def score_groups(reward: RewardFunction, records: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]],
-                 n: int) -> list[list[dict[str, Any]]]:
-    """``rows`` (``n`` samples per record, in order) scored and grouped per record."""
-    rewards = reward(list(rows), [row["output"] for row in rows])
+                 n: int, batch_size: int | None = None, where: str = "") -> list[list[dict[str, Any]]]:
+    """``rows`` (``n`` samples per record, in order) scored and grouped per record; with ``batch_size``, in the
+    batches of :func:`score_rows` across ranks (every rank gets every score)."""
+    rewards = (reward(list(rows), [row["output"] for row in rows]) if batch_size is None
+               else score_rows(reward, rows, batch_size, where))
     grouped: list[list[dict[str, Any]]] = [[] for _ in records]
     for i, (row, value) in enumerate(zip(rows, rewards, strict=True)):
         grouped[i // n].append({**row, "reward": float(value)})
@@ -118,15 +149,15 @@ class BestOfN(Method):
         records = context.records("instruction_splits", config.split)[: config.max_instructions]
         sampling = config.sampling.model_copy(update={"n": config.n, "seed": config.sampling.seed + context.seed})
         started = time.perf_counter()
-        # Sampling is split across ranks (the same samples as one process); scoring runs on the main process,
-        # which alone writes the files: the reward scorer batches by length over all rows, so scoring a shard would
-        # pad differently from one process.
+        # Sampling and scoring are split across ranks, each in batches that do not depend on the number of
+        # processes (the same samples and scores as one process); the main process alone writes the files.
         rows, _ = context.generate_on_ranks(config.backend, config.backend_config, records, sampling,
                                             f"best-of-{config.n}: sampling")
+        reward = context.reward_function(batch_size=config.score_batch_size)
+        samples = score_groups(reward, records, rows, config.n, config.score_batch_size,
+                               f"stage {context.stage!r}: scoring")
         if not context.is_main:
             return Artifact("outputs", str(context.stage_dir))
-        reward = context.reward_function(batch_size=config.score_batch_size)
-        samples = score_groups(reward, records, rows, config.n)
         seconds = time.perf_counter() - started
         write_jsonl(context.stage_dir / "samples.jsonl", [s for group in samples for s in group])
         systems: dict[str, dict[str, Any]] = {}
