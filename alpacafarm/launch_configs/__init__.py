@@ -7,6 +7,11 @@ itself through ``accelerate launch`` when asked for several processes.
 
 and every launched process runs the pipeline as a rank (see :mod:`alpacafarm.distributed`). A command already
 started by a launcher (``torchrun``, ``accelerate launch``) is never re-launched: it just runs as its rank.
+
+``zero2`` and ``zero3`` need the deepspeed package, on GPUs or CPUs (DeepSpeed's CPU accelerator joins the ranks over
+gloo without oneCCL, and compiles its small shared-memory op with the system C++ compiler on first use). Its
+``setup.py`` imports torch: ``pip install deepspeed --no-build-isolation`` builds it against the installed torch (an
+isolated build would download another one, a CUDA build of several GB).
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ def check_config(path: Path, data: dict[str, Any]) -> None:
 
     if str(data.get("distributed_type", "")).upper() == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
         raise MissingPackageError(f"accelerate config {path.name} uses DeepSpeed, which is not installed: "
-                                  "pip install deepspeed (on a machine with CUDA)")
+                                  "pip install deepspeed --no-build-isolation")
 
 
 def launch_command(num_processes: int, config: str | None, argv: Sequence[str]) -> list[str]:

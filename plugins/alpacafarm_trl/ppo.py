@@ -72,7 +72,7 @@ class PPO(Method):
         from alpacafarm.data import write_json
         from alpacafarm_trl.ppo_sharding import requested_sharding
 
-        requested_sharding()  # a launch config PPO cannot honour (DeepSpeed, FSDP 1) fails before any model loads
+        requested_sharding()  # a launch config PPO cannot honour (FSDP 1, ZeRO-1) fails before any model loads
         spec = context.recipe.model
         args = stage_training_args(self.config, context)
         sft_path = context.input("sft_model").path
@@ -85,8 +85,8 @@ class PPO(Method):
         with training_progress(trainer, context, "PPO steps"):
             result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
-        # Sharded (FSDP2): one copy of the weights exists, gathered whole on every rank to be saved. Data parallel:
-        # every rank holds its own copy, and they must agree.
+        # Sharded (FSDP2, ZeRO): gathered whole on every rank to be saved (ZeRO-2's copies are the engine's to keep
+        # in step). Data parallel: every rank holds its own copy, and they must agree.
         full_state = trainer.sharding.full_state_dict(trainer.models.policy_export())
         digests = distributed.all_gather_object(weights_digest(trainer), context.stage) \
             if distributed.world_size() > 1 and not trainer.sharding.active else []

@@ -1,9 +1,9 @@
 """The PPO trainer's ``checkpoint-N/`` folders: trained weights (policy, value), optimizer, scheduler, RNG and trainer
 state, written by the main process and read back by every rank on resume.
 
-Under FSDP2 (:mod:`alpacafarm_trl.ppo_sharding`) every rank first gathers the sharded weights and optimizer state
-whole (collectives), so a checkpoint has the data-parallel format whatever the launch config, and resuming shards
-it again: a run can resume under another config.
+Under FSDP2 (:mod:`alpacafarm_trl.ppo_sharding`) and DeepSpeed ZeRO (:mod:`alpacafarm_trl.ppo_zero`) every rank
+first gathers the sharded weights and optimizer state whole (collectives), so a checkpoint has the data-parallel
+format whatever the launch config, and resuming shards it again: a run can resume under another config.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def save_checkpoint(trainer: Any) -> Path | None:
     from alpacafarm import distributed
 
     sharding = trainer.sharding
-    trainable = sharding.full_tensors({k: p.detach() for k, p in trainer.params.items()})
+    trainable = sharding.full_parameters(trainer.params)
     optimizer_state = sharding.full_optimizer_state(trainer.optimizer)
     if not distributed.is_main():
         return None
@@ -62,23 +62,14 @@ def load_checkpoint(trainer: Any, path: Path) -> None:
     import numpy as np
     from transformers.trainer_callback import TrainerState
 
-    from alpacafarm_trl.ppo_sharding import is_sharded
-
     saved = torch.load(path / "trainable.pt", map_location="cpu", weights_only=True)
     missing = sorted(set(trainer.params) - set(saved))
     if missing:
         raise UserError(f"checkpoint {path} does not match this model ({len(missing)} tensors missing, "
                         f"e.g. {missing[0]})")
-    with torch.no_grad():
-        for name, param in trainer.params.items():
-            value = saved[name].to(param.device, param.dtype)
-            if is_sharded(param):
-                from torch.distributed.tensor import distribute_tensor
-
-                value = distribute_tensor(value, param.device_mesh, param.placements)
-            param.copy_(value)
+    trainer.sharding.load_parameters(trainer.params, saved)
     optimizer_state = torch.load(path / "optimizer.pt", map_location=trainer.models.device, weights_only=True)
-    trainer.optimizer.load_state_dict(trainer.sharding.shard_like(list(trainer.params.values()), optimizer_state))
+    trainer.sharding.load_optimizer(trainer.optimizer, list(trainer.params.values()), optimizer_state)
     trainer.lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     rng = torch.load(path / "rng_state.pth", weights_only=False)
     random.setstate(rng["python"])

@@ -151,18 +151,21 @@ class SeparateModels(PolicyAndValue):
             disable_dropout(module)
         self.device = policy.get_input_embeddings().weight.device
         self._keep = _accepts_logits_to_keep(policy)
+        #: ``through(part)`` runs ``"policy"`` or ``"value"``: the module itself, or under DeepSpeed the engine
+        #: holding both (its backward bookkeeping hangs on the forward: :mod:`alpacafarm_trl.ppo_zero`)
+        self.through: Any = lambda part: getattr(self, part)
 
     def generate(self, **kwargs: Any) -> torch.Tensor:
         return self.policy.generate(**kwargs)
 
     def policy_logits(self, batch: Batch) -> torch.Tensor:
-        return _response_logits(self.policy, batch, self._keep)
+        return _response_logits(self.through("policy"), batch, self._keep)
 
     def reference_logits(self, batch: Batch) -> torch.Tensor:
         return _response_logits(self.reference, batch, self._keep)
 
     def values(self, batch: Batch) -> torch.Tensor:
-        return self.value(batch)
+        return self.through("value")(batch)
 
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         params = {f"policy.{n}": p for n, p in self.policy.named_parameters() if p.requires_grad}

@@ -6,7 +6,9 @@ whole on every rank.
 ``accelerate launch`` gives every rank (``ACCELERATE_USE_FSDP``, ``FSDP_VERSION``), as TRL's trainers read it
 through accelerate's state: the same ``--accelerate-config fsdp2`` shards SFT's model and PPO's, and no recipe field
 can contradict the launch (sharding changes memory, not results: a stage's fingerprint does not depend on it).
-FSDP version 1 and DeepSpeed (ZeRO-2/3) configs are refused for PPO with one line: our trainer does not drive them.
+DeepSpeed ZeRO-2/3 configs train the policy and value through a DeepSpeed engine instead
+(:mod:`alpacafarm_trl.ppo_zero`, a :class:`Sharding` too); FSDP version 1 and other ZeRO stages are refused for PPO
+with one line.
 
 **How.** :func:`torch.distributed.fsdp.fully_shard` on every decoder layer (the model's ``_no_split_modules``
 classes, as accelerate's ``TRANSFORMER_BASED_WRAP`` picks them), then on the root, for the policy and for the value
@@ -32,9 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from alpacafarm.errors import UserError
+from alpacafarm.errors import MissingPackageError, UserError
 
 FSDP2 = "fsdp2"
+#: The DeepSpeed ZeRO stages our PPO trainer drives, by the mode name it gets.
+ZERO_STAGES = {"2": "zero2", "3": "zero3"}
 
 
 def _env_true(name: str) -> bool:
@@ -42,12 +46,21 @@ def _env_true(name: str) -> bool:
 
 
 def requested_sharding() -> str | None:
-    """``"fsdp2"`` when the ranks were launched with an FSDP2 accelerate config, None for data parallel; a
-    one-line error for launch configs PPO cannot honour (DeepSpeed ZeRO, FSDP version 1)."""
+    """``"fsdp2"``, ``"zero2"`` or ``"zero3"`` as the ranks' accelerate launch config asks, None for data parallel;
+    a one-line error for launch configs PPO cannot honour (FSDP version 1, ZeRO stages other than 2 and 3, or a
+    DeepSpeed config without the deepspeed package)."""
     if _env_true("ACCELERATE_USE_DEEPSPEED"):
-        stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "?")
-        raise UserError(f"ppo: the DeepSpeed ZeRO-{stage} path of our PPO trainer is not available (it shards the "
-                        "policy and value with FSDP2 only); launch with --accelerate-config fsdp2 or ddp")
+        import importlib.util
+
+        stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "").strip()
+        if stage not in ZERO_STAGES:
+            raise UserError(f"ppo: DeepSpeed ZeRO stage {stage or '(unset)'} is not supported by our PPO trainer; "
+                            "set zero_stage: 2 or 3 in the accelerate config (the packaged ones: --accelerate-config "
+                            "zero2 or zero3)")
+        if importlib.util.find_spec("deepspeed") is None:
+            raise MissingPackageError(f"ppo: the accelerate config asks for DeepSpeed ZeRO-{stage}, which is not "
+                                      "installed: pip install deepspeed --no-build-isolation")
+        return ZERO_STAGES[stage]
     if not _env_true("ACCELERATE_USE_FSDP"):
         return None
     version = os.environ.get("FSDP_VERSION", "1").strip()
@@ -94,6 +107,27 @@ class Sharding:
     @property
     def active(self) -> bool:
         return self.mode is not None
+
+    def prepare(self, optimizer: torch.optim.Optimizer, args: Any) -> None:
+        """Called once with the trainer's optimizer over the trained parameters (DeepSpeed builds its engine)."""
+
+    def backward(self, loss: torch.Tensor, *, last: bool = True) -> None:
+        """Backpropagate ``loss``; ``last=False`` marks the micro-batch's first loss (the policy's: DeepSpeed waits
+        for the value's to run one backward)."""
+        loss.backward()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    def step(self, optimizer: torch.optim.Optimizer, params: list[Any], max_grad_norm: float) -> float:
+        """Sum the gradients across ranks (data parallel; FSDP2 reduce-scattered them already), clip them together
+        to ``max_grad_norm`` and step; the norm before clipping."""
+        from alpacafarm_trl.ppo_core import all_reduce_gradients
+
+        all_reduce_gradients(params)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        optimizer.step()
+        return float(norm)
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -142,6 +176,25 @@ class Sharding:
         """Every DTensor in ``tensors`` gathered whole on the CPU (a collective per tensor), others as they are."""
         return {k: v.full_tensor().cpu() if is_sharded(v) else v for k, v in tensors.items()}
 
+    def full_parameters(self, params: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Every trained parameter whole (a collective per sharded one), as the checkpoint stores it."""
+        return self.full_tensors({k: p.detach() for k, p in params.items()})
+
+    def load_parameters(self, params: dict[str, Any], saved: dict[str, torch.Tensor]) -> None:
+        """Set every trained parameter from full tensors, sharded again like the parameter."""
+        with torch.no_grad():
+            for name, param in params.items():
+                value = saved[name].to(param.device, param.dtype)
+                if is_sharded(param):
+                    from torch.distributed.tensor import distribute_tensor
+
+                    value = distribute_tensor(value, param.device_mesh, param.placements)
+                param.copy_(value)
+
+    def load_optimizer(self, optimizer: torch.optim.Optimizer, params: list[Any], state: dict[str, Any]) -> None:
+        """Load a full (data-parallel format) optimizer state dict, sharded like the parameters."""
+        optimizer.load_state_dict(self.shard_like(params, state))
+
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state dict with every sharded state tensor gathered whole: the data-parallel format."""
         state = optimizer.state_dict()
@@ -174,18 +227,26 @@ def _units(root: Any) -> list[Any]:
     return [m for m in root.modules() if isinstance(m, FSDPModule)]
 
 
-def shard_models(models: Any) -> Sharding:
-    """Shard ``models`` (a :class:`~alpacafarm_trl.ppo_models.SeparateModels`) as the launch config asks; the
-    :class:`Sharding` the trainer then works through."""
-    from alpacafarm import distributed
+def require_full_fine_tuning(models: Any, mode: str) -> None:
+    """A one-line error unless ``models`` is the full fine-tuning layout (the only one sharded)."""
     from alpacafarm_trl.ppo_models import SeparateModels
 
-    mode = requested_sharding()
-    if mode is None or distributed.world_size() == 1:
-        return Sharding()
     if not isinstance(models, SeparateModels):
-        raise UserError("ppo: FSDP2 shards full fine-tuning only; with 'lora:' in the model block run PPO data "
-                        "parallel (--accelerate-config ddp): the trained adapters are small")
+        raise UserError(f"ppo: {'FSDP2' if mode == FSDP2 else 'DeepSpeed ZeRO'} shards full fine-tuning only; with "
+                        "'lora:' in the model block run PPO data parallel (--accelerate-config ddp): the trained "
+                        "adapters are small")
+
+
+def shard_models(models: Any) -> Sharding:
+    """Shard ``models`` (a :class:`~alpacafarm_trl.ppo_models.SeparateModels`) with FSDP2 when the launch config
+    asks for it; the :class:`Sharding` the trainer then works through (DeepSpeed ZeRO launches get theirs from
+    :func:`alpacafarm_trl.ppo_zero.zero_sharding`, which the trainer asks first)."""
+    from alpacafarm import distributed
+
+    mode = requested_sharding()
+    if mode != FSDP2 or distributed.world_size() == 1:
+        return Sharding()
+    require_full_fine_tuning(models, mode)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(models.device.type, (distributed.world_size(),))

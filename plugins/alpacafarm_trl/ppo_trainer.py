@@ -22,7 +22,8 @@ Under several processes (``--num-processes N``) every rank holds the whole model
 (the responses one process samples), and scores and evaluates its share of the rollouts; whitening and logged
 means are over the whole batch, gradients are summed across ranks: one process's step. The main process saves.
 Launched with an FSDP2 accelerate config the policy and value model are sharded across the ranks instead of copied
-(:mod:`alpacafarm_trl.ppo_sharding`: the same step, its gradients reduce-scattered as sums).
+(:mod:`alpacafarm_trl.ppo_sharding`: the same step, its gradients reduce-scattered as sums); with a DeepSpeed
+ZeRO-2/3 config they train through one DeepSpeed engine (:mod:`alpacafarm_trl.ppo_zero`, the same step again).
 
 The models come in two layouts (:mod:`alpacafarm_trl.ppo_models`, built by :mod:`alpacafarm_trl.ppo_build`):
 separate policy, reference and value models, or with ``lora:`` (and optionally ``quantization: 4bit``) ONE base
@@ -54,6 +55,7 @@ from alpacafarm_trl.ppo_build import build_models
 from alpacafarm_trl.ppo_config import PPOMethodConfig
 from alpacafarm_trl.ppo_core import Rollouts, collate
 from alpacafarm_trl.ppo_models import PolicyAndValue
+from alpacafarm_trl.ppo_zero import loading_whole, zero_sharding
 
 #: Keys of every per-step log entry (besides ``step``), in the order they are documented. ``kl`` is the sampled
 #: KL of a response from the reference (sum of ``log p - log p_ref`` over its tokens), ``penalized_kl`` the
@@ -105,12 +107,14 @@ class PPOTrainer:
 
         self.max_steps = self._max_steps()
         self._check_processes()
-        self.sharding = ppo_sharding.shard_models(models)  # FSDP2 launch config: policy and value sharded
+        # An FSDP2 or ZeRO-2/3 launch config: the policy and value model sharded
+        self.sharding = zero_sharding(models) or ppo_sharding.shard_models(models)
         self.updates_per_step = args.ppo_epochs * (args.rollout_batch_size // args.mini_batch_size)
         self.params = models.trainable_parameters()
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=args.learning_rate,
                                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                                            weight_decay=args.weight_decay)
+        self.sharding.prepare(self.optimizer, args)  # DeepSpeed: one engine over the policy and value model
         total_updates = self.max_steps * self.updates_per_step
         self.lr_scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer,
                                           num_warmup_steps=args.get_warmup_steps(total_updates),
@@ -304,7 +308,7 @@ class PPOTrainer:
                 mini = [local_of[p] for p in order[start:start + args.mini_batch_size] if p in local_of]
                 n_tokens = torch.tensor(ppo_core.sum_across_ranks({"tokens": float(rollouts.mask[mini].sum())})[
                     "tokens"], dtype=torch.float32).clamp(min=1).to(device)
-                self.optimizer.zero_grad(set_to_none=True)
+                self.sharding.zero_grad(self.optimizer)
                 for chunk in self.sharding.even(self._micro_batches(mini, lengths), mini[0] if mini else 0):
                     batch = collate([queries[i] for i in chunk], [responses[i] for i in chunk], self.pad_id,
                                     device)
@@ -321,7 +325,7 @@ class PPOTrainer:
                     advantages = pick(rollouts.advantages)
                     policy = ppo_core.clipped_policy_loss(new_logprobs, old_logprobs, advantages, mask,
                                                           args.cliprange, denominator=n_tokens)
-                    policy.loss.backward()
+                    self.sharding.backward(policy.loss, last=False)
                     # The backward recomputes checkpointed layers: it must run with the same adapter active.
                     with self.models.value_scope():
                         with self._autocast():
@@ -329,7 +333,7 @@ class PPOTrainer:
                         old_values, returns = pick(rollouts.values), pick(rollouts.returns)
                         value = ppo_core.clipped_value_loss(new_values, old_values, returns, mask,
                                                             args.cliprange_value, denominator=n_tokens)
-                        (args.vf_coef * value.loss).backward()
+                        self.sharding.backward(args.vf_coef * value.loss)
                     count = float(mask.sum())
                     sums["tokens_seen"] += count
                     sums["policy_loss"] += float(policy.loss.detach()) * float(n_tokens)
@@ -338,10 +342,8 @@ class PPOTrainer:
                     sums["value_clip_fraction"] += float(value.clip_fraction) * count
                     approx_kl = ppo_core.approx_policy_kl(new_logprobs.detach(), old_logprobs, mask)
                     sums["approx_kl"] += float(approx_kl) * count
-                ppo_core.all_reduce_gradients(params)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-                grad_norms.append(float(grad_norm))
-                self.optimizer.step()
+                # summed across ranks, clipped together, stepped (DeepSpeed: by its engine)
+                grad_norms.append(self.sharding.step(self.optimizer, params, args.max_grad_norm))
                 self.lr_scheduler.step()
         sums = ppo_core.sum_across_ranks(sums)
         tokens_seen = sums.pop("tokens_seen")
@@ -441,14 +443,15 @@ def build_ppo_trainer(config: PPOMethodConfig, spec: Any, sft_path: str, reward_
 
     set_seed(config.seed)  # new adapters are randomly initialised: same seed, same run
     tokenizer = load_tokenizer(spec, sft_path)
-    models = build_models(spec, sft_path, reward_path, logger=logger,
-                          gradient_checkpointing=bool(config.gradient_checkpointing))
-    if reward_fn is None:
-        reward_classifier = models.reward_model()  # scored by what the layout holds, when it holds the RM
-        if reward_classifier is None:
-            reward_classifier = load_classifier(spec, reward_path)  # frozen: the model block's dtype
-        reward_fn = RewardScorer(reward_classifier, load_tokenizer(spec, reward_path),
-                                 prompt_format=spec.prompt_format, batch_size=config.score_batch_size)
+    with loading_whole():  # under ZeRO-3 too: the engine partitions what it trains, the frozen models stay whole
+        models = build_models(spec, sft_path, reward_path, logger=logger,
+                              gradient_checkpointing=bool(config.gradient_checkpointing))
+        if reward_fn is None:
+            reward_classifier = models.reward_model()  # scored by what the layout holds, when it holds the RM
+            if reward_classifier is None:
+                reward_classifier = load_classifier(spec, reward_path)  # frozen: the model block's dtype
+            reward_fn = RewardScorer(reward_classifier, load_tokenizer(spec, reward_path),
+                                     prompt_format=spec.prompt_format, batch_size=config.score_batch_size)
     prompt_format = PromptFormat.for_model(spec.prompt_format, sft_path, tokenizer)
     return PPOTrainer(config, models, tokenizer, records, reward_fn, prompt_format=prompt_format,
                       callbacks=callbacks)
