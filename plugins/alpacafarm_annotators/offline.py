@@ -4,6 +4,14 @@ It is reference-guided when it can be: ``references`` names records with ``instr
 and a strong model's answer (``reference`` or ``output``); for a pair whose instruction has one, both outputs are
 scored against it. A reference equal to one of the two outputs is never used (a system is never its own
 reference); without one the judge falls back to its reference-free weights.
+
+``continuous: true`` asks for AlpacaEval 2's weighted preferences instead of hard labels: the preference is
+``1 + P(output_2 beats output_1)`` in [1, 2] (1.5 is a tie), with ``P = sigmoid(score_2 - score_1)`` the
+judge's Bradley-Terry probability (its head was fitted with exactly this link). Win-rates computed from them are
+weighted win-rates, free of the coin-flip variance of a hard label on a close pair, so paired comparisons of two
+systems need fewer instructions for the same standard error. The probabilities mirror exactly (``p(a, b) =
+1 - p(b, a)``); the option is part of the recipe's annotator config, so a stage that switches it is judged again
+and hard and soft labels never mix in one run or one baseline.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ class OfflineAnnotatorConfig(BaseModel):
 
     references: DataSource | None = Field(None, description="records with instruction, input, reference/output")
     batch_size: int = Field(32, ge=1, description="texts embedded per forward pass")
+    continuous: bool = Field(False, description="preference 1 + P(output_2 wins) in [1, 2] (AlpacaEval 2's "
+                             "weighted win-rate) instead of a hard 1/2 label")
 
 
 class OfflineAnnotator(Annotator):
@@ -62,10 +72,19 @@ class OfflineAnnotator(Annotator):
         instructions = [f"{pairs[i].instruction}\n\n{pairs[i].input}" if pairs[i].input else pairs[i].instruction
                         for i in todo]
         references = [self.reference_for(pairs[i]) for i in todo]
-        labels = self.judge.judge([(text, pairs[i].output_1, pairs[i].output_2, reference)
-                                   for text, i, reference in zip(instructions, todo, references, strict=True)])
+        judged = [(text, pairs[i].output_1, pairs[i].output_2, reference)
+                  for text, i, reference in zip(instructions, todo, references, strict=True)]
+        labels: Sequence[float | int] = self.probabilities(judged) if self.config.continuous else \
+            self.judge.judge(judged)
         for i, label, reference in zip(todo, labels, references, strict=True):
             results[i] = Annotation(label, self.name, metadata={"reference": reference is not None})
         if progress:
             progress(len(pairs), 0.0)
         return [r for r in results if r is not None]
+
+    def probabilities(self, pairs: Sequence[tuple[str, str, str, str | None]]) -> list[float]:
+        """``1 + P(output_2 beats output_1)`` for (instruction, output_1, output_2, reference) tuples: the judge's
+        :meth:`~OfflineJudge.win_probability` of the swapped pair, so swapping the outputs gives exactly ``1 - P``
+        and equal scores give 1.5 (a tie)."""
+        swapped = [(instruction, out_2, out_1, reference) for instruction, out_1, out_2, reference in pairs]
+        return [1.0 + p for p in self.judge.win_probability(swapped)]

@@ -3,7 +3,8 @@
 ``results.csv`` and ``results.json`` hold the rows (system, n, win-rate ± SE, LC win-rate, wins/losses/draws,
 avg length, proxy reward, and paired differences: to the sweep's smallest n, and to the first evaluated system
 (the recipe's first ``evaluation.policy`` entry: the SFT model in the quickstart) with ``significant`` when that
-difference exceeds 2 paired standard errors); ``results.png`` plots, for the systems that carry an ``n`` (a
+difference exceeds 2 paired standard errors, and ``continuous_preferences`` when the judge gave a probability per
+pair, i.e. the win-rates are weighted win-rates); ``results.png`` plots, for the systems that carry an ``n`` (a
 best-of-n sweep), the win-rate with ± 1 SE bars and the proxy reward against n, with every other system as a
 dashed reference line — the shape of the paper's Figure 5 / Figure 13.
 """
@@ -22,7 +23,7 @@ logger = logging.getLogger("alpacafarm")
 
 COLUMNS = ("system", "stage", "n", "win_rate", "standard_error", "length_controlled_win_rate", "n_wins", "n_wins_base",
            "n_draws", "n_total", "avg_length", "proxy_reward", "delta_vs_smallest_n", "paired_standard_error",
-           "vs_system", "delta_vs_system", "paired_se_vs_system", "significant")
+           "vs_system", "delta_vs_system", "paired_se_vs_system", "significant", "continuous_preferences")
 #: A paired difference counts as significant beyond this many paired standard errors (about p < 0.05, two-sided).
 SIGNIFICANCE_SES = 2.0
 
@@ -93,7 +94,8 @@ def results_rows(evaluated: Sequence[tuple[Any, dict[str, Any], dict[str, float]
                       "significant": significant(diff, se)}
         rows.append({"system": system.name, "stage": system.stage, "n": system.info.get("n"),
                      **{k: metrics.get(k) for k in COLUMNS[3:11]}, "proxy_reward": reward,
-                     "delta_vs_smallest_n": delta, "paired_standard_error": paired_se, **versus})
+                     "delta_vs_smallest_n": delta, "paired_standard_error": paired_se, **versus,
+                     "continuous_preferences": bool(metrics.get("continuous_preferences"))})
     return rows
 
 
@@ -107,7 +109,8 @@ def significant(delta: float | None, paired_se: float | None) -> bool | None:
 def results_table(rows: list[dict[str, Any]], title: str) -> dict[str, Any]:
     """The printable results table (``{"title", "columns", "rows"}``), narrow enough for an 80-column screen:
     win-rates, the paired difference to the first system ``Δ ± paired SE`` with ``*`` where it is significant
-    (|Δ| > 2 paired SE), and the sweep's difference to n₀. Every figure is also in results.csv."""
+    (|Δ| > 2 paired SE), and the sweep's difference to n₀. Every figure is also in results.csv. With a judge's
+    continuous preferences (a probability per pair) the win-rates are weighted win-rates, and the column says so."""
     def fmt(value: Any, digits: int = 2) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
@@ -115,7 +118,8 @@ def results_table(rows: list[dict[str, Any]], title: str) -> dict[str, Any]:
         return "-" if value is None else f"{value:+.1f} ± {fmt(se, 1)}{mark}"
 
     first = rows[0]["system"] if rows else "first"
-    columns = ["system", "n", "win-rate %", "± SE", "avg len", "proxy rwd", f"Δ vs {first}", "Δ vs n₀"]
+    rate = "weighted win-rate %" if any(r.get("continuous_preferences") for r in rows) else "win-rate %"
+    columns = ["system", "n", rate, "± SE", "avg len", "proxy rwd", f"Δ vs {first}", "Δ vs n₀"]
     body = [[r["system"], r["n"] if r["n"] is not None else "-", fmt(r["win_rate"]), fmt(r["standard_error"]),
              fmt(r["avg_length"], 0), fmt(r["proxy_reward"], 3),
              delta(r.get("delta_vs_system"), r.get("paired_se_vs_system"), " *" if r.get("significant") else ""),
