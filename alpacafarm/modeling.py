@@ -6,7 +6,9 @@ generation all load models the same way. Heavy imports (torch, transformers, pef
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,16 +33,53 @@ def torch_dtype(spec: ModelSpec) -> Any:
 def device_map(spec: ModelSpec) -> Any:
     """Where ``device: auto`` puts a model: nowhere special on CPU; spread over the GPUs by one process; on its own
     GPU (``LOCAL_RANK``) by each of several processes, which hold a copy each ("auto" would spread every rank's
-    models over every GPU)."""
+    models over every GPU). While DeepSpeed ZeRO-3 partitions a model as it loads (see :func:`zero3_partitioning`),
+    none: its ``zero.Init`` places each rank's part on the rank's device, whatever ``device`` says."""
     import torch
 
     from alpacafarm import distributed
 
+    if zero3_partitioning():
+        return None
     if spec.device != "auto":
         return spec.device
     if not torch.cuda.is_available():
         return None
     return {"": distributed.local_rank()} if distributed.launched_processes() > 1 else "auto"
+
+
+def zero3_partitioning() -> bool:
+    """Whether models load partitioned across the ranks (a ZeRO-3 launch config while a trainer's arguments live;
+    transformers then builds them inside DeepSpeed's ``zero.Init``)."""
+    import sys
+
+    if "deepspeed" not in sys.modules:  # transformers imports it for a ZeRO-3 config: nothing to ask otherwise
+        return False
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return bool(is_deepspeed_zero3_enabled())
+
+
+@contextlib.contextmanager
+def loading_whole() -> Iterator[None]:
+    """Models loaded inside are whole on every rank, not partitioned by ZeRO-3's ``zero.Init`` (a no-op otherwise).
+
+    For frozen and inference models (a DPO reference, a reward model scoring, a generator): ``zero.Init`` is a
+    collective (each weight is broadcast from the main rank), so a model only the main process loads would wait
+    for the others forever; a trainer partitions what it trains (and TRL a ZeRO-3 reference) when it prepares it.
+    Only the models a trainer trains load partitioned (``trainable=True``), which is what saves memory at load.
+    """
+    if not zero3_partitioning():
+        yield
+        return
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    config = hf_deepspeed._hf_deepspeed_config_weak_ref()
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed.set_hf_deepspeed_config(config)
 
 
 def quantization_config(spec: ModelSpec) -> Any:
@@ -79,24 +118,29 @@ def load_tokenizer(spec: ModelSpec, path: str | None = None, *, padding_side: st
     return tokenizer
 
 
-def _load(auto_class: Any, spec: ModelSpec, path: str | None, **kwargs: Any) -> Any:
+def _load(auto_class: Any, spec: ModelSpec, path: str | None, *, partitioned: bool = False, **kwargs: Any) -> Any:
     location = resolve_model_path(path or spec.name)
     try:
-        return auto_class.from_pretrained(location, revision=spec.revision, dtype=torch_dtype(spec),
-                                          device_map=device_map(spec), quantization_config=quantization_config(spec),
-                                          trust_remote_code=spec.trust_remote_code, **kwargs)
+        with contextlib.nullcontext() if partitioned else loading_whole():
+            return auto_class.from_pretrained(location, revision=spec.revision, dtype=torch_dtype(spec),
+                                              device_map=device_map(spec),
+                                              quantization_config=quantization_config(spec),
+                                              trust_remote_code=spec.trust_remote_code, **kwargs)
     except OSError as exc:
         hint = ("" if Path(location).exists()
                 else " (offline? use a local folder or an offline alias such as smollm2-135m-instruct)")
         raise UserError(f"cannot load model {location!r}: {str(exc).splitlines()[0]}{hint}") from None
 
 
-def load_causal_lm(spec: ModelSpec, path: str | None = None) -> Any:
-    """The causal LM of the model block (or of ``path``, e.g. an SFT stage's output), quantized if asked."""
+def load_causal_lm(spec: ModelSpec, path: str | None = None, *, partitioned: bool = False) -> Any:
+    """The causal LM of the model block (or of ``path``, e.g. an SFT stage's output), quantized if asked.
+
+    Whole on every rank; ``partitioned``: under ZeRO-3, partitioned as it loads (for a trainer to train).
+    """
     from transformers import AutoModelForCausalLM
 
-    model = _load(AutoModelForCausalLM, spec, path)
-    if spec.device not in ("auto", "cpu") and spec.quantization is None:
+    model = _load(AutoModelForCausalLM, spec, path, partitioned=partitioned)
+    if spec.device not in ("auto", "cpu") and spec.quantization is None and not zero3_partitioning():
         model = model.to(spec.device)
     return model
 
@@ -106,11 +150,13 @@ def _cast_to_weight_dtype(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]
     return tuple(a.to(dtype) if getattr(a, "is_floating_point", lambda: False)() else a for a in args)
 
 
-def load_sequence_classifier(spec: ModelSpec, path: str | None = None, num_labels: int = 1) -> Any:
-    """A sequence-classification head on the model (a reward model when ``num_labels == 1``)."""
+def load_sequence_classifier(spec: ModelSpec, path: str | None = None, num_labels: int = 1, *,
+                             partitioned: bool = False) -> Any:
+    """A sequence-classification head on the model (a reward model when ``num_labels == 1``); ``partitioned`` as
+    for :func:`load_causal_lm`."""
     from transformers import AutoModelForSequenceClassification
 
-    model = _load(AutoModelForSequenceClassification, spec, path, num_labels=num_labels)
+    model = _load(AutoModelForSequenceClassification, spec, path, partitioned=partitioned, num_labels=num_labels)
     if spec.quantization is not None and hasattr(getattr(model, "score", None), "weight"):
         # bitsandbytes' CPU kernels return bfloat16 activations whatever the compute dtype, while the freshly
         # initialised (unquantized, trainable) score head stays in float32: feed it its own dtype. The hook
@@ -127,11 +173,12 @@ def is_adapter_folder(path: str | Path) -> bool:
     return (Path(path) / "adapter_config.json").is_file()
 
 
-def _merged(load: Any, spec: ModelSpec, path: str, *, classifier: bool = False) -> Any:
+def _merged(load: Any, spec: ModelSpec, path: str, *, classifier: bool = False, partitioned: bool = False) -> Any:
     """``load(spec, path)`` for full weights; for an adapter folder, its base (itself merged the same way, so an
-    adapter trained on an adapter-trained base resolves the whole chain) with the adapters merged in."""
+    adapter trained on an adapter-trained base resolves the whole chain) with the adapters merged in (whole:
+    merging needs every weight; a trainer partitions the result)."""
     if not is_adapter_folder(path):
-        return load(spec, path)
+        return load(spec, path, partitioned=partitioned)
     from peft import PeftConfig, PeftModel
 
     config = PeftConfig.from_pretrained(path)
@@ -148,9 +195,10 @@ def load_merged_causal_lm(spec: ModelSpec, path: str, *, trainable: bool = False
 
     The one rule for starting from a trained policy: a trainer given a ``peft_config`` on a model whose adapters
     were attached would replace them with fresh ones and silently start from the base model instead.
-    ``trainable``: the copy that trains, loaded with float32 master weights (:meth:`ModelSpec.for_training`).
+    ``trainable``: the copy that trains, loaded with float32 master weights (:meth:`ModelSpec.for_training`) and,
+    under ZeRO-3, partitioned as it loads; other copies load whole (:func:`loading_whole`).
     """
-    return _merged(load_causal_lm, spec.for_training() if trainable else spec, path)
+    return _merged(load_causal_lm, spec.for_training() if trainable else spec, path, partitioned=trainable)
 
 
 def load_classifier(spec: ModelSpec, path: str, *, trainable: bool = False) -> Any:
@@ -160,7 +208,8 @@ def load_classifier(spec: ModelSpec, path: str, *, trainable: bool = False) -> A
     that base and the adapters (and a saved ``score`` head, if any) are merged in, so callers get plain weights.
     ``trainable`` as for :func:`load_merged_causal_lm`.
     """
-    return _merged(load_sequence_classifier, spec.for_training() if trainable else spec, path, classifier=True)
+    return _merged(load_sequence_classifier, spec.for_training() if trainable else spec, path, classifier=True,
+                   partitioned=trainable)
 
 
 def enable_activation_checkpointing(model: Any) -> None:

@@ -5,11 +5,13 @@ For any method built on a ``transformers.Trainer`` / TRL trainer (the built-in o
 * :class:`TrainingDefaults` — inherit it first in a ``TrainingArguments`` subclass
   (``@dataclass class MyConfig(TrainingDefaults, trl.DPOConfig)``): ``bf16`` and gradient checkpointing are then
   chosen for the machine (TRL's configs default to ``bf16=True`` and checkpointing on; both are wrong on a CPU:
-  bf16 makes ``TrainingArguments`` refuse to build there, checkpointing only slows a small model down);
+  bf16 makes ``TrainingArguments`` refuse to build there, checkpointing only slows a small model down), and on
+  several CPU processes the trainer spans them all (:func:`shared_process_state`);
 * :func:`stage_training_args` — the config for this stage (``output_dir`` = the stage folder, the stage seed);
 * :func:`resume_checkpoint` — the newest readable checkpoint an interrupted attempt left (half-written ones are
   skipped with a warning), for ``trainer.train(resume_from_checkpoint=...)``;
-* :func:`save_policy` — the one rule for saving what was trained from the SFT model (policies and reward models);
+* :func:`save_policy` — the one rule for saving what was trained from the SFT model (policies and reward models),
+  called on every rank (:func:`trained_state_dict` gathers ZeRO-3's partitioned weights);
 * :func:`fp32_master_weights` — trainable tensors as float32 master copies (load the trained model with
   ``trainable=True``, see :meth:`alpacafarm.recipe.ModelSpec.for_training`; frozen copies keep ``dtype``);
 * :func:`train_summary`, :func:`limit`.
@@ -37,6 +39,9 @@ class TrainingDefaults:
 
     def __post_init__(self) -> None:
         apply_device_defaults(self)
+        shared = shared_process_state(self.accelerator_config)
+        if shared is not None:
+            self.accelerator_config = shared
         super().__post_init__()  # type: ignore[misc]  # TrainingArguments.__post_init__
 
 
@@ -81,9 +86,46 @@ def stage_training_args(config: Any, context: Any, **overrides: Any) -> Any:
     for note in getattr(config, "device_notes", ()):
         context.logger.warning("stage %s: %s", context.stage, note)
     seed = context.seed if config.seed == DEFAULT_TRAINER_SEED else config.seed
+    shared = shared_process_state(config.accelerator_config)  # TrainingDefaults applies it itself; others need it
+    overrides = {**({"accelerator_config": shared} if shared is not None else {}), **overrides}
     # dataclasses.replace re-runs __post_init__ on already-normalised values, which TrainingArguments accepts;
     # the recipe's config object itself stays untouched (it is part of the stage fingerprint).
     return dataclasses.replace(config, output_dir=stage_dir, seed=seed, **overrides)
+
+
+def shared_process_state(accelerator_config: Any) -> dict[str, Any] | None:
+    """The ``accelerator_config`` that makes a trainer span every launched process on a CPU-only machine, or
+    ``None`` where nothing is needed (one process, or GPUs). Runs before ``TrainingArguments.__post_init__``.
+
+    Building ``TrainingArguments`` rebuilds accelerate's process state from the environment, and with several
+    processes but no GPU accelerate names no backend unless told the run is on CPU: every rank then counts one
+    process, so DDP trains each rank alone on all the data, TRL derives batch sizes for one process and
+    DeepSpeed's batch check fails (its engine does see every rank). ``use_cpu`` would turn DeepSpeed off. So the
+    state is kept (or rebuilt) on the CPU over the process group the pipeline joined
+    (:func:`alpacafarm.distributed.init`) and the arguments use it (``use_configured_state``); DDP or DeepSpeed is
+    still the launch config's choice. A previous trainer's accelerator state (its DeepSpeed plugin, with the
+    ``auto`` values it filled) is dropped, as ``TrainingArguments`` drops it on GPUs.
+    """
+    import torch
+
+    from alpacafarm import distributed
+
+    world = distributed.world_size()
+    if world <= 1 or torch.cuda.is_available():
+        return None
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    if not PartialState._shared_state or PartialState().num_processes != world:
+        AcceleratorState._reset_state(reset_partial_state=True)  # a config built without this rule counted one
+        if PartialState(cpu=True).num_processes != world:
+            raise RuntimeError(f"accelerate counts {PartialState().num_processes} of the {world} processes")
+    if isinstance(accelerator_config, str):  # a JSON file, as TrainingArguments accepts
+        from transformers.trainer_pt_utils import AcceleratorConfig
+
+        accelerator_config = AcceleratorConfig.from_json_file(accelerator_config)
+    given = accelerator_config.to_dict() if hasattr(accelerator_config, "to_dict") else dict(accelerator_config or {})
+    return {**given, "use_configured_state": True}
 
 
 #: Files a checkpoint's weights may be in (transformers, peft, our PPO trainer); FSDP and DeepSpeed use subfolders.
@@ -167,14 +209,21 @@ def checkpoint_problem(path: Path) -> str | None:
 
 
 def train_summary(trainer: Any, result: Any) -> dict[str, Any]:
-    """Loss and step count of a finished ``trainer.train()`` (plus the last logged loss, which is per-step)."""
+    """Loss and step count of a finished ``trainer.train()`` (plus the last logged loss, which is per-step), and
+    how the trainer ran: over how many processes (its accelerator's count, which sets the global batch) and with
+    which distribution (``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ``FSDP``, ``DEEPSPEED`` with its ZeRO stage)."""
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    state = trainer.accelerator.state
+    plugin = getattr(state, "deepspeed_plugin", None)
     return {
         "train_loss": round(float(result.training_loss), 6),
         "final_logged_loss": losses[-1] if losses else None,
         "steps": int(trainer.state.global_step),
         "epochs": round(float(trainer.state.epoch or 0.0), 4),
         "train_runtime_s": round(float(result.metrics.get("train_runtime", 0.0)), 3),
+        "trainer_processes": int(trainer.accelerator.num_processes),
+        "distributed_type": str(getattr(state.distributed_type, "value", state.distributed_type)),
+        "zero_stage": int(plugin.zero_stage) if plugin is not None else None,
     }
 
 
@@ -186,20 +235,60 @@ def limit(records: list[dict[str, Any]], max_examples: int | None) -> list[dict[
 def save_policy(trainer: Any, spec: Any, model_path: str, directory: str | Path, logger: Any = None) -> bool:
     """Save the trained policy (weights or adapters, and tokenizer) to ``directory``; returns whether it merged.
 
+    Call it on every rank: under ZeRO-3 the weights are gathered whole first (a collective, see
+    :func:`trained_state_dict`); only the main process writes.
     New adapters trained on top of a merged SFT adapter folder describe a model that no folder on disk holds
     (their ``base_model_name_or_path`` is the pre-SFT base), so they are merged and saved as full weights.
     ``trainer.model`` may be a causal LM or a sequence classifier (a reward model).
     """
+    from alpacafarm import distributed
     from alpacafarm.modeling import is_adapter_folder, save_dtype, save_model
 
     stacked = spec.lora is not None and is_adapter_folder(model_path)
     merge = bool(spec.lora is not None and (spec.merge_adapters or stacked))
+    state = trained_state_dict(trainer)
+    if not distributed.is_main():
+        return merge
     if stacked and not spec.merge_adapters and logger is not None:
         logger.info(
             "the SFT model is an adapter folder: the new adapters are merged and saved as full weights"
         )
-    save_model(trainer.model, trainer.processing_class, directory, merge_adapters=merge, dtype=save_dtype(spec))
+    save_model(trainer.model, trainer.processing_class, directory, merge_adapters=merge, dtype=save_dtype(spec),
+               state_dict=state)
     return merge
+
+
+def trained_state_dict(trainer: Any) -> dict[str, Any] | None:
+    """The full weights of ``trainer.model`` when DeepSpeed ZeRO-3 partitioned them (on the main process; an empty
+    dict elsewhere), else ``None`` (the model holds them whole: save its own state dict).
+
+    A collective under ZeRO-3: every rank must call it. Weights are gathered one tensor at a time (never the whole
+    model on a GPU at once) and copied to the CPU in their training dtype (float32 master weights).
+    """
+    import torch
+
+    from alpacafarm import distributed
+
+    model = trainer.model
+    parameters = dict(model.named_parameters())
+    if not any(hasattr(p, "ds_id") for p in parameters.values()):
+        return None
+    if hasattr(model, "peft_config"):
+        from alpacafarm.errors import UserError
+
+        raise UserError("LoRA adapters under DeepSpeed ZeRO-3 are not supported yet; use zero2, ddp or fsdp2")
+    import deepspeed
+
+    whole: dict[int, torch.Tensor] = {}
+    for parameter in parameters.values():
+        with deepspeed.zero.GatheredParameters([parameter], modifier_rank=None):
+            if distributed.is_main():
+                whole[id(parameter)] = parameter.detach().to("cpu", copy=True)
+    if not distributed.is_main():
+        return {}
+    # keep_vars: a state dict entry is the parameter itself, so tied weights map to the one gathered copy
+    return {name: whole[id(t)] if id(t) in whole else t.detach().to("cpu", copy=True)
+            for name, t in model.state_dict(keep_vars=True).items()}
 
 
 def fp32_master_weights(model: Any) -> int:

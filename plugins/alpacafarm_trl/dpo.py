@@ -164,8 +164,8 @@ class DPO(Method):
         with training_progress(trainer, context, "training (DPO)"):
             result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
-        # every rank holds the same weights (DDP); the main process saves them (evaluate() below is collective)
-        merged = bool(context.is_main and save_policy(trainer, spec, model_path, model_dir, context.logger))
+        # every rank (ZeRO-3 gathers the weights); the main process writes them (evaluate() below is collective too)
+        merged = save_policy(trainer, spec, model_path, model_dir, context.logger)
         metrics: dict[str, Any] = {
             **train_summary(trainer, result),
             **last_logged(trainer.state.log_history, REWARD_METRICS),

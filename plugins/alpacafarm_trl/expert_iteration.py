@@ -223,8 +223,9 @@ class ExpertIteration(Method):
                                 mean([w["reward"] for w in winners]), mean([s["reward"] for g in samples for s in g]))
             with training_progress(trainer, context, f"round {r}: SFT on the winners"):
                 result = trainer.train()
+            # every rank (ZeRO-3 gathers the weights); the main process writes
+            save_policy(trainer, spec, start_from, model_dir, context.logger)
             if context.is_main:
-                save_policy(trainer, spec, start_from, model_dir, context.logger)
                 shutil.rmtree(round_dir / "trainer", ignore_errors=True)  # checkpoints of a finished round
             summary = {"round": r, "n_instructions": len(records), "n": config.n,
                        "mean_sample_reward": round(mean([s["reward"] for g in samples for s in g]), 6),

@@ -143,9 +143,9 @@ def run_online_rl(context: StageContext, config: Any, trainer_class: Any, algori
     with training_progress(trainer, context, f"training ({algorithm})"):
         result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
     model_dir = Path(context.stage_dir) / "model"
-    if not context.is_main:  # every rank holds the same weights (DDP); the main process saves them
+    merged = save_policy(trainer, spec, model_path, model_dir, context.logger)  # every rank; the main one writes
+    if not context.is_main:
         return Artifact("model", str(model_dir))
-    merged = save_policy(trainer, spec, model_path, model_dir, context.logger)
     logged = [e["reward"] for e in trainer.state.log_history if e.get("reward") is not None]
     metrics = {**train_summary(trainer, result), "reward_first": logged[0] if logged else None,
                "reward_last": logged[-1] if logged else None, "n_prompts": len(rows),

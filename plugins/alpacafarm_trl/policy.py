@@ -66,9 +66,9 @@ def train_and_save_policy(context: Any, trainer: Any, spec: Any, model_path: str
     with training_progress(trainer, context):
         result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
     model_dir = Path(context.stage_dir) / "model"
-    if not context.is_main:  # every rank holds the same weights (DDP); the main process saves them
+    merged = save_policy(trainer, spec, model_path, model_dir, context.logger)  # every rank; the main one writes
+    if not context.is_main:
         return Artifact("model", str(model_dir))
-    merged = save_policy(trainer, spec, model_path, model_dir, context.logger)
     if before_metrics is not None:
         before_metrics(model_dir)
     metrics = {**train_summary(trainer, result), "n_examples": len(trainer.train_dataset),

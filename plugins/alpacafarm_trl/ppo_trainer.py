@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from alpacafarm.errors import UserError
+from alpacafarm.modeling import loading_whole
 from alpacafarm.prompts import PromptFormat
 from alpacafarm.rewards import RewardFunction
 from alpacafarm.sampling import Sample, sample, stop_token_ids, tokenize_prompts
@@ -55,7 +56,7 @@ from alpacafarm_trl.ppo_build import build_models
 from alpacafarm_trl.ppo_config import PPOMethodConfig
 from alpacafarm_trl.ppo_core import Rollouts, collate
 from alpacafarm_trl.ppo_models import PolicyAndValue
-from alpacafarm_trl.ppo_zero import loading_whole, zero_sharding
+from alpacafarm_trl.ppo_zero import zero_sharding
 
 #: Keys of every per-step log entry (besides ``step``), in the order they are documented. ``kl`` is the sampled
 #: KL of a response from the reference (sum of ``log p - log p_ref`` over its tokens), ``penalized_kl`` the

@@ -20,8 +20,8 @@ and AdamW state; bf16 compute comes from the trainer's autocast on GPUs, as in t
 
 **The frozen models** (reference, reward) are whole copies, not ZeRO-3 inference engines: a partitioned model's
 forward is a collective, and the rollout scores and evaluates a different number of batches on each rank (the reward
-function is the core's and batches as it likes). They load without ``zero.Init`` (:func:`loading_whole`), as do the
-policy and value model, which the engine then partitions.
+function is the core's and batches as it likes). They load without ``zero.Init``
+(:func:`alpacafarm.modeling.loading_whole`), as do the policy and value model, which the engine then partitions.
 
 **Rollouts** under ZeRO-3 run with the policy and value gathered whole once per step (:meth:`ZeroSharding.gathered`,
 ZeRO-3's per-module fetch and release hooks lifted meanwhile, so generation of any length runs no collective).
@@ -46,24 +46,6 @@ from alpacafarm_trl.ppo_sharding import ZERO_STAGES, Sharding, requested_shardin
 ZERO2, ZERO3 = ZERO_STAGES["2"], ZERO_STAGES["3"]
 #: AdamW's per-parameter state tensors (``step`` is one count per group under ZeRO, per parameter in the file).
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
-
-
-@contextlib.contextmanager
-def loading_whole() -> Iterator[None]:
-    """Models built inside load whole (transformers' ``zero.Init`` under a ZeRO-3 launch is lifted): the frozen ones
-    stay whole, the trained ones are partitioned by the engine. A no-op without a ZeRO-3 config."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
-    config = ref() if ref is not None else None
-    if config is None or not config.is_zero3():
-        yield
-        return
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_deepspeed.set_hf_deepspeed_config(config)
 
 
 def zero_sharding(models: Any) -> ZeroSharding | None:

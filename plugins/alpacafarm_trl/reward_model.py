@@ -148,11 +148,12 @@ class RewardModel(Method):
         with training_progress(trainer, context, "training (reward model)"):
             result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
-        if not context.is_main:  # every rank holds the same weights (DDP); the main process saves and scores
-            return Artifact("model", str(model_dir))
         # The policy's rule: adapters trained on an adapter-folder SFT model are saved merged, so the folder
-        # reloads as the model that was trained (its adapters alone would name the pre-SFT base).
+        # reloads as the model that was trained (its adapters alone would name the pre-SFT base). Every rank
+        # calls it (ZeRO-3 gathers the weights); the main process writes, and scores below.
         merged = save_policy(trainer, spec, model_path, model_dir, context.logger)
+        if not context.is_main:
+            return Artifact("model", str(model_dir))
         metrics: dict[str, Any] = {
             **train_summary(trainer, result), "merged": merged, "n_pairs": len(rows), "n_train": len(train_rows),
             "n_train_within_max_length": len(trainer.train_dataset), "n_eval": len(eval_rows),

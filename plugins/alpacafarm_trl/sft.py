@@ -20,7 +20,14 @@ from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.prompts import format_prompt
 from alpacafarm.train_progress import training_progress
-from alpacafarm.training import TrainingDefaults, limit, resume_checkpoint, stage_training_args, train_summary
+from alpacafarm.training import (
+    TrainingDefaults,
+    limit,
+    resume_checkpoint,
+    stage_training_args,
+    train_summary,
+    trained_state_dict,
+)
 
 #: Where an answer may live in a demonstration record, in order of preference after ``response_field``.
 FALLBACK_RESPONSE_FIELDS = ("output", "reference")
@@ -116,9 +123,10 @@ class SFT(Method):
         model_dir = Path(context.stage_dir) / "model"
         metrics = {**train_summary(trainer, result), "n_examples": len(trainer.train_dataset),
                    "lora": spec.lora is not None, "merged": bool(spec.merge_adapters and spec.lora)}
-        if not context.is_main:  # every rank holds the same weights (DDP); the main process saves them
+        state = trained_state_dict(trainer)  # on every rank: ZeRO-3 gathers its partitioned weights (a collective)
+        if not context.is_main:  # every rank holds the same weights; the main process saves them
             return Artifact("model", str(model_dir), metrics)
         save_model(trainer.model, trainer.processing_class, model_dir, merge_adapters=spec.merge_adapters,
-                   dtype=save_dtype(spec))
+                   dtype=save_dtype(spec), state_dict=state)
         write_json(Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": trainer.state.log_history})
         return Artifact("model", str(model_dir), metrics)
