@@ -1,7 +1,8 @@
-"""The ``openvino`` generation backend (extra ``fast-cpu``) samples as the transformers backend does: the same
-greedy outputs, stop tokens, finished flags and token counts, ``n`` seeded samples per prompt, the model's prompt
-format, and a cached export that a crash cannot leave half-written. Speed is measured by
-``benchmarks/generation_throughput.py``, not here."""
+"""The ``openvino`` generation backend (extra ``fast-cpu``: OpenVINO GenAI's continuous batching on our own
+export) samples as the transformers backend does: the same greedy outputs, stop tokens, finished flags and token
+counts, ``n`` seeded samples per prompt in the prompts' order, the model's prompt format, and a cached export in
+GenAI's layout that a crash cannot leave half-written. Speed is measured by ``benchmarks/generation_throughput.py``,
+not here."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from alpacafarm.recipe import ModelSpec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 openvino = pytest.importorskip("openvino", reason="the fast-cpu extra is not installed")
+pytest.importorskip("openvino_genai", reason="the fast-cpu extra is not installed")
 
 PROMPTS = ["Name a fruit that is red.", "Say hi.", "Write a long list of every colour of the rainbow, in order.",
            "What is two plus two?", "Describe a cat."]
@@ -92,6 +94,25 @@ def test_n_seeded_samples_per_prompt(engines):
     assert fast.generate(prompts, sampling.model_copy(update={"seed": 8})) != first
 
 
+def test_a_sample_does_not_depend_on_its_batch(engines):
+    """Prompt i's samples are seeded by (seed, i): the same whatever ``batch_size`` schedules them with."""
+    fast, _ = engines
+    prompts = formatted(fast)
+    sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=10, batch_size=1, seed=3)
+    alone = fast.generate(prompts, sampling)
+    assert fast.generate(prompts, sampling.model_copy(update={"batch_size": 5})) == alone
+
+
+def test_outputs_come_back_in_the_prompts_order(engines):
+    """Prompts of different lengths finish at different steps; each answer still lands at its prompt's index."""
+    fast, _ = engines
+    prompts = formatted(fast)
+    greedy = SamplingConfig(temperature=0, max_new_tokens=12, batch_size=8)
+    together = fast.generate(prompts, greedy)
+    assert together == [fast.generate([p], greedy)[0] for p in prompts]
+    assert fast.generate(prompts[::-1], greedy) == together[::-1]
+
+
 def test_samples_follow_the_models_distribution(engines):
     """First tokens drawn at temperature 0.5 hit the most likely token as often as the model's probability says
     (within 4 standard errors), and top_p below that probability leaves only that token."""
@@ -121,11 +142,18 @@ def test_prompt_format_carries_chat_template_and_conditioning(tiny_model_dir: st
 
 def test_export_is_cached_by_content_and_atomic(tmp_path: Path, tiny_model_dir: str, monkeypatch):
     from alpacafarm.paths import cache_dir
-    from alpacafarm_generation import openvino_backend as module
+    from alpacafarm_generation import openvino_export as module
 
     monkeypatch.setenv("ALPACAFARM_CACHE_DIR", str(tmp_path / "cache"))
     first = module.exported_model(spec_for(tiny_model_dir), tiny_model_dir)
-    assert first.parent == cache_dir() / "openvino" and (first / module.MODEL_FILE).is_file()
+    assert first.parent == cache_dir() / "openvino"
+    # GenAI's layout: the stateful graph, the converted tokenizer, the configs it reads
+    for name in ("openvino_model.xml", "openvino_tokenizer.xml", "openvino_detokenizer.xml", "config.json",
+                 "generation_config.json"):
+        assert (first / name).is_file(), name
+    graph = openvino.Core().read_model(first / "openvino_model.xml")
+    assert {"input_ids", "attention_mask", "position_ids", "beam_idx"} <= {n for p in graph.inputs for n in p.names}
+    assert "logits" in graph.outputs[0].names and graph.get_sinks()  # the cache is state inside the graph
     stamp = (first / module.MODEL_FILE).stat().st_mtime_ns
     copy = tmp_path / "copy"
     shutil.copytree(tiny_model_dir, copy)  # same content elsewhere: the same export, not a second one
@@ -142,14 +170,27 @@ def test_export_is_cached_by_content_and_atomic(tmp_path: Path, tiny_model_dir: 
     assert sorted(p.name for p in (cache_dir() / "openvino").iterdir() if not p.name.startswith(".")) == [first.name]
 
 
-def test_missing_extra_is_one_line_error_naming_it(monkeypatch, tiny_model_dir: str):
+@pytest.mark.parametrize("package", ["openvino", "openvino_genai"])
+def test_missing_extra_is_one_line_error_naming_it(monkeypatch, tiny_model_dir: str, package: str):
     from alpacafarm.plugins import get_registry
 
-    monkeypatch.setitem(sys.modules, "openvino", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, package, None)  # as if not installed
     with pytest.raises(MissingPackageError) as error:
         get_registry().create("generation_backend", "openvino", {}, spec=spec_for(tiny_model_dir),
                               model_path=tiny_model_dir)
-    assert "alpacafarm[fast-cpu]" in str(error.value) and "\n" not in str(error.value)
+    assert "alpacafarm[fast-cpu]" in str(error.value) and package in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_bfloat16_on_one_thread_is_refused_in_one_line(tiny_model_dir: str):
+    """OpenVINO 2026.4.1 dies of SIGFPE compiling bfloat16 for one thread: refused before it can crash."""
+    from alpacafarm.errors import UserError
+    from alpacafarm_generation.openvino_backend import OpenVINOBackendConfig, openvino_backend
+
+    with pytest.raises(UserError, match="threads >= 2") as error:
+        openvino_backend(OpenVINOBackendConfig(threads=1, precision="bfloat16"), spec_for(tiny_model_dir),
+                         tiny_model_dir)
+    assert "\n" not in str(error.value)
 
 
 def test_generate_outputs_stage_runs_on_the_openvino_backend(tmp_path: Path, tiny_model_dir: str):

@@ -11,7 +11,7 @@ def register_generation_backends(register):
              description="an OpenAI-compatible completions server (vLLM, llama.cpp, TGI)")
     register("vllm", "alpacafarm_generation.backends:vllm_backend", description="vLLM in-process (extra 'vllm')")
     register("openvino", "alpacafarm_generation.openvino_backend:openvino_backend",
-             description="the transformers sampler's batches on an OpenVINO CPU graph (extra 'fast-cpu')")
+             description="OpenVINO GenAI continuous batching on CPU (extra 'fast-cpu')")
 
 
 @hookimpl
