@@ -104,7 +104,7 @@ def test_set_overrides_are_coerced(quickstart_copy):
     assert recipe.model.trust_remote_code is True
     assert recipe.model.lora.target_modules == ["q_proj", "v_proj"]
     assert recipe.model.lora.dropout == pytest.approx(1e-5)
-    assert loaded.resolved()["stages"][0]["config"] == {"eval_size": 32, "eval_fraction": 0.5}
+    assert loaded.resolved()["stages"][0]["config"] == {"eval_size": 72, "eval_fraction": 0.5}
 
 
 def test_exponent_floats_are_floats_in_files_and_overrides(tmp_path):
@@ -338,6 +338,6 @@ def test_cli_set_error_and_quickstart_check(cli):
     quickstart = str(REPO_ROOT / "recipes" / "quickstart.yaml")
     code, out, err = cli("recipe", "check", quickstart)
     assert (code, err) == (0, "")
-    assert "ok:" in out and "'quickstart', 8 stage(s)" in out and "split: split_instructions" in out
+    assert "ok:" in out and "'quickstart', 7 stage(s)" in out and "split: split_instructions" in out
     code, _, err = cli("recipe", "check", quickstart, "--set", "stages.split.config.eval_fraction=2")
     assert code == 2 and err.startswith("error: --set: stages[0].config.eval_fraction:") and err.count("\n") == 1
