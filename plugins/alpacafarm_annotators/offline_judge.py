@@ -124,14 +124,9 @@ class OfflineJudge:
         """
         import math
 
-        items: list[tuple[str, str, str | None]] = []
-        for instruction, out_1, out_2, reference in pairs:
-            items.append((instruction, out_1 or "", reference))
-            items.append((instruction, out_2 or "", reference))
-        scores = self.score_batch(items)
         probabilities = []
-        for (_, out_1, out_2, _), s1, s2 in zip(pairs, scores[0::2], scores[1::2], strict=True):
-            diff = 0.0 if (out_1 or "") == (out_2 or "") else s1 - s2
+        for same, s1, s2 in self._pair_scores(pairs):
+            diff = 0.0 if same else s1 - s2
             # the two-sided form keeps p(a, b) + p(b, a) == 1 exactly and never overflows
             probabilities.append(1.0 / (1.0 + math.exp(-diff)) if diff >= 0 else 1.0 - 1.0 / (1.0 + math.exp(diff)))
         return probabilities
@@ -142,15 +137,13 @@ class OfflineJudge:
         Returns 1 when output_1 is better, 2 when output_2 is better and 0 for a tie (identical outputs or
         exactly equal scores). Never use either compared system's own output as the reference.
         """
+        return [0 if same or s1 == s2 else 1 if s1 > s2 else 2 for same, s1, s2 in self._pair_scores(pairs)]
+
+    def _pair_scores(self, pairs: Sequence[tuple[str, str, str, str | None]]) -> list[tuple[bool, float, float]]:
+        """(outputs identical, score of output_1, score of output_2) per pair, scored in one batch."""
         items: list[tuple[str, str, str | None]] = []
         for instruction, out_1, out_2, reference in pairs:
-            items.append((instruction, out_1 or "", reference))
-            items.append((instruction, out_2 or "", reference))
+            items += [(instruction, out_1 or "", reference), (instruction, out_2 or "", reference)]
         scores = self.score_batch(items)
-        prefs = []
-        for (_, out_1, out_2, _), s1, s2 in zip(pairs, scores[0::2], scores[1::2], strict=True):
-            if (out_1 or "") == (out_2 or "") or s1 == s2:
-                prefs.append(0)
-            else:
-                prefs.append(1 if s1 > s2 else 2)
-        return prefs
+        return [((out_1 or "") == (out_2 or ""), s1, s2)
+                for (_, out_1, out_2, _), s1, s2 in zip(pairs, scores[0::2], scores[1::2], strict=True)]
