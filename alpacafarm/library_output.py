@@ -125,6 +125,19 @@ def _configure_installed_libraries(verbose: bool) -> None:
             getattr(importlib.import_module(bars_module), disable)()
 
 
+def _name_deepspeed_accelerator() -> None:
+    """DeepSpeed, where installed, picks its accelerator when first imported (transformers and accelerate import it)
+    and, finding no GPU, warns on stdout through a handler it adds in that same import, before anything can route
+    it. Where torch sees no CUDA device, name the CPU accelerator it falls back to (``DS_ACCELERATOR=cpu``): the
+    same choice, without the stray line. An accelerator already named in the environment is kept."""
+    if "DS_ACCELERATOR" in os.environ or importlib.util.find_spec("deepspeed") is None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def route_library_output(verbose: bool = False) -> None:
     """Send library logs and Python warnings to the run log (and the console when ``verbose``); turn library
     progress bars off unless ``verbose``. Idempotent; call it before loading models or importing trainers."""
@@ -154,5 +167,6 @@ def route_library_output(verbose: bool = False) -> None:
         run_logger.addHandler(handlers[-1])
     logging.captureWarnings(True)
     _configure_installed_libraries(verbose)
+    _name_deepspeed_accelerator()
     for name in LIBRARY_LOGGERS:
         _disown_library_handlers(name, handlers)

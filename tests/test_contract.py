@@ -101,4 +101,4 @@ def test_a_shared_annotator_option_the_annotator_has_no_field_for_is_named(tmp_p
                      "--base-url", "http://127.0.0.1:9/v1"])
     assert code == 2 and not (tmp_path / "out.json").exists()
     assert capsys.readouterr().err.strip().splitlines() == [
-        "error: annotator 'offline' takes no --base-url (its config fields: batch_size, references)"]
+        "error: annotator 'offline' takes no --base-url (its config fields: batch_size, continuous, references)"]
