@@ -648,3 +648,7 @@ def test_a_killed_two_process_run_resumes_skipping_its_finished_stages_to_the_un
 
 if __name__ == "__main__":
     _worker(sys.argv[1], Path(sys.argv[2]))
+    from alpacafarm import distributed
+
+    if distributed.joined_by_us():  # end the rank as the CLI does (distributed.end_process): gloo threads a process
+        distributed.end_process(0)  # group left alive must not meet interpreter finalization ("terminate called")

@@ -252,3 +252,7 @@ def test_a_ppo_stage_under_alpacafarm_run_zero3_loads_its_folders_and_saves_the_
 
 if __name__ == "__main__":
     _worker(sys.argv[1], Path(sys.argv[2]))
+    from alpacafarm import distributed
+
+    if distributed.joined_by_us():  # end the rank as the CLI does (distributed.end_process): gloo threads a process
+        distributed.end_process(0)  # group left alive must not meet interpreter finalization ("terminate called")

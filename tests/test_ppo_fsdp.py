@@ -251,3 +251,7 @@ def test_without_an_fsdp_launch_nothing_is_sharded(monkeypatch: pytest.MonkeyPat
 
 if __name__ == "__main__":
     _worker(sys.argv[1], Path(sys.argv[2]))
+    from alpacafarm import distributed
+
+    if distributed.joined_by_us():  # end the rank as the CLI does (distributed.end_process): gloo threads a process
+        distributed.end_process(0)  # group left alive must not meet interpreter finalization ("terminate called")
