@@ -263,3 +263,18 @@ def annotator_from_options(registry: Registry, name: str, args: argparse.Namespa
         return registry.create("annotator", name, block, path=("options",))
     except RecipeError as exc:
         raise UserError(f"annotator {name!r}: {exc}") from None
+
+
+def label_identity(registry: Any, name: str) -> Any:
+    """What the labels of annotator ``name`` depend on beyond its recipe config (fitted weights, a model), as
+    plain data, or None when its plugin says nothing. A plugin says it with ``identity="module:function"`` when it
+    registers the annotator; the function gets ``(registry, name)``. The pipeline adds it to the fingerprint of
+    every stage that annotates, so a changed judge re-runs them instead of reusing the old judge's labels."""
+    from alpacafarm.registry import import_target
+
+    if ("annotator", name) not in registry:
+        return None
+    hook = registry.entry("annotator", name).metadata.get("identity")
+    if hook is None:
+        return None
+    return import_target(hook, what=f"identity of annotator {name!r}")(registry, name)

@@ -239,7 +239,12 @@ class Pipeline:
         if role is None:
             return None
         ref = self.recipe.annotator_for(role)
-        return ref.model_dump(mode="json") if ref is not None else None
+        if ref is None:
+            return None
+        from alpacafarm.annotation import label_identity
+
+        labels = label_identity(self.registry, ref.name)  # e.g. the offline judge's weights
+        return ref.model_dump(mode="json") if labels is None else {**ref.model_dump(mode="json"), "labels": labels}
 
     def _check_force(self, force: tuple[str, ...] | list[str]) -> None:
         names = [s.name for s in self.stages]

@@ -47,7 +47,9 @@ REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache" / "offline_judge"
 sys.path.insert(0, str(REPO / "plugins"))
 from alpacafarm_annotators import judge_fit  # noqa: E402
-from alpacafarm_annotators.judge_features import MiniLMEmbedder, NGramTables, words  # noqa: E402
+from alpacafarm_annotators.judge_features import NGramTables, words  # noqa: E402
+from alpacafarm_annotators.judge_featurizer import FEATURE_NAMES, Featurizer  # noqa: E402
+from alpacafarm_annotators.judge_lm import hot_samples, sample_answers  # noqa: E402
 from alpacafarm_annotators.offline_judge import WEIGHTS_FILE, OfflineJudge  # noqa: E402
 
 LEADERBOARD = "tatsu-lab_alpaca_eval/src/alpaca_eval/leaderboards/data_AlpacaEval/alpaca_eval_gpt4_leaderboard.csv"
@@ -124,19 +126,7 @@ def smollm2_samples(instructions: list[str], temperature: float, n: int, max_new
     path = CACHE / "smollm2" / f"t{temperature}_n{n}_{key}.json"
     if path.is_file():
         return json.loads(path.read_text())
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from alpacafarm.generation import SamplingConfig, TransformersGenerator
-    from alpacafarm.models import resolve_model_path
-
-    model_path = resolve_model_path("smollm2-135m-instruct")
-    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    generator = TransformersGenerator(model, tokenizer)
-    prompts = generator.prompt_format.records([{"instruction": ins, "input": ""} for ins in instructions])
-    out = generator.generate(prompts, SamplingConfig(n=n, temperature=temperature, max_new_tokens=max_new_tokens,
-                                                     batch_size=max(1, 32 // n), seed=seed))
+    out = sample_answers(instructions, temperature, n, max_new_tokens, seed, batch_size=max(1, 32 // n))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out))
     return out
@@ -248,15 +238,16 @@ def main() -> None:
     # 4/5. GPT-4 agreement, leave one system out ---------------------------------------------------------------
     print("\n== 4. agreement with GPT-4 on held-out instructions, leave-one-system-out ==")
     tables = NGramTables.from_dict(doc["ngrams"])
-    featurize = judge_fit.Featurizer(tables, MiniLMEmbedder(cache_dir=cache_dir))
+    featurize = Featurizer(tables, judge.embedder, judge.lm)
     fit_instructions = [ins for ins in data.instructions if not judge_fit.is_heldout(ins)]
+    hot = hot_samples(fit_instructions, doc["fit"]["seed"], cache_dir)
     features, pairs = judge_fit.build_training(data, fit_instructions, featurize, doc["fit"]["seed"],
-                                               doc["fit"]["synthetic_weight"])
+                                               doc["fit"]["synthetic_weight"], hot)
     groups_arr = np.array(pairs.group)
     heldout_set = set(heldout)
     test = [j for j in data.judgments if j.instruction in heldout_set]
     systems = sorted({j.system for j in data.judgments})
-    no_ref = len(judge_fit.FEATURE_NAMES)
+    no_ref = len(FEATURE_NAMES)
     weights_by_system = {}
     for system in systems:
         heads = judge_fit.fit_heads(features, pairs, doc["fit"]["l2"], mask=groups_arr != system)

@@ -102,3 +102,42 @@ def test_a_shared_annotator_option_the_annotator_has_no_field_for_is_named(tmp_p
     assert code == 2 and not (tmp_path / "out.json").exists()
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: annotator 'offline' takes no --base-url (its config fields: batch_size, continuous, references)"]
+
+
+class Judged(Count):
+    annotator_role = "feedback"  # its outputs depend on the feedback annotator's labels
+
+
+class JudgedPlugin:
+    @alpacafarm.hookimpl
+    def register_methods(self, register):
+        register("judged_count", Judged)
+        register("plain_count", Count)
+
+
+@pytest.mark.parametrize("annotator", ["offline", "offline_ann"])
+def test_new_offline_judge_weights_rerun_the_stages_that_annotate(annotator: str, register_test_plugin,
+                                                                 tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import json
+
+    from alpacafarm_annotators import offline_judge
+    from alpacafarm_annotators.judge_fit import fingerprint
+
+    register_test_plugin(JudgedPlugin(), "judged-plugin")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: j\nannotator: {annotator}\nstages:\n  - {{name: one, method: judged_count}}\n"
+                      "  - {name: two, method: plain_count}\n", encoding="utf-8")
+    registry = get_registry()
+    RUNS.clear()
+    for _ in range(2):
+        Pipeline(load_recipe(recipe, registry=registry), registry, tmp_path / "run").run()
+    assert RUNS == ["one", "two"]  # unchanged: skipped
+    document = json.loads(offline_judge.WEIGHTS_FILE.read_text(encoding="utf-8"))
+    document["weights"]["no_reference"][0] += 0.5  # a refit judge: the same name and config, other labels
+    document["fingerprint"] = fingerprint(document)
+    refit = tmp_path / "refit.json"
+    refit.write_text(json.dumps(document), encoding="utf-8")
+    monkeypatch.setattr(offline_judge, "WEIGHTS_FILE", refit)
+    outcomes = Pipeline(load_recipe(recipe, registry=registry), registry, tmp_path / "run").run()
+    assert RUNS == ["one", "two", "one"]  # the stage that annotates ran again; the other did not
+    assert [o.status for o in outcomes] == ["ran", "skipped"]

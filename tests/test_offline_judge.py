@@ -224,3 +224,40 @@ def test_length_and_lists_earn_nothing_off_topic_or_in_word_salad(judge) -> None
     words_of_right = right.replace(";", "").replace(".", "").split()
     long_salad = "\n".join(f"{k}. " + " ".join(words_of_right[(k * 7) % 11:][:9][::-1]) for k in range(1, 16))
     assert judge.judge([(instruction, right, near_off_topic, None), (instruction, right, long_salad, None)]) == [1, 1]
+
+
+@needs_model
+def test_language_model_reads_fluency_and_whether_the_instruction_helps(judge, answered) -> None:
+    from alpacafarm_annotators.judge_lm import LM_FEATURES
+
+    (ins, good), (other_ins, other) = answered[0], answered[1]
+    salad = _rivals(ins, good, other, seed=0)["word_salad"]
+    values = judge.lm.features([(ins, good), (ins, salad), (ins, other), (other_ins, other), (ins, "")])
+    lp, surprise, pmi = (values[:, LM_FEATURES.index(name)] for name in ("lm_logprob", "lm_surprise", "lm_pmi"))
+    assert lp[0] > lp[1] + 2.0 and surprise[1] > surprise[0]  # word salad is improbable token by token
+    assert pmi[0] > 0.2 and pmi[2] < pmi[3] - 0.3  # an answer gains from its own instruction, not from another
+    assert (lp[4], surprise[4], pmi[4]) == (-12.0, 1.0, 0.0)  # nothing to read: the floor
+    again = offline_judge.OfflineJudge().lm.features([(ins, ""), (ins, good)])  # another instance, order, batch
+    assert again == pytest.approx(values[[4, 0]], abs=1.5e-4)  # values are rounded to 4 decimals
+
+
+def test_language_model_features_only_ever_penalise() -> None:
+    """Less probable or less instruction-specific text never scores higher (and text above the levels of real
+    answers earns nothing for being more probable, so a policy sharing the LM's weights gains nothing from its own
+    taste); length and layout earn credit only through the gate, and closing the gate never earns any."""
+    import numpy as np
+
+    from alpacafarm_annotators.judge_featurizer import FEATURE_NAMES, GATED_STATS, LOGPROB_LEVELS, PMI_LEVELS
+
+    document = offline_judge.load_weights()
+    for head in ("no_reference", "reference"):
+        weights = dict(zip(FEATURE_NAMES, document["weights"][head], strict=False))
+        for prefix, levels in (("lm_logprob_below_", LOGPROB_LEVELS), ("lm_pmi_below_", PMI_LEVELS)):
+            hinges = [weights[f"{prefix}{level}"] for level in sorted(levels, reverse=True)]
+            # below the k highest levels the score's slope in the value is -(sum of those k weights) >= 0
+            assert np.all(np.cumsum(hinges) <= 0), (head, prefix, hinges)
+        assert weights["lm_surprise"] <= 0, head
+        # length and layout earn credit only through the gate, and closing it never earns any
+        gated = {name: weights[f"{name}*gate"] for name in GATED_STATS}
+        assert gated and all(value >= 0 for value in gated.values()), (head, gated)
+        assert "gate" not in weights, head

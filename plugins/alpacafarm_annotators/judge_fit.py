@@ -9,12 +9,15 @@ What the fit uses (every file is described in the data folder's SOURCES.md):
 * synthetic hard negatives that must always lose, built from recorded answers to fit instructions: word salad,
   random corpus words, invented words, an answer to a different instruction (a well-formatted one, and the answer
   to the instruction sharing the most words), a repetition loop, a truncation mid-sentence, a restatement of the
-  instruction, and words drawn from the answer and instruction themselves (:func:`degenerate`);
+  instruction, and words drawn from the answer and instruction themselves (:func:`degenerate`); and the judge's
+  language model's own answers sampled at temperatures 1.2-1.5 (:func:`judge_lm.hot_samples`), fluent word by word
+  but drifting into nonsense;
 * the word and word-pair tables of the fluency features, counted on every system's answers to fit instructions.
 
-The head is linear over the features of :mod:`judge_features`, with length and layout multiplied by a gate that
-is open only for on-topic, fluent text (:data:`GATED_STATS`), fitted Bradley-Terry (logistic loss on score
-differences, L2 penalty) by Newton's method from zero: the same data and seed give byte-identical weights.
+The head is linear over the features of :mod:`judge_featurizer` (text statistics, MiniLM relevance, the language
+model's fluency and PMI of :mod:`judge_lm`; length and layout count only in on-topic, fluent text), fitted
+Bradley-Terry (logistic loss on score differences, L2 penalty) by Newton's method from zero: the same data and
+seed give byte-identical weights.
 Two heads are fitted: one without a reference answer and one that also reads the output's similarity to a strong
 reference answer.
 """
@@ -34,14 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from alpacafarm_annotators.judge_features import (
-    EMBED_DIM,
-    STAT_NAMES,
-    MiniLMEmbedder,
-    NGramTables,
-    text_stats,
-    words,
-)
+from alpacafarm_annotators.judge_features import MiniLMEmbedder, NGramTables, words
+from alpacafarm_annotators.judge_featurizer import FEATURE_NAMES, FIRST_EMBEDDING, Featurizer, gate_settings
+from alpacafarm_annotators.judge_lm import COND_TOKENS, HOT_TEMPERATURES, LM_MODEL, PMI_TOKENS, LMScorer, hot_samples
 
 #: words too common to say what an instruction is about (the nearest-instruction search ignores them)
 STOPWORDS = frozenset(
@@ -52,7 +50,7 @@ STOPWORDS = frozenset(
      "any", "all"]
 )
 
-FORMAT_VERSION = "offline-judge-3"
+FORMAT_VERSION = "offline-judge-4"
 #: each synthetic pair counts as this many GPT-4 judgments: degenerate text must lose by a wide margin
 SYNTHETIC_WEIGHT = 60.0
 #: the embedding features' L2 penalty relative to the others
@@ -66,28 +64,6 @@ DAVINCI_REFERENCE = "stanford-cs336_spring2024-assignment5-alignment/data/alpaca
 #: Strong systems: synthetic negatives are built from their answers, and they serve as reference answers.
 STRONG = ("gpt4_1106_preview", "gpt4", "gpt4_0314", "gpt-3.5-turbo-0301")
 DAVINCI = "text_davinci_003_reference"  # the AlpacaEval 1 reference outputs (not results/text_davinci_003)
-#: hinge features of relevance: how far below each level the output's similarity to the instruction falls (an
-#: off-topic answer is far below all of them, an on-topic one above), so being off-topic can cost more than any
-#: amount of formatting or length can earn
-RELEVANCE_LEVELS = (0.2, 0.35, 0.5)
-#: Length and layout earn credit only in an answer that is on topic and fluent: these statistics are multiplied by
-#: a gate in [0, 1], the product of a relevance ramp (cosine to the instruction from RELEVANCE_RAMP[0] to [1]) and a
-#: fluency ramp (share of known word pairs from FLUENCY_RAMP[0] to [1]). Without it a long, list-formatted answer
-#: to another question, or a long stream of loosely connected words, outscores a short right answer.
-GATED_STATS = ("loglen", "logwords", "nlist", "nlines", "code", "bold")
-RELEVANCE_RAMP = (0.2, 0.55)
-FLUENCY_RAMP = (0.25, 0.55)
-FEATURE_NAMES = (*(f"{name}*gate" if name in GATED_STATS else name for name in STAT_NAMES), "cos_ins",
-                 "cos_above_0.8", *(f"cos_below_{level}" for level in RELEVANCE_LEVELS), "gate",
-                 *(f"out_{i}" for i in range(EMBED_DIM)), *(f"prod_{i}" for i in range(EMBED_DIM)))
-_GATED_COLUMNS = [STAT_NAMES.index(name) for name in GATED_STATS]
-_KNOWN_BIGRAMS = STAT_NAMES.index("known_bigrams")
-
-
-def _ramp(value: float, bounds: tuple[float, float]) -> float:
-    return min(1.0, max(0.0, (value - bounds[0]) / (bounds[1] - bounds[0])))
-
-
 def is_heldout(instruction: str) -> bool:
     """One instruction in four (by a hash of its text) is never fitted on."""
     return zlib.crc32(instruction.encode("utf-8")) % 4 == 0
@@ -260,37 +236,6 @@ def synthetic_pairs(data: JudgeData, instructions: Sequence[str], seed: int,
 
 
 # ------------------------------------------------------------------------------------------ features and fit
-class Featurizer:
-    """Feature vectors (:data:`FEATURE_NAMES`, then ``cos_ref`` when a reference is given) of many outputs."""
-
-    def __init__(self, tables: NGramTables, embedder: MiniLMEmbedder) -> None:
-        self.tables, self.embedder = tables, embedder
-
-    def __call__(self, items: Sequence[tuple[str, str, str | None]]) -> np.ndarray:
-        texts = sorted({t for ins, out, ref in items for t in (ins, out, ref) if t is not None})
-        vectors = dict(zip(texts, self.embedder.embed(texts), strict=True))
-        rows = np.zeros((len(items), len(FEATURE_NAMES) + 1), dtype=np.float64)
-        for r, (ins, out, ref) in enumerate(items):
-            e_ins, e_out = vectors[ins].astype(np.float64), vectors[out].astype(np.float64)
-            cos = float(e_ins @ e_out)
-            stats = text_stats(ins, out, self.tables)
-            gate = _ramp(cos, RELEVANCE_RAMP) * _ramp(stats[_KNOWN_BIGRAMS], FLUENCY_RAMP)
-            for column in _GATED_COLUMNS:
-                stats[column] *= gate
-            rows[r, :len(STAT_NAMES)] = stats
-            rows[r, len(STAT_NAMES)] = cos
-            rows[r, len(STAT_NAMES) + 1] = max(0.0, cos - 0.8)  # so close to the instruction: restating it?
-            start = len(STAT_NAMES) + 2
-            for k, level in enumerate(RELEVANCE_LEVELS):
-                rows[r, start + k] = max(0.0, level - cos)
-            rows[r, start + len(RELEVANCE_LEVELS)] = gate
-            start += len(RELEVANCE_LEVELS) + 1
-            rows[r, start:start + EMBED_DIM] = e_out
-            rows[r, start + EMBED_DIM:len(FEATURE_NAMES)] = e_ins * e_out
-            rows[r, -1] = float(vectors[ref].astype(np.float64) @ e_out) if ref is not None else 0.0
-        return rows
-
-
 def fit_bradley_terry(diff: np.ndarray, p: np.ndarray, weight: np.ndarray, l2: float,
                       max_iter: int = 50, tol: float = 1e-8) -> np.ndarray:
     """Minimise sum w * logistic loss of (diff @ theta) against soft labels p, plus l2/2 * |theta|^2 (Newton)."""
@@ -321,8 +266,12 @@ class PairSet:
 
 
 def build_training(data: JudgeData, instructions: Sequence[str], featurize: Featurizer, seed: int,
-                   synthetic_weight: float = 1.0) -> tuple[np.ndarray, PairSet]:
-    """The feature matrix of every (instruction, output, reference) in the fit pairs, and the pairs."""
+                   synthetic_weight: float = 1.0, hot: Sequence[str] | None = None) -> tuple[np.ndarray, PairSet]:
+    """The feature matrix of every (instruction, output, reference) in the fit pairs, and the pairs.
+
+    ``hot`` (one per instruction, see :func:`judge_lm.hot_samples`) are the LM's own hot samples, each a rival
+    that must lose to a strong answer like the degenerate families.
+    """
     keep = set(instructions)
     items: list[tuple[str, str, str | None]] = []
     index: dict[tuple[str, str, str | None], int] = {}
@@ -347,7 +296,14 @@ def build_training(data: JudgeData, instructions: Sequence[str], featurize: Feat
         pairs.group.append(j.system)
         pairs.has_ref.append(ref is not None)
         pairs.synthetic.append(False)
-    for _, source, ins, answer, rival in synthetic_pairs(data, instructions, seed):
+    rivals = [(source, ins, answer, rival)
+              for _, source, ins, answer, rival in synthetic_pairs(data, instructions, seed)]
+    for k, (ins, sample) in enumerate(zip(instructions, hot or [], strict=False)):  # the LM's own hot samples
+        source = STRONG[k % len(STRONG)]
+        answer = data.outputs.get(source, {}).get(ins, "")
+        if len(answer.split()) >= 12:
+            rivals.append((source, ins, answer, sample))
+    for source, ins, answer, rival in rivals:
         ref_system = next(s for s in STRONG if s != source)
         ref = data.outputs.get(ref_system, {}).get(ins)
         pairs.first.append(row(ins, answer, ref))
@@ -372,8 +328,7 @@ def fit_heads(features: np.ndarray, pairs: PairSet, l2: float, mask: np.ndarray 
     scale = np.where(scale > 1e-9, scale, 1.0)
     # The 768 embedding features get a stronger penalty (EMBEDDING_L2_FACTOR x l2): what an answer is about must
     # not outweigh whether it answers the question, is fluent and complete.
-    first_embedding = len(FEATURE_NAMES) - 2 * EMBED_DIM
-    scale[first_embedding:len(FEATURE_NAMES)] *= EMBEDDING_L2_FACTOR ** 0.5
+    scale[FIRST_EMBEDDING:len(FEATURE_NAMES)] *= EMBEDDING_L2_FACTOR ** 0.5
     heads = {}
     for name, columns, rows in (("no_reference", slice(0, len(FEATURE_NAMES)), mask),
                                 ("reference", slice(0, len(FEATURE_NAMES) + 1), mask & has_ref)):
@@ -396,16 +351,19 @@ def fit(data_dir: Path, seed: int = 0, l2: float = 30.0, max_instructions: int |
     corpus = [outs[ins] for outs in data.outputs.values() for ins in fit_instructions if ins in outs]
     tables = NGramTables.fit(corpus)
     log(f"{len(fit_instructions)} fit instructions, {len(corpus)} answers counted for the fluency tables")
-    featurize = Featurizer(tables, MiniLMEmbedder(cache_dir=cache_dir))
-    features, pairs = build_training(data, fit_instructions, featurize, seed, synthetic_weight)
+    featurize = Featurizer(tables, MiniLMEmbedder(cache_dir=cache_dir), LMScorer(cache_dir=cache_dir))
+    log(f"sampling the LM's hot answers to {len(fit_instructions)} fit instructions (cached with --cache-dir)")
+    hot = hot_samples(fit_instructions, seed, cache_dir)
+    features, pairs = build_training(data, fit_instructions, featurize, seed, synthetic_weight, hot)
     log(f"{len(pairs.first)} pairs ({sum(pairs.synthetic)} synthetic), {features.shape[1]} features; fitting")
     heads = fit_heads(features, pairs, l2)
     document: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "fit": {"seed": seed, "l2": l2, "embedding_l2_factor": EMBEDDING_L2_FACTOR,
                 "synthetic_weight": synthetic_weight, "max_instructions": max_instructions,
-                "gate": {"stats": list(GATED_STATS), "relevance_ramp": list(RELEVANCE_RAMP),
-                         "fluency_ramp": list(FLUENCY_RAMP)},
+                "gate": gate_settings(),
+                "lm": {"model": LM_MODEL, "cond_tokens": COND_TOKENS, "pmi_tokens": PMI_TOKENS,
+                       "hot_sample_temperatures": list(HOT_TEMPERATURES)},
                 "families": list(FAMILIES),
                 "heldout_rule": "crc32(instruction) % 4 == 0", "n_pairs": len(pairs.first),
                 "data_sha256": data.fingerprint(), "embedding": "all-MiniLM-L6-v2, mean pooled, 128 tokens"},
@@ -443,7 +401,8 @@ def main(argv: list[str]) -> int:
     fit_parser.add_argument("--max-instructions", type=int, default=None,
                             help="use only the first N instructions (quick checks)")
     fit_parser.add_argument("--cache-dir", type=Path, default=None,
-                            help="keep MiniLM embeddings here between runs (they are recomputed otherwise)")
+                            help="keep MiniLM embeddings, LM readings and the LM's hot samples here between runs "
+                                 "(they are recomputed otherwise)")
     args = parser.parse_args(argv)
     if args.max_instructions is not None and args.max_instructions < 2:
         raise UserError(f"--max-instructions must be >= 2, got {args.max_instructions}")

@@ -4,11 +4,13 @@ The default annotator of CPU runs and CI (the simulated human when no LLM judge 
 scalar score for its instruction; the pair preference is the sign of the score difference, so ``judge(a, b)`` is
 exactly the mirror of ``judge(b, a)`` and identical outputs (or equal scores) tie.
 
-The score is a linear head over the features of :mod:`judge_features` (MiniLM embeddings of instruction and output,
-their cosine and elementwise product; word and word-pair fluency against tables of real answers; length, structure,
-repetition, refusals, a clean ending, word order, text copied from the instruction); length and layout count only as
-far as the output is on topic and fluent (a gate on the cosine and the known word pairs). It was fitted Bradley-
-Terry (see :mod:`judge_fit`) on recorded AlpacaEval GPT-4 judgments and on synthetic rivals that must always lose
+The score is a linear head over the features of :mod:`judge_featurizer`: a small language model's reading of
+the output (token log-probabilities given the instruction, and how much the instruction helps predict it; see
+:mod:`judge_lm`), MiniLM embeddings of instruction and output (their cosine and elementwise product), word and
+word-pair fluency against tables of real answers, and text statistics (length, structure, repetition, refusals, a
+clean ending, word order, text copied from the instruction); length, layout and the embeddings count only as far
+as the output is on topic and fluent (a gate). It was fitted Bradley-Terry (see :mod:`judge_fit`) on recorded
+AlpacaEval GPT-4 judgments and on synthetic rivals that must always lose
 (word salad, random or invented words, off-topic answers, repetition loops, truncations, restatements of the
 instruction). :meth:`OfflineJudge.win_probability` gives the fitted probability that one output beats the other. The
 weights ship in ``offline_judge_weights.json`` with their fingerprint; refit them with ``alpacafarm offline-judge
@@ -56,6 +58,13 @@ def load_weights(path: str | Path = WEIGHTS_FILE) -> dict[str, Any]:
     return document
 
 
+def weights_identity(registry: Any, name: str) -> dict[str, str]:
+    """What the ``offline`` annotator's labels depend on: the shipped weights' fingerprint (which also names the
+    feature format and the language model); see :func:`alpacafarm.annotation.label_identity`."""
+    document = load_weights(WEIGHTS_FILE)
+    return {"weights": document["fingerprint"], "format": document["format"]}
+
+
 class OfflineJudge:
     """Pairwise judge usable without network, API keys or a GPU.
 
@@ -77,9 +86,10 @@ class OfflineJudge:
 
         ``max_length`` is the number of MiniLM tokens embedded from the start of each text (the fit used 128).
         ``cache_size`` bounds the number of embeddings kept in memory between calls (about 1.5 kB each);
-        ``cache_dir`` keeps them on disk instead.
+        ``cache_dir`` keeps them (and the LM readings) on disk instead.
         """
-        from alpacafarm_annotators.judge_fit import Featurizer
+        from alpacafarm_annotators.judge_featurizer import Featurizer
+        from alpacafarm_annotators.judge_lm import LMScorer
 
         self.document = load_weights(weights_file)
         self.fingerprint: str = self.document["fingerprint"]
@@ -89,7 +99,8 @@ class OfflineJudge:
                          for name, values in self.document["weights"].items()}
         self.embedder = MiniLMEmbedder(embedding_model_dir, max_length=max_length, num_threads=num_threads,
                                        cache_dir=cache_dir, cache_size=cache_size, batch_size=batch_size)
-        self._featurize = Featurizer(NGramTables.from_dict(self.document["ngrams"]), self.embedder)
+        self.lm = LMScorer(num_threads=num_threads, cache_dir=cache_dir, cache_size=cache_size)
+        self._featurize = Featurizer(NGramTables.from_dict(self.document["ngrams"]), self.embedder, self.lm)
 
     def embed(self, texts: Sequence[str]) -> Any:
         """Unit-norm MiniLM embeddings (a numpy array, one row per text)."""

