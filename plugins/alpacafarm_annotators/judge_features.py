@@ -202,6 +202,25 @@ def text_stats(instruction: str, output: str, tables: NGramTables) -> list[float
     ]
 
 
+def load_chunks(cache_dir: Path, prefix: str) -> dict[str, np.ndarray]:
+    """Every vector saved under ``cache_dir`` as ``<prefix>_NNNNN.npz`` chunks, by key."""
+    found: dict[str, np.ndarray] = {}
+    for path in sorted(cache_dir.glob(f"{prefix}_*.npz")):
+        with np.load(path) as data:
+            for key, vec in zip(data["keys"], data["vecs"], strict=True):
+                found[str(key)] = vec
+    return found
+
+
+def save_chunk(cache_dir: Path | None, prefix: str, keys: list[str], vecs: list[np.ndarray]) -> None:
+    """Add one ``<prefix>_NNNNN.npz`` chunk of (key, vector) rows under ``cache_dir`` (nothing without a folder)."""
+    if cache_dir is None or not keys:
+        return
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    index = len(list(cache_dir.glob(f"{prefix}_*.npz")))
+    np.savez(cache_dir / f"{prefix}_{index:05d}.npz", keys=np.array(keys), vecs=np.stack(vecs))
+
+
 def text_key(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()
 
@@ -242,17 +261,10 @@ class MiniLMEmbedder:
         if self._disk_loaded or self.cache_dir is None:
             return
         self._disk_loaded = True
-        for path in sorted(self.cache_dir.glob("chunk_*.npz")):
-            with np.load(path) as data:
-                for key, vec in zip(data["keys"], data["vecs"], strict=True):
-                    self._cache[str(key)] = vec
+        self._cache.update(load_chunks(self.cache_dir, "chunk"))
 
     def _save_disk(self, keys: list[str], vecs: list[np.ndarray]) -> None:
-        if self.cache_dir is None or not keys:
-            return
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        index = len(list(self.cache_dir.glob("chunk_*.npz")))
-        np.savez(self.cache_dir / f"chunk_{index:05d}.npz", keys=np.array(keys), vecs=np.stack(vecs))
+        save_chunk(self.cache_dir, "chunk", keys, vecs)
 
     def embed(self, texts: Sequence[str], progress_every: int = 0) -> np.ndarray:
         """Return a (len(texts), 384) float32 array of unit-norm embeddings."""

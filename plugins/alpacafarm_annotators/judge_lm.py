@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from alpacafarm_annotators.judge_features import load_chunks, save_chunk
+
 __all__ = ["COND_TOKENS", "LM_FEATURES", "LM_MODEL", "PMI_TOKENS", "LMScorer"]
 
 #: the model alias (see :mod:`alpacafarm.models`)
@@ -91,17 +93,7 @@ class LMScorer:
         if self._disk_loaded or self.cache_dir is None:
             return
         self._disk_loaded = True
-        for path in sorted(self.cache_dir.glob("lm_*.npz")):
-            with np.load(path) as data:
-                for key, vec in zip(data["keys"], data["vecs"], strict=True):
-                    self._cache[str(key)] = vec
-
-    def _save_disk(self, keys: list[str], vecs: list[np.ndarray]) -> None:
-        if self.cache_dir is None or not keys:
-            return
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        index = len(list(self.cache_dir.glob("lm_*.npz")))
-        np.savez(self.cache_dir / f"lm_{index:05d}.npz", keys=np.array(keys), vecs=np.stack(vecs))
+        self._cache.update(load_chunks(self.cache_dir, "lm"))
 
     # -- scoring ----------------------------------------------------------------------------------------------
     def _token_logprobs(self, sequences: list[tuple[list[int], list[int]]]) -> list[np.ndarray]:
@@ -144,7 +136,7 @@ class LMScorer:
                     self._cache[key] = vec
                     new_keys.append(key)
                     new_vecs.append(vec)
-                self._save_disk(new_keys, new_vecs)
+                save_chunk(self.cache_dir, "lm", new_keys, new_vecs)
                 new_keys, new_vecs = [], []
         if not pairs:
             return np.zeros((0, len(LM_FEATURES)))
@@ -195,9 +187,11 @@ def hot_samples(instructions: Sequence[str], seed: int, cache_dir: str | Path | 
     if path is not None and path.is_file():
         return json.loads(path.read_text(encoding="utf-8"))
     samples = [""] * len(instructions)
+    generator = lm_generator()
     for k, temperature in enumerate(temperatures):
         chosen = list(range(k, len(instructions), len(temperatures)))
-        outs = sample_answers([instructions[i] for i in chosen], temperature, 1, HOT_TOKENS, seed + k, batch_size=16)
+        outs = sample_answers([instructions[i] for i in chosen], temperature, 1, HOT_TOKENS, seed + k, batch_size=16,
+                              generator=generator)
         for i, out in zip(chosen, outs, strict=True):
             samples[i] = out[0]
     if path is not None:
@@ -206,19 +200,25 @@ def hot_samples(instructions: Sequence[str], seed: int, cache_dir: str | Path | 
     return samples
 
 
-def sample_answers(instructions: Sequence[str], temperature: float, n: int, max_new_tokens: int, seed: int,
-                   batch_size: int) -> list[list[str]]:
-    """``n`` answers per instruction from the judge's LM, sampled with the project's transformers sampler."""
+def lm_generator() -> Any:
+    """The judge's LM behind the project's transformers sampler (float32)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from alpacafarm.generation import SamplingConfig, TransformersGenerator
+    from alpacafarm.generation import TransformersGenerator
     from alpacafarm.models import resolve_model_path
 
     model_path = resolve_model_path(LM_MODEL)
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
-    generator = TransformersGenerator(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
-                                      tokenizer)
+    return TransformersGenerator(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), tokenizer)
+
+
+def sample_answers(instructions: Sequence[str], temperature: float, n: int, max_new_tokens: int, seed: int,
+                   batch_size: int, generator: Any = None) -> list[list[str]]:
+    """``n`` answers per instruction from the judge's LM (``generator``: one from :func:`lm_generator`, else loaded)."""
+    from alpacafarm.generation import SamplingConfig
+
+    generator = generator or lm_generator()
     prompts = generator.prompt_format.records([{"instruction": ins, "input": ""} for ins in instructions])
     return generator.generate(prompts, SamplingConfig(n=n, temperature=temperature, max_new_tokens=max_new_tokens,
                                                       batch_size=batch_size, seed=seed))
