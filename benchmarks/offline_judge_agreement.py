@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO / "plugins"))
 from alpacafarm_annotators import judge_fit  # noqa: E402
 from alpacafarm_annotators.judge_features import NGramTables, words  # noqa: E402
 from alpacafarm_annotators.judge_featurizer import FEATURE_NAMES, Featurizer  # noqa: E402
-from alpacafarm_annotators.judge_lm import hot_samples, sample_answers  # noqa: E402
+from alpacafarm_annotators.judge_lm import sample_answers  # noqa: E402
 from alpacafarm_annotators.offline_judge import WEIGHTS_FILE, OfflineJudge  # noqa: E402
 
 LEADERBOARD = "tatsu-lab_alpaca_eval/src/alpaca_eval/leaderboards/data_AlpacaEval/alpaca_eval_gpt4_leaderboard.csv"
@@ -240,9 +240,10 @@ def main() -> None:
     tables = NGramTables.from_dict(doc["ngrams"])
     featurize = Featurizer(tables, judge.embedder, judge.lm)
     fit_instructions = [ins for ins in data.instructions if not judge_fit.is_heldout(ins)]
-    hot = hot_samples(fit_instructions, doc["fit"]["seed"], cache_dir)
-    features, pairs = judge_fit.build_training(data, fit_instructions, featurize, doc["fit"]["seed"],
-                                               doc["fit"]["synthetic_weight"], hot)
+    fit_args = doc["fit"]
+    features, pairs = judge_fit.training_set(data, fit_instructions, featurize, fit_args["seed"],
+                                             fit_args["synthetic_weight"], fit_args["l2"],
+                                             fit_args["embedding_l2_factor"], cache_dir, log=lambda _: None)
     groups_arr = np.array(pairs.group)
     heldout_set = set(heldout)
     test = [j for j in data.judgments if j.instruction in heldout_set]
@@ -250,7 +251,8 @@ def main() -> None:
     no_ref = len(FEATURE_NAMES)
     weights_by_system = {}
     for system in systems:
-        heads = judge_fit.fit_heads(features, pairs, doc["fit"]["l2"], mask=groups_arr != system)
+        heads = judge_fit.fit_heads(features, pairs, doc["fit"]["l2"], mask=groups_arr != system,
+                                    embedding_l2_factor=doc["fit"]["embedding_l2_factor"])
         weights_by_system[system] = heads["no_reference"]
     test_x1 = featurize([(j.instruction, j.output_1, None) for j in test])[:, :no_ref]
     test_x2 = featurize([(j.instruction, j.output_2, None) for j in test])[:, :no_ref]

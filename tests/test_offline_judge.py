@@ -242,17 +242,25 @@ def test_language_model_reads_fluency_and_whether_the_instruction_helps(judge, a
 
 
 def test_language_model_features_only_ever_penalise() -> None:
-    """Less probable or less instruction-specific text never scores higher (and text above the levels of real
+    """Less probable or less instruction-specific text (also: using fewer of the instruction's key words) never
+    scores higher (and text above the levels of real
     answers earns nothing for being more probable, so a policy sharing the LM's weights gains nothing from its own
     taste); length and layout earn credit only through the gate, and closing the gate never earns any."""
     import numpy as np
 
-    from alpacafarm_annotators.judge_featurizer import FEATURE_NAMES, GATED_STATS, LOGPROB_LEVELS, PMI_LEVELS
+    from alpacafarm_annotators.judge_featurizer import (
+        COVERAGE_LEVELS,
+        FEATURE_NAMES,
+        GATED_STATS,
+        LOGPROB_LEVELS,
+        PMI_LEVELS,
+    )
 
     document = offline_judge.load_weights()
     for head in ("no_reference", "reference"):
         weights = dict(zip(FEATURE_NAMES, document["weights"][head], strict=False))
-        for prefix, levels in (("lm_logprob_below_", LOGPROB_LEVELS), ("lm_pmi_below_", PMI_LEVELS)):
+        for prefix, levels in (("lm_logprob_below_", LOGPROB_LEVELS), ("lm_pmi_below_", PMI_LEVELS),
+                               ("coverage_below_", COVERAGE_LEVELS)):
             hinges = [weights[f"{prefix}{level}"] for level in sorted(levels, reverse=True)]
             # below the k highest levels the score's slope in the value is -(sum of those k weights) >= 0
             assert np.all(np.cumsum(hinges) <= 0), (head, prefix, hinges)
@@ -261,3 +269,91 @@ def test_language_model_features_only_ever_penalise() -> None:
         gated = {name: weights[f"{name}*gate"] for name in GATED_STATS}
         assert gated and all(value >= 0 for value in gated.values()), (head, gated)
         assert "gate" not in weights, head
+
+
+def test_key_word_coverage_weighs_the_words_that_set_a_question_apart() -> None:
+    from alpacafarm_annotators.judge_features import NGramTables
+
+    corpus = [f"There has been no news regarding the release date of game number {k}." for k in range(60)]
+    tables = NGramTables.fit([*corpus, "StarCraft is a game by Blizzard.", "The Elder Scrolls is by Bethesda."])
+    assert {"there", "has", "been", "news", "regar", "relea", "date"} <= tables.common
+    assert "starc" not in tables.common
+    question = "Has there been any news regarding a release date for StarCraft 3?"
+    right = "Blizzard has not announced a release date for StarCraft 3."
+    near = "Bethesda has not announced a release date for The Elder Scrolls VI; no news yet."
+    # seven common stems (0.2 each) and one rare ("starc", 1): the right answer uses "has", "relea", "date" and
+    # "starc"; the answer to the near-identical question uses four common ones but misses "starc"
+    assert tables.key_coverage(question, right) == pytest.approx(1.6 / 2.4)
+    assert tables.key_coverage(question, near) == pytest.approx(0.8 / 2.4)
+    assert tables.key_coverage("Do it!", "Anything") == 1.0  # no content words: nothing to miss
+    assert NGramTables.from_dict(tables.to_dict()).common == tables.common
+
+
+@needs_model
+def test_the_adversarial_round_mines_what_best_of_n_on_the_first_fit_would_pick(judge, answered) -> None:
+    import numpy as np
+
+    from alpacafarm_annotators.judge_fit import mine
+
+    (ins, good), (_, other) = answered[0], answered[1]
+    salad = _rivals(ins, good, other, seed=0)["word_salad"]
+    weights = np.array(judge._weights["no_reference"])
+    pool = [salad, good, other, good]  # a duplicate is mined once
+    assert mine([ins], [pool], judge._featurize, weights, 1) == [(ins, good)]
+    top_two = mine([ins], [pool], judge._featurize, weights, 2)
+    assert top_two[0] == (ins, good) and top_two[1] in {(ins, salad), (ins, other)}
+    assert sorted(mine([ins], [pool], judge._featurize, weights, 4)) == sorted({(ins, text) for text in pool})
+    worst = ({salad, other} - {top_two[1][1]}).pop()
+    assert mine([ins], [pool], judge._featurize, -weights, 1) == [(ins, worst)]  # the head decides, not the order
+
+
+# Near-identical questions: the answer to the other one is fluent, on topic and well formatted, but it is not an answer.
+NEAR_DUPLICATES = [
+    ("Has Blizzard announced a release date for StarCraft 3?",
+     "No. Blizzard Entertainment has not announced StarCraft 3, so there is no release date yet. The most recent game "
+     "in the series is StarCraft II: Legacy of the Void (2015), and Blizzard has said little about a sequel since.",
+     "No. Bethesda has confirmed that The Elder Scrolls VI is in development, but it has not announced a release "
+     "date. The game was first teased at E3 2018, and Bethesda has said it will follow Starfield."),
+    ("Who is the President of Germany?",
+     "The President of Germany is Frank-Walter Steinmeier. He took office in March 2017 and was re-elected in "
+     "February 2022. The role is largely ceremonial: the Chancellor leads the government.",
+     "The President of South Korea is Yoon Suk-yeol. He took office in May 2022 after winning the March election, "
+     "and he leads the government as head of state and head of the executive."),
+    ("Give me a recipe for Opor Ayam, the Indonesian chicken dish.",
+     "Opor Ayam (chicken in coconut milk)\n\nIngredients:\n- 1 chicken, cut into pieces\n- 400 ml coconut milk\n"
+     "- 5 shallots, 3 garlic cloves, 3 candlenuts\n- 1 tsp coriander, turmeric, lemongrass, bay leaves\n\n"
+     "Steps:\n1. Blend shallots, garlic, candlenuts and spices into a paste.\n2. Fry the paste until fragrant.\n"
+     "3. Add the chicken and coconut milk; simmer 40 minutes until tender.",
+     "Tahu Gejrot (tofu in spicy sauce)\n\nIngredients:\n- 250 g fried tofu, cut into cubes\n- 3 shallots, 2 garlic "
+     "cloves, 4 bird's eye chillies\n- 2 tbsp palm sugar, 1 tbsp tamarind water\n\nSteps:\n1. Crush shallots, "
+     "garlic and chillies in a mortar.\n2. Dissolve the palm sugar and tamarind in warm water.\n3. Pour the sauce "
+     "over the tofu and serve."),
+    ("How do I make cold brew coffee at home?",
+     "Mix one part coarsely ground coffee with eight parts cold water in a jar, stir, cover and leave it in the "
+     "fridge for 12 to 18 hours. Strain it through a paper filter, then dilute the concentrate with water or milk.",
+     "Grind 18 g of coffee finely, pack it into the portafilter and tamp it evenly. Lock it into the espresso "
+     "machine and pull the shot for 25 to 30 seconds, until you have about 36 g of espresso."),
+    ("What is the boiling point of water in Fahrenheit?", "Water boils at 212 °F at sea level.",
+     "Water boils at 100 °C at sea level. At higher altitudes the air pressure is lower, so it boils at a lower "
+     "temperature: about 93 °C at 2,000 metres."),
+]
+#: where it still fails: a terse right answer against a longer, fluent answer to a near-identical question
+TERSE_VS_NEAR = [
+    ("How many legs does a spider have?", "A spider has eight legs.",
+     "An ant has six legs, three on each side of its thorax, and it uses them to carry many times its own weight."),
+    ("Who wrote Pride and Prejudice?", "Jane Austen wrote Pride and Prejudice, published in 1813.",
+     "Emily Brontë wrote Wuthering Heights, published in 1847 under the pen name Ellis Bell. It was her only novel."),
+]
+
+
+@needs_model
+def test_the_answer_to_a_near_identical_question_loses(judge) -> None:
+    pairs = [(q, right, near, None) for q, right, near in NEAR_DUPLICATES]
+    assert judge.judge(pairs) == [1] * len(pairs)
+    assert judge.judge([(q, near, right, None) for q, right, near in NEAR_DUPLICATES]) == [2] * len(pairs)
+
+
+@needs_model
+@pytest.mark.xfail(strict=True, reason="known weakness (README): length credit outweighs a terse right answer")
+def test_known_weakness_a_terse_right_answer_loses_to_a_longer_near_duplicate(judge) -> None:
+    assert judge.judge([(q, right, near, None) for q, right, near in TERSE_VS_NEAR]) == [1] * len(TERSE_VS_NEAR)

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EMBED_DIM", "STAT_NAMES", "MiniLMEmbedder", "NGramTables", "minilm_model_dir", "text_stats", "word_order",
-           "words"]
+__all__ = ["EMBED_DIM", "STAT_NAMES", "STOPWORDS", "MiniLMEmbedder", "NGramTables", "minilm_model_dir", "text_stats",
+           "word_order", "words"]
 
 EMBED_DIM = 384
 _WORD = re.compile(r"[a-z]+(?:'[a-z]+)?|\d+")
@@ -52,6 +52,23 @@ _FUNCTION_WORDS = frozenset(
     ["the", "a", "an", "of", "to", "and", "or", "in", "on", "for", "with", "by", "at", "from", "as", "is", "are",
      "was", "were", "be", "that", "this", "its", "their", "your", "our", "my", "his", "her", "which", "than", "into"]
 )
+
+
+#: words too common to say what an instruction is about (the nearest-instruction search and the key-word
+#: coverage ignore them)
+STOPWORDS = frozenset(
+    ["a", "an", "the", "and", "or", "of", "to", "in", "on", "for", "with", "by", "at", "from", "as", "is", "are",
+     "was", "were", "be", "it", "its", "this", "that", "what", "which", "who", "how", "why", "when", "where", "do",
+     "does", "did", "can", "could", "should", "would", "will", "i", "you", "me", "my", "your", "we", "our", "they",
+     "them", "their", "please", "give", "write", "list", "make", "provide", "describe", "explain", "tell", "some",
+     "any", "all"]
+)
+#: words match by their first letters (a crude stem: "recipes" and "recipe", "scattering" and "scatter")
+STEM_LETTERS = 5
+#: a stem found in at least this share of answers is common; an instruction's rarer words say what it is about
+COMMON_SHARE = 0.02
+#: weight of a common content word in the key-word coverage (a rare one weighs 1)
+COMMON_WEIGHT = 0.2
 
 
 def minilm_model_dir() -> str:
@@ -89,26 +106,38 @@ def _bigrams(tokens: Sequence[str]) -> list[str]:
     return [f"{a} {b}" for a, b in itertools.pairwise(tokens)]
 
 
-class NGramTables:
-    """Which words and adjacent word pairs occur (at least ``min_count`` times) in a corpus of real answers.
+def stems(text: str) -> set[str]:
+    return {w[:STEM_LETTERS] for w in words(text)}
 
-    Stored as two hashed bit sets (CRC32 of the token), so the tables are small and lookups are exact functions
-    of the text. ``fit`` counts a corpus; ``to_dict``/``from_dict`` (de)serialise them byte-for-byte.
+
+class NGramTables:
+    """Which words and adjacent word pairs occur (at least ``min_count`` times) in a corpus of real answers, and
+    which word stems are common (in at least :data:`COMMON_SHARE` of the answers).
+
+    The n-grams are stored as two hashed bit sets (CRC32 of the token), so the tables are small and lookups are
+    exact functions of the text; the common stems as a sorted list. ``fit`` counts a corpus;
+    ``to_dict``/``from_dict`` (de)serialise them byte-for-byte.
     """
 
-    def __init__(self, unigram_bits: int, bigram_bits: int, unigrams: np.ndarray, bigrams: np.ndarray) -> None:
+    def __init__(self, unigram_bits: int, bigram_bits: int, unigrams: np.ndarray, bigrams: np.ndarray,
+                 common: Iterable[str] = ()) -> None:
         self.unigram_bits, self.bigram_bits = unigram_bits, bigram_bits
         self.unigrams, self.bigrams = unigrams, bigrams  # bool arrays of length 2**bits
+        self.common = frozenset(common)
 
     @classmethod
     def fit(cls, corpus: Iterable[str], unigram_bits: int = 20, bigram_bits: int = 22,
             min_count: int = 2) -> NGramTables:
         uni: Counter[str] = Counter()
         bi: Counter[str] = Counter()
+        documents: Counter[str] = Counter()
+        n_texts = 0
         for text in corpus:
             tokens = words(text)
             uni.update(tokens)
             bi.update(_bigrams(tokens))
+            documents.update({t[:STEM_LETTERS] for t in tokens})
+            n_texts += 1
         unigrams = np.zeros(1 << unigram_bits, dtype=bool)
         bigrams = np.zeros(1 << bigram_bits, dtype=bool)
         for token, count in uni.items():
@@ -117,7 +146,8 @@ class NGramTables:
         for token, count in bi.items():
             if count >= min_count:
                 bigrams[_hash(token, bigram_bits)] = True
-        return cls(unigram_bits, bigram_bits, unigrams, bigrams)
+        common = sorted(stem for stem, count in documents.items() if count >= COMMON_SHARE * n_texts)
+        return cls(unigram_bits, bigram_bits, unigrams, bigrams, common)
 
     def known(self, text: str) -> tuple[float, float]:
         """(share of words that are known, share of adjacent word pairs that are known); 0 for no words/pairs."""
@@ -129,12 +159,24 @@ class NGramTables:
         bi = sum(bool(self.bigrams[_hash(p, self.bigram_bits)]) for p in pairs) / len(pairs) if pairs else 0.0
         return uni, bi
 
+    def key_coverage(self, instruction: str, output: str) -> float:
+        """Share of the instruction's content words (3+ letters, not stop words; by stem) that the output uses,
+        a rare word weighing 1 and a common one :data:`COMMON_WEIGHT`: an answer to a near-identical question
+        ("a recipe for X" answered with a recipe for Y) misses the words that set this one apart. 1 when the
+        instruction has no content words."""
+        keys = {w[:STEM_LETTERS] for w in words(instruction) if len(w) >= 3 and w not in STOPWORDS}
+        if not keys:
+            return 1.0
+        used = stems(output)
+        weight = {k: COMMON_WEIGHT if k in self.common else 1.0 for k in keys}
+        return sum(weight[k] for k in keys if k in used) / sum(weight.values())
+
     def to_dict(self) -> dict[str, Any]:
         def pack(bits: np.ndarray) -> str:
             return base64.b64encode(zlib.compress(np.packbits(bits).tobytes(), 9)).decode("ascii")
 
         return {"unigram_bits": self.unigram_bits, "bigram_bits": self.bigram_bits,
-                "unigrams": pack(self.unigrams), "bigrams": pack(self.bigrams)}
+                "unigrams": pack(self.unigrams), "bigrams": pack(self.bigrams), "common": sorted(self.common)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> NGramTables:
@@ -143,7 +185,7 @@ class NGramTables:
             return np.unpackbits(raw)[: 1 << bits].astype(bool)
 
         return cls(data["unigram_bits"], data["bigram_bits"], unpack(data["unigrams"], data["unigram_bits"]),
-                   unpack(data["bigrams"], data["bigram_bits"]))
+                   unpack(data["bigrams"], data["bigram_bits"]), data["common"])
 
 
 STAT_NAMES = (

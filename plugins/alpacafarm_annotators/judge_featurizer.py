@@ -9,7 +9,10 @@ Columns (:data:`FEATURE_NAMES`, then ``cos_ref`` for the reference head):
   log-probability falls below :data:`LOGPROB_LEVELS`, the share of nearly impossible tokens, and how far the
   instruction's help in predicting the output (PMI) falls below :data:`PMI_LEVELS`. Nothing rewards text for being
   *more* probable than real answers, so a policy that shares the LM's weights gains nothing from its own taste;
-* the gate itself, the MiniLM embedding of the output and its elementwise product with the instruction's.
+* how far the share of the instruction's key words that the output uses falls below :data:`COVERAGE_LEVELS`
+  (:meth:`NGramTables.key_coverage`): the answer to a near-identical question misses the words that set this one
+  apart;
+* the MiniLM embedding of the output and its elementwise product with the instruction's, both times the gate.
 
 The gate is the product of four ramps from 0 to 1: the cosine to the instruction (:data:`RELEVANCE_RAMP`), the
 share of known word pairs (:data:`FLUENCY_RAMP`), the LM's mean log-probability (:data:`LM_FLUENCY_RAMP`) and its
@@ -26,7 +29,7 @@ import numpy as np
 from alpacafarm_annotators.judge_features import EMBED_DIM, STAT_NAMES, MiniLMEmbedder, NGramTables, text_stats
 from alpacafarm_annotators.judge_lm import LMScorer
 
-__all__ = ["FEATURE_NAMES", "GATED_STATS", "Featurizer", "gate_settings"]
+__all__ = ["FEATURE_NAMES", "GATED_STATS", "Featurizer", "feature_settings"]
 
 #: hinge features of relevance: how far below each level the output's similarity to the instruction falls
 RELEVANCE_LEVELS = (0.2, 0.35, 0.5)
@@ -34,6 +37,8 @@ RELEVANCE_LEVELS = (0.2, 0.35, 0.5)
 LOGPROB_LEVELS = (-2.5, -3.5, -5.0)
 #: hinges of the LM's PMI (real answers: 5th percentile about 0.4; answers to other questions below 0)
 PMI_LEVELS = (0.0, 0.25, 0.5)
+#: hinges of the key-word coverage (:meth:`NGramTables.key_coverage`; strong answers: median about 0.7)
+COVERAGE_LEVELS = (0.3, 0.6)
 GATED_STATS = ("loglen", "logwords", "nlist", "nlines", "code", "bold")
 RELEVANCE_RAMP = (0.2, 0.55)
 FLUENCY_RAMP = (0.25, 0.55)
@@ -43,16 +48,20 @@ FEATURE_NAMES = (*(f"{name}*gate" if name in GATED_STATS else name for name in S
                  "cos_above_0.8", *(f"cos_below_{level}" for level in RELEVANCE_LEVELS),
                  *(f"lm_logprob_below_{level}" for level in LOGPROB_LEVELS), "lm_surprise",
                  *(f"lm_pmi_below_{level}" for level in PMI_LEVELS),
+                 *(f"coverage_below_{level}" for level in COVERAGE_LEVELS),
                  *(f"out_{i}*gate" for i in range(EMBED_DIM)), *(f"prod_{i}*gate" for i in range(EMBED_DIM)))
 FIRST_EMBEDDING = len(FEATURE_NAMES) - 2 * EMBED_DIM
 _GATED_COLUMNS = [STAT_NAMES.index(name) for name in GATED_STATS]
 _KNOWN_BIGRAMS = STAT_NAMES.index("known_bigrams")
 
 
-def gate_settings() -> dict[str, object]:
-    """The gate's definition, as recorded in a weights document."""
+def feature_settings() -> dict[str, object]:
+    """The definitions of the gate and the hinges, as recorded in a weights document."""
     return {"stats": list(GATED_STATS), "relevance_ramp": list(RELEVANCE_RAMP), "fluency_ramp": list(FLUENCY_RAMP),
-            "lm_fluency_ramp": list(LM_FLUENCY_RAMP), "lm_relevance_ramp": list(LM_RELEVANCE_RAMP)}
+            "lm_fluency_ramp": list(LM_FLUENCY_RAMP), "lm_relevance_ramp": list(LM_RELEVANCE_RAMP),
+            "relevance_levels": list(RELEVANCE_LEVELS),
+            "logprob_levels": list(LOGPROB_LEVELS), "pmi_levels": list(PMI_LEVELS),
+            "coverage_levels": list(COVERAGE_LEVELS)}
 
 
 def _ramp(value: float, bounds: tuple[float, float]) -> float:
@@ -75,6 +84,7 @@ class Featurizer:
             cos = float(e_ins @ e_out)
             logprob, surprise, pmi = (float(v) for v in lm_values[r])
             stats = text_stats(ins, out, self.tables)
+            coverage = self.tables.key_coverage(ins, out)
             gate = (_ramp(cos, RELEVANCE_RAMP) * _ramp(stats[_KNOWN_BIGRAMS], FLUENCY_RAMP)
                     * _ramp(logprob, LM_FLUENCY_RAMP) * _ramp(pmi, LM_RELEVANCE_RAMP))
             for column in _GATED_COLUMNS:
@@ -82,7 +92,8 @@ class Featurizer:
             row = [*stats, cos, max(0.0, cos - 0.8),  # so close to the instruction: restating it?
                    *(max(0.0, level - cos) for level in RELEVANCE_LEVELS),
                    *(max(0.0, level - logprob) for level in LOGPROB_LEVELS), surprise,
-                   *(max(0.0, level - pmi) for level in PMI_LEVELS)]
+                   *(max(0.0, level - pmi) for level in PMI_LEVELS),
+                   *(max(0.0, level - coverage) for level in COVERAGE_LEVELS)]
             rows[r, :len(row)] = row
             rows[r, len(row):len(row) + EMBED_DIM] = gate * e_out
             rows[r, len(row) + EMBED_DIM:len(FEATURE_NAMES)] = gate * e_ins * e_out

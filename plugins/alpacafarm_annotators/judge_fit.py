@@ -12,12 +12,17 @@ What the fit uses (every file is described in the data folder's SOURCES.md):
   instruction, and words drawn from the answer and instruction themselves (:func:`degenerate`); and the judge's
   language model's own answers sampled at temperatures 1.2-1.5 (:func:`judge_lm.hot_samples`), fluent word by word
   but drifting into nonsense;
-* the word and word-pair tables of the fluency features, counted on every system's answers to fit instructions.
+* an adversarial round (:func:`training_set`): a first fit scores 16 samples of the LM at temperature 1.2 for every
+  sixth fit instruction, and the two it likes best per instruction (what best-of-n on it would pick) join the
+  rivals of the final fit;
+* the word and word-pair tables of the fluency features and the common word stems of the key-word coverage,
+  counted on every system's answers to fit instructions.
 
 The head is linear over the features of :mod:`judge_featurizer` (text statistics, MiniLM relevance, the language
-model's fluency and PMI of :mod:`judge_lm`; length and layout count only in on-topic, fluent text), fitted
-Bradley-Terry (logistic loss on score differences, L2 penalty) by Newton's method from zero: the same data and
-seed give byte-identical weights.
+model's fluency and PMI of :mod:`judge_lm`, key-word coverage; length and layout count only in on-topic, fluent
+text), fitted Bradley-Terry (logistic loss on score differences, L2 penalty, 300 times stronger on the 768
+embedding features) by Newton's method from zero, with the gated length and layout weights held >= 0: the same
+data and seed give byte-identical weights.
 Two heads are fitted: one without a reference answer and one that also reads the output's similarity to a strong
 reference answer.
 """
@@ -37,24 +42,37 @@ from typing import Any
 
 import numpy as np
 
-from alpacafarm_annotators.judge_features import MiniLMEmbedder, NGramTables, words
-from alpacafarm_annotators.judge_featurizer import FEATURE_NAMES, FIRST_EMBEDDING, Featurizer, gate_settings
-from alpacafarm_annotators.judge_lm import COND_TOKENS, HOT_TEMPERATURES, LM_MODEL, PMI_TOKENS, LMScorer, hot_samples
-
-#: words too common to say what an instruction is about (the nearest-instruction search ignores them)
-STOPWORDS = frozenset(
-    ["a", "an", "the", "and", "or", "of", "to", "in", "on", "for", "with", "by", "at", "from", "as", "is", "are",
-     "was", "were", "be", "it", "its", "this", "that", "what", "which", "who", "how", "why", "when", "where", "do",
-     "does", "did", "can", "could", "should", "would", "will", "i", "you", "me", "my", "your", "we", "our", "they",
-     "them", "their", "please", "give", "write", "list", "make", "provide", "describe", "explain", "tell", "some",
-     "any", "all"]
+from alpacafarm_annotators.judge_features import STOPWORDS, MiniLMEmbedder, NGramTables, words
+from alpacafarm_annotators.judge_featurizer import (
+    FEATURE_NAMES,
+    FIRST_EMBEDDING,
+    GATED_STATS,
+    Featurizer,
+    feature_settings,
+)
+from alpacafarm_annotators.judge_lm import (
+    COND_TOKENS,
+    HOT_TEMPERATURES,
+    LM_MODEL,
+    PMI_TOKENS,
+    POOL_SIZE,
+    POOL_TEMPERATURE,
+    LMScorer,
+    hot_samples,
+    sample_pool,
 )
 
-FORMAT_VERSION = "offline-judge-4"
+FORMAT_VERSION = "offline-judge-5"
 #: each synthetic pair counts as this many GPT-4 judgments: degenerate text must lose by a wide margin
 SYNTHETIC_WEIGHT = 60.0
-#: the embedding features' L2 penalty relative to the others
-EMBEDDING_L2_FACTOR = 10.0
+#: the adversarial round (:func:`training_set`): every POOL_EVERY-th fit instruction gets a pool of the LM's
+#: samples, and the first fit's MINED_PER_INSTRUCTION favourites in each become rivals
+POOL_EVERY = 6
+MINED_PER_INSTRUCTION = 2
+#: the embedding features' L2 penalty relative to the others. Chosen on the held-out benchmark among 10, 40, 100, 300
+#: and 1000: with 10 (format 4) what an answer is about outweighed whether it answered *this* question (the answer
+#: to a near-identical question won 2.8% of the time) and Spearman with the leaderboard was 0.78; 300 gave 0% and 0.84
+EMBEDDING_L2_FACTOR = 300.0
 FAMILIES = ("word_salad", "random_words", "invented_words", "off_topic", "repetition", "truncation", "restate",
             "off_topic_near", "on_topic_words")
 #: families added in format 3; they draw from their own random stream so the first seven stay as they were
@@ -266,11 +284,13 @@ class PairSet:
 
 
 def build_training(data: JudgeData, instructions: Sequence[str], featurize: Featurizer, seed: int,
-                   synthetic_weight: float = 1.0, hot: Sequence[str] | None = None) -> tuple[np.ndarray, PairSet]:
+                   synthetic_weight: float = 1.0, lm_rivals: Sequence[tuple[str, str]] = ()
+                   ) -> tuple[np.ndarray, PairSet]:
     """The feature matrix of every (instruction, output, reference) in the fit pairs, and the pairs.
 
-    ``hot`` (one per instruction, see :func:`judge_lm.hot_samples`) are the LM's own hot samples, each a rival
-    that must lose to a strong answer like the degenerate families.
+    ``lm_rivals`` are (instruction, text) of the judge's LM's own samples (:func:`judge_lm.hot_samples`, and the
+    favourites mined by :func:`training_set`), each a rival that must lose to a strong answer like the degenerate
+    families; an instruction's strong systems take turns answering its rivals.
     """
     keep = set(instructions)
     items: list[tuple[str, str, str | None]] = []
@@ -298,8 +318,11 @@ def build_training(data: JudgeData, instructions: Sequence[str], featurize: Feat
         pairs.synthetic.append(False)
     rivals = [(source, ins, answer, rival)
               for _, source, ins, answer, rival in synthetic_pairs(data, instructions, seed)]
-    for k, (ins, sample) in enumerate(zip(instructions, hot or [], strict=False)):  # the LM's own hot samples
-        source = STRONG[k % len(STRONG)]
+    position = {ins: k for k, ins in enumerate(instructions)}
+    turns: dict[str, int] = {}
+    for ins, sample in lm_rivals:
+        turn = turns[ins] = turns.get(ins, -1) + 1
+        source = STRONG[(position[ins] + turn) % len(STRONG)]
         answer = data.outputs.get(source, {}).get(ins, "")
         if len(answer.split()) >= 12:
             rivals.append((source, ins, answer, sample))
@@ -316,7 +339,11 @@ def build_training(data: JudgeData, instructions: Sequence[str], featurize: Feat
     return featurize(items), pairs
 
 
-def fit_heads(features: np.ndarray, pairs: PairSet, l2: float, mask: np.ndarray | None = None) -> dict[str, Any]:
+_NONNEGATIVE = [FEATURE_NAMES.index(f"{name}*gate") for name in GATED_STATS]
+
+
+def fit_heads(features: np.ndarray, pairs: PairSet, l2: float, mask: np.ndarray | None = None,
+              embedding_l2_factor: float = EMBEDDING_L2_FACTOR) -> dict[str, Any]:
     """Fit both heads on the pairs selected by ``mask``; return the weights as plain lists."""
     first, second = np.array(pairs.first), np.array(pairs.second)
     p2, weight = np.array(pairs.p2), np.array(pairs.weight)
@@ -326,16 +353,57 @@ def fit_heads(features: np.ndarray, pairs: PairSet, l2: float, mask: np.ndarray 
     used_rows = np.unique(np.concatenate([first[mask], second[mask]]))
     scale = features[used_rows].std(axis=0)
     scale = np.where(scale > 1e-9, scale, 1.0)
-    # The 768 embedding features get a stronger penalty (EMBEDDING_L2_FACTOR x l2): what an answer is about must
+    # The 768 embedding features get a stronger penalty (embedding_l2_factor x l2): what an answer is about must
     # not outweigh whether it answers the question, is fluent and complete.
-    scale[FIRST_EMBEDDING:len(FEATURE_NAMES)] *= EMBEDDING_L2_FACTOR ** 0.5
+    scale[FIRST_EMBEDDING:len(FEATURE_NAMES)] *= embedding_l2_factor ** 0.5
     heads = {}
     for name, columns, rows in (("no_reference", slice(0, len(FEATURE_NAMES)), mask),
                                 ("reference", slice(0, len(FEATURE_NAMES) + 1), mask & has_ref)):
         x = features[:, columns] / scale[columns]
-        theta = fit_bradley_terry(x[second[rows]] - x[first[rows]], p2[rows], weight[rows], l2)
+        diff = x[second[rows]] - x[first[rows]]
+        # Length and layout count only through the gate, so their weights must be >= 0 (closing the gate must
+        # never earn credit): a gated weight that comes out negative is fixed at 0 and the rest refitted.
+        free = np.ones(x.shape[1], dtype=bool)
+        while True:
+            theta = np.zeros(x.shape[1])
+            theta[free] = fit_bradley_terry(diff[:, free], p2[rows], weight[rows], l2)
+            negative = [c for c in _NONNEGATIVE if theta[c] < 0]
+            if not negative:
+                break
+            free[min(negative, key=lambda c: theta[c])] = False
         heads[name] = theta / scale[columns]
     return heads
+
+
+def mine(instructions: Sequence[str], pools: Sequence[Sequence[str]], featurize: Featurizer, weights: np.ndarray,
+         per_instruction: int) -> list[tuple[str, str]]:
+    """(instruction, sample) for the ``per_instruction`` samples of each pool that the no-reference head
+    ``weights`` scores highest: what best-of-n on that judge would pick."""
+    mined = []
+    for ins, pool in zip(instructions, pools, strict=True):
+        candidates = sorted(set(pool))
+        scores = featurize([(ins, text, None) for text in candidates])[:, :len(FEATURE_NAMES)] @ weights
+        for k in np.argsort(-np.round(scores, 6), kind="stable")[:per_instruction]:
+            mined.append((ins, candidates[int(k)]))
+    return mined
+
+
+def training_set(data: JudgeData, instructions: Sequence[str], featurize: Featurizer, seed: int,
+                 synthetic_weight: float, l2: float, embedding_l2_factor: float, cache_dir: Path | None,
+                 log: Callable[[str], None] = print) -> tuple[np.ndarray, PairSet]:
+    """The fit's features and pairs, with the adversarial round: a first fit (with the LM's hot samples as
+    rivals) picks its favourites among :data:`judge_lm.POOL_SIZE` samples per instruction of every
+    :data:`POOL_EVERY`-th instruction, and they join the rivals of the final fit."""
+    log(f"sampling the LM's hot answers to {len(instructions)} fit instructions (cached with --cache-dir)")
+    hot = list(zip(instructions, hot_samples(instructions, seed, cache_dir), strict=True))
+    pool_instructions = list(instructions[::POOL_EVERY])
+    log(f"sampling {POOL_SIZE} answers to each of {len(pool_instructions)} instructions for the adversarial round")
+    pools = sample_pool(pool_instructions, seed, cache_dir)
+    features, pairs = build_training(data, instructions, featurize, seed, synthetic_weight, hot)
+    first = fit_heads(features, pairs, l2, embedding_l2_factor=embedding_l2_factor)["no_reference"]
+    mined = mine(pool_instructions, pools, featurize, first, MINED_PER_INSTRUCTION)
+    log(f"adversarial round: the first fit's {MINED_PER_INSTRUCTION} favourites of each pool become rivals")
+    return build_training(data, instructions, featurize, seed, synthetic_weight, [*hot, *mined])
 
 
 def round_weights(values: np.ndarray) -> list[float]:
@@ -352,18 +420,20 @@ def fit(data_dir: Path, seed: int = 0, l2: float = 30.0, max_instructions: int |
     tables = NGramTables.fit(corpus)
     log(f"{len(fit_instructions)} fit instructions, {len(corpus)} answers counted for the fluency tables")
     featurize = Featurizer(tables, MiniLMEmbedder(cache_dir=cache_dir), LMScorer(cache_dir=cache_dir))
-    log(f"sampling the LM's hot answers to {len(fit_instructions)} fit instructions (cached with --cache-dir)")
-    hot = hot_samples(fit_instructions, seed, cache_dir)
-    features, pairs = build_training(data, fit_instructions, featurize, seed, synthetic_weight, hot)
+    features, pairs = training_set(data, fit_instructions, featurize, seed, synthetic_weight, l2,
+                                   EMBEDDING_L2_FACTOR, cache_dir, log)
     log(f"{len(pairs.first)} pairs ({sum(pairs.synthetic)} synthetic), {features.shape[1]} features; fitting")
-    heads = fit_heads(features, pairs, l2)
+    heads = fit_heads(features, pairs, l2, embedding_l2_factor=EMBEDDING_L2_FACTOR)
     document: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "fit": {"seed": seed, "l2": l2, "embedding_l2_factor": EMBEDDING_L2_FACTOR,
                 "synthetic_weight": synthetic_weight, "max_instructions": max_instructions,
-                "gate": gate_settings(),
+                "features": feature_settings(),
                 "lm": {"model": LM_MODEL, "cond_tokens": COND_TOKENS, "pmi_tokens": PMI_TOKENS,
                        "hot_sample_temperatures": list(HOT_TEMPERATURES)},
+                "adversarial_round": {"pool_every": POOL_EVERY, "pool_size": POOL_SIZE,
+                                      "pool_temperature": POOL_TEMPERATURE,
+                                      "mined_per_instruction": MINED_PER_INSTRUCTION},
                 "families": list(FAMILIES),
                 "heldout_rule": "crc32(instruction) % 4 == 0", "n_pairs": len(pairs.first),
                 "data_sha256": data.fingerprint(), "embedding": "all-MiniLM-L6-v2, mean pooled, 128 tokens"},

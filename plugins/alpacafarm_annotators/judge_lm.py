@@ -200,6 +200,30 @@ def hot_samples(instructions: Sequence[str], seed: int, cache_dir: str | Path | 
     return samples
 
 
+#: the pool mined for the adversarial round of the fit: many samples per instruction at the temperature of
+#: ``benchmarks/offline_judge_agreement.py``'s best-of-n, of which the judge's favourites become rivals
+POOL_TEMPERATURE = 1.2
+POOL_SIZE = 16
+
+
+def sample_pool(instructions: Sequence[str], seed: int, cache_dir: str | Path | None = None,
+                n: int = POOL_SIZE, temperature: float = POOL_TEMPERATURE) -> list[list[str]]:
+    """``n`` answers per instruction sampled from the judge's LM at ``temperature`` (cached like
+    :func:`hot_samples`): the candidates a best-of-n policy would choose among."""
+    import json
+
+    key = hashlib.sha256(json.dumps([LM_MODEL, list(instructions), n, temperature, seed, HOT_TOKENS])
+                         .encode()).hexdigest()[:20]
+    path = Path(cache_dir) / f"pool_{key}.json" if cache_dir is not None else None
+    if path is not None and path.is_file():
+        return json.loads(path.read_text(encoding="utf-8"))
+    pool = sample_answers(instructions, temperature, n, HOT_TOKENS, seed, batch_size=max(1, 64 // n))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(pool), encoding="utf-8")
+    return pool
+
+
 def lm_generator() -> Any:
     """The judge's LM behind the project's transformers sampler (float32)."""
     import torch
