@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO / "plugins"))
 from alpacafarm_annotators import judge_fit  # noqa: E402
 from alpacafarm_annotators.judge_features import NGramTables, words  # noqa: E402
 from alpacafarm_annotators.judge_featurizer import FEATURE_NAMES, Featurizer  # noqa: E402
-from alpacafarm_annotators.judge_lm import sample_answers  # noqa: E402
+from alpacafarm_annotators.judge_lm import cached_json, sample_answers  # noqa: E402
 from alpacafarm_annotators.offline_judge import WEIGHTS_FILE, OfflineJudge  # noqa: E402
 
 LEADERBOARD = "tatsu-lab_alpaca_eval/src/alpaca_eval/leaderboards/data_AlpacaEval/alpaca_eval_gpt4_leaderboard.csv"
@@ -123,13 +123,9 @@ def smollm2_samples(instructions: list[str], temperature: float, n: int, max_new
     import hashlib
 
     key = hashlib.sha1(json.dumps([instructions, temperature, n, max_new_tokens, seed]).encode()).hexdigest()[:16]
-    path = CACHE / "smollm2" / f"t{temperature}_n{n}_{key}.json"
-    if path.is_file():
-        return json.loads(path.read_text())
-    out = sample_answers(instructions, temperature, n, max_new_tokens, seed, batch_size=max(1, 32 // n))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out))
-    return out
+    return cached_json(CACHE / "smollm2" / f"t{temperature}_n{n}_{key}.json",
+                       lambda: sample_answers(instructions, temperature, n, max_new_tokens, seed,
+                                              batch_size=max(1, 32 // n)))
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -243,9 +243,9 @@ def test_language_model_reads_fluency_and_whether_the_instruction_helps(judge, a
 
 def test_language_model_features_only_ever_penalise() -> None:
     """Less probable or less instruction-specific text (also: using fewer of the instruction's key words) never
-    scores higher (and text above the levels of real
-    answers earns nothing for being more probable, so a policy sharing the LM's weights gains nothing from its own
-    taste); length and layout earn credit only through the gate, and closing the gate never earns any."""
+    scores higher (and text above the levels of real answers earns nothing for being more probable, so a policy
+    sharing the LM's weights gains nothing from its own taste); length and layout earn credit only through the
+    gate, and closing the gate never earns any."""
     import numpy as np
 
     from alpacafarm_annotators.judge_featurizer import (
@@ -357,3 +357,53 @@ def test_the_answer_to_a_near_identical_question_loses(judge) -> None:
 @pytest.mark.xfail(strict=True, reason="known weakness (README): length credit outweighs a terse right answer")
 def test_known_weakness_a_terse_right_answer_loses_to_a_longer_near_duplicate(judge) -> None:
     assert judge.judge([(q, right, near, None) for q, right, near in TERSE_VS_NEAR]) == [1] * len(TERSE_VS_NEAR)
+
+
+def test_sample_caches_draw_once_write_whole_files_and_name_a_broken_one(tmp_path: Path) -> None:
+    from alpacafarm_annotators.judge_lm import cached_json
+
+    draws = []
+
+    def draw() -> list[list[str]]:
+        draws.append(1)
+        return [["a sample", "another"], ["a third"]]
+
+    path = tmp_path / "samples" / "pool_x.json"
+    assert cached_json(path, draw) == [["a sample", "another"], ["a third"]]
+    assert cached_json(path, draw) == [["a sample", "another"], ["a third"]]
+    assert len(draws) == 1  # the second call read the file
+    assert sorted(p.name for p in path.parent.iterdir()) == ["pool_x.json"]  # written through a renamed temporary
+    assert cached_json(None, draw) == [["a sample", "another"], ["a third"]] and len(draws) == 2  # no folder: drawn
+    path.write_text('[["a sample", "ano', encoding="utf-8")  # what a killed non-atomic write used to leave
+    with pytest.raises(UserError) as error:
+        cached_json(path, draw)
+    message = str(error.value)
+    assert str(path) in message and "delete it" in message and "\n" not in message
+    assert len(draws) == 2
+
+
+def test_the_fit_holds_gated_length_and_layout_weights_at_zero_or_above() -> None:
+    import numpy as np
+
+    from alpacafarm_annotators.judge_featurizer import FEATURE_NAMES, GATED_STATS
+    from alpacafarm_annotators.judge_fit import PairSet, fit_bradley_terry, fit_heads
+
+    rng = np.random.default_rng(0)
+    n_rows, n_pairs = 200, 400
+    features = rng.normal(size=(n_rows, len(FEATURE_NAMES) + 1))
+    loglen, cos = FEATURE_NAMES.index("loglen*gate"), FEATURE_NAMES.index("cos_ins")
+    first, second = rng.integers(0, n_rows, n_pairs), rng.integers(0, n_rows, n_pairs)
+    # the data reward relevance and, on their own, punish length: an unconstrained fit gives length a negative weight
+    margin = 2.0 * (features[second, cos] - features[first, cos]) - 1.0 * (features[second, loglen]
+                                                                          - features[first, loglen])
+    pairs = PairSet(first=list(first), second=list(second), p2=list(1.0 / (1.0 + np.exp(-margin))),
+                    weight=[1.0] * n_pairs, group=["sys"] * n_pairs, has_ref=[True] * n_pairs,
+                    synthetic=[False] * n_pairs)
+    x = features[:, :len(FEATURE_NAMES)] / features[:, :len(FEATURE_NAMES)].std(axis=0)
+    free_fit = fit_bradley_terry(x[second] - x[first], np.array(pairs.p2), np.ones(n_pairs), 1.0)
+    assert free_fit[loglen] < -0.1  # without the constraint length would earn credit for closing the gate
+    heads = fit_heads(features, pairs, 1.0, embedding_l2_factor=1.0)
+    for head in heads.values():
+        gated = [head[FEATURE_NAMES.index(f"{name}*gate")] for name in GATED_STATS]
+        assert min(gated) >= 0.0 and head[loglen] == 0.0
+        assert int(np.argmax(head)) == cos  # the rest is refitted: relevance still carries the preference

@@ -22,16 +22,22 @@ set of texts gives the same values.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
+from alpacafarm.data import write_json
+from alpacafarm.errors import UserError
+from alpacafarm.paths import read_text
 from alpacafarm_annotators.judge_features import load_chunks, save_chunk
 
-__all__ = ["COND_TOKENS", "LM_FEATURES", "LM_MODEL", "PMI_TOKENS", "LMScorer"]
+__all__ = ["COND_TOKENS", "LM_FEATURES", "LM_MODEL", "PMI_TOKENS", "LMScorer", "cached_json"]
+
+T = TypeVar("T")
 
 #: the model alias (see :mod:`alpacafarm.models`)
 LM_MODEL = "smollm2-135m-instruct"
@@ -173,31 +179,49 @@ HOT_TEMPERATURES = (1.2, 1.35, 1.5)
 HOT_TOKENS = 96
 
 
+def _sample_cache(cache_dir: str | Path | None, prefix: str, determinants: list[Any]) -> Path | None:
+    """``<cache_dir>/<prefix>_<hash of determinants>.json`` (None without a folder)."""
+    if cache_dir is None:
+        return None
+    key = hashlib.sha256(json.dumps(determinants).encode()).hexdigest()[:20]
+    return Path(cache_dir) / f"{prefix}_{key}.json"
+
+
+def cached_json(path: Path | None, draw: Callable[[], T]) -> T:
+    """The JSON value cached at ``path``, or ``draw()`` written there atomically (a run killed mid-write leaves no
+    half file). No ``path``: drawn every time. A cache file that is not valid JSON is a one-line UserError naming it."""
+    if path is not None and path.is_file():
+        try:
+            return json.loads(read_text(path, "sample cache"))
+        except json.JSONDecodeError as exc:
+            raise UserError(f"sample cache {path} is not valid JSON ({exc}): delete it to draw the samples "
+                            "again") from None
+    value = draw()
+    if path is not None:
+        write_json(path, value)
+    return value
+
+
 def hot_samples(instructions: Sequence[str], seed: int, cache_dir: str | Path | None = None,
                 temperatures: Sequence[float] = HOT_TEMPERATURES) -> list[str]:
     """One answer per instruction sampled from the judge's LM at a high temperature (``temperatures`` cycled):
     text that reads as fluent word by word but drifts into nonsense, which best-of-n on the judge's score would
     otherwise find. Drawn with the project's transformers sampler (fixed batches and seed: the same on every run
     on a machine) and cached under ``cache_dir`` by a hash of everything that determines them."""
-    import json
+    def draw() -> list[str]:
+        samples = [""] * len(instructions)
+        generator = lm_generator()
+        for k, temperature in enumerate(temperatures):
+            chosen = list(range(k, len(instructions), len(temperatures)))
+            outs = sample_answers([instructions[i] for i in chosen], temperature, 1, HOT_TOKENS, seed + k,
+                                  batch_size=16, generator=generator)
+            for i, out in zip(chosen, outs, strict=True):
+                samples[i] = out[0]
+        return samples
 
-    key = hashlib.sha256(json.dumps([LM_MODEL, list(instructions), list(temperatures), seed, HOT_TOKENS])
-                         .encode()).hexdigest()[:20]
-    path = Path(cache_dir) / f"hot_samples_{key}.json" if cache_dir is not None else None
-    if path is not None and path.is_file():
-        return json.loads(path.read_text(encoding="utf-8"))
-    samples = [""] * len(instructions)
-    generator = lm_generator()
-    for k, temperature in enumerate(temperatures):
-        chosen = list(range(k, len(instructions), len(temperatures)))
-        outs = sample_answers([instructions[i] for i in chosen], temperature, 1, HOT_TOKENS, seed + k, batch_size=16,
-                              generator=generator)
-        for i, out in zip(chosen, outs, strict=True):
-            samples[i] = out[0]
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(samples), encoding="utf-8")
-    return samples
+    path = _sample_cache(cache_dir, "hot_samples",
+                         [LM_MODEL, list(instructions), list(temperatures), seed, HOT_TOKENS])
+    return cached_json(path, draw)
 
 
 #: the pool mined for the adversarial round of the fit: many samples per instruction at the temperature of
@@ -210,18 +234,9 @@ def sample_pool(instructions: Sequence[str], seed: int, cache_dir: str | Path | 
                 n: int = POOL_SIZE, temperature: float = POOL_TEMPERATURE) -> list[list[str]]:
     """``n`` answers per instruction sampled from the judge's LM at ``temperature`` (cached like
     :func:`hot_samples`): the candidates a best-of-n policy would choose among."""
-    import json
-
-    key = hashlib.sha256(json.dumps([LM_MODEL, list(instructions), n, temperature, seed, HOT_TOKENS])
-                         .encode()).hexdigest()[:20]
-    path = Path(cache_dir) / f"pool_{key}.json" if cache_dir is not None else None
-    if path is not None and path.is_file():
-        return json.loads(path.read_text(encoding="utf-8"))
-    pool = sample_answers(instructions, temperature, n, HOT_TOKENS, seed, batch_size=max(1, 64 // n))
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(pool), encoding="utf-8")
-    return pool
+    path = _sample_cache(cache_dir, "pool", [LM_MODEL, list(instructions), n, temperature, seed, HOT_TOKENS])
+    return cached_json(path, lambda: sample_answers(instructions, temperature, n, HOT_TOKENS, seed,
+                                                    batch_size=max(1, 64 // n)))
 
 
 def lm_generator() -> Any:
