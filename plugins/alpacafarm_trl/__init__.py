@@ -28,5 +28,7 @@ def register_methods(register):
              description="GRPO (TRL GRPOTrainer): group-relative advantages, reward from the reward model and/or rules")
     register("rloo", "alpacafarm_trl.rloo:RLOO",
              description="RLOO (TRL RLOOTrainer): leave-one-out baselines, reward from the reward model and/or rules")
+    register("online_dpo", "alpacafarm_trl.online_dpo:OnlineDPO",
+             description="online / iterative DPO: rounds of sampling the policy, annotating the pairs, DPO steps")
     register("quark", "alpacafarm_trl.quark:Quark",
              description="Quark (best quantile, fresh pool per round): top-reward rollouts, NLL + KL to the SFT model")

@@ -78,12 +78,15 @@ def build_dpo_trainer(
     eval_rows: list[dict[str, str]] | None = None,
     *,
     callbacks: list[Any] | None = None,
+    reference_path: str | None = None,
 ) -> Any:
     """A ready ``DPOTrainer`` on prompt/chosen/rejected ``rows``, policy and reference from the SFT model.
 
     The reference is passed explicitly (loaded like the policy, so dtype, device and quantization agree)
     only for full fine-tuning without precomputed reference log-probabilities; otherwise ``ref_model`` is
-    None and TRL keeps no second model.
+    None and TRL keeps no second model. ``reference_path`` (default: ``model_path``) names another model as the
+    reference (online DPO: the policy continues from a later round while the reference stays the SFT model); it
+    is then always loaded, as neither the adapters-off policy nor the policy's own log-probabilities are it.
     """
     from datasets import Dataset
     from transformers import set_seed
@@ -96,7 +99,9 @@ def build_dpo_trainer(
     peft_config = lora_config(spec)
     set_seed(config.seed)  # fresh LoRA adapters are drawn before the Trainer seeds itself
     ref_model = None
-    if peft_config is None and not config.precompute_ref_log_probs:
+    if reference_path not in (None, model_path):
+        ref_model = load_merged_causal_lm(spec, reference_path)
+    elif peft_config is None and not config.precompute_ref_log_probs:
         ref_model = load_merged_causal_lm(spec, model_path)
     trainer = DPOTrainer(
         model=load_merged_causal_lm(spec, model_path, trainable=True),
