@@ -3,7 +3,8 @@
 Each prompt gets ``num_generations`` sampled completions; a completion's advantage is its reward minus its
 group's mean (divided by the group's standard deviation, ``scale_rewards: group``), and the policy takes clipped
 policy-gradient steps with a KL penalty ``beta`` to the SFT model. No value model (unlike PPO). The reward is
-the recipe's reward model and/or rule rewards (see :mod:`alpacafarm_trl.online_rl`).
+the recipe's reward model, rule rewards and/or the recipe's annotator asked while training (see
+:mod:`alpacafarm_trl.online_rl` and :mod:`alpacafarm_trl.annotator_reward`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class GRPO(Method):
     requires = ("sft_model", "instruction_splits")
     optional = ("reward_model",)
     provides = "policy_model"
+    #: with ``use_annotator: true`` the recipe's feedback annotator is a reward: changing the judge re-runs the stage
+    annotator_role = "feedback"
     #: TRL's trainer distributes through accelerate (each rank samples and scores its share of the completions,
     #: the reward model loaded on every rank); the main process saves.
     all_ranks = True

@@ -7,6 +7,8 @@ them with ``reward_funcs`` and updates the policy against a per-prompt baseline.
   best-of-n, PPO and the evaluation use) and/or rule-based rewards named ``"module:function"``, each a
   :data:`~alpacafarm.rewards.RewardFunction` ``(records, completions) -> scores``. :class:`TRLReward` adapts one to
   TRL's convention (keyword arguments: the completions and the dataset's columns), summed with ``reward_weights``.
+  ``use_annotator: true`` adds the recipe's annotator itself (P(completion beats a reference answer), asked while
+  training; cached, in the ledger, budgeted: :mod:`alpacafarm_trl.annotator_reward`, with its cost per step).
 * Prompts: the SFT model folder's :class:`~alpacafarm.prompts.PromptFormat` (with its conditioning), as plain
   strings (TRL's "standard" format), so training samples exactly the prompts generation and scoring use.
 """
@@ -33,11 +35,24 @@ class OnlineRLOptions(TrainingDefaults):
         "help": "rule rewards as 'module:function', each (records, completions) -> list[float]"})
     score_batch_size: int = field(default=8, metadata={"help": "batch size of reward-model scoring"})
     score_max_length: int | None = field(default=None, metadata={"help": "truncate scored texts to N tokens"})
+    use_annotator: bool = field(default=False, metadata={
+        "help": "reward = the recipe's annotator's P(completion beats a reference answer), asked while training"})
+    annotator_reference: str = field(default="recorded", metadata={
+        "help": "the annotator reward's reference: 'recorded' (the prompt record's reference_field) or 'sft' "
+                "(one SFT-model answer per prompt, sampled before training)"})
+    reference_field: str = field(default="reference", metadata={"help": "the prompt records' reference answer"})
+    reference_batch_size: int = field(default=8, metadata={"help": "prompts per batch when sampling SFT references"})
+    max_unlabelled_fraction: float = field(default=0.05, metadata={
+        "help": "the annotator reward fails the stage when more of a batch's pairs than this have no label"})
     logging_steps: float = 1  # TRL's 10: the reward of every step goes into metrics.json (as PPO's)
 
     def __post_init__(self) -> None:
         if self.max_instructions is not None and self.max_instructions < 1:
             raise ValueError("max_instructions must be at least 1")
+        if self.annotator_reference not in ("recorded", "sft"):
+            raise ValueError(f"annotator_reference must be 'recorded' or 'sft', got {self.annotator_reference!r}")
+        if not 0.0 <= self.max_unlabelled_fraction <= 1.0:
+            raise ValueError("max_unlabelled_fraction must be in [0, 1]")
         bad = [t for t in self.rule_rewards if t.count(":") != 1]
         if bad:
             raise ValueError(f"rule_rewards: {bad[0]!r} is not of the form 'module:function'")
@@ -65,8 +80,9 @@ class TRLReward:
         return [float(score) for score in self.function(records, list(completions))]
 
 
-def reward_sources(context: StageContext, config: Any) -> list[TRLReward]:
-    """The reward model (if wired and wanted) and the rule rewards, in that order (as ``reward_weights``)."""
+def reward_sources(context: StageContext, config: Any) -> list[Any]:
+    """The reward model (if wired and wanted), the rule rewards and the annotator (if wanted), in that order (as
+    ``reward_weights``)."""
     from alpacafarm.registry import import_target
 
     sources = []
@@ -80,9 +96,14 @@ def reward_sources(context: StageContext, config: Any) -> list[TRLReward]:
         name = target.rpartition(":")[2].rpartition(".")[2]
         name = target if name in [s.__name__ for s in sources] else name
         sources.append(TRLReward(name, import_target(target, what=f"stage {context.stage!r}: rule_rewards")))
+    if config.use_annotator:
+        from alpacafarm_trl.annotator_reward import AnnotatorReward
+
+        context.annotator_ref("feedback")  # a recipe without an annotator fails here, before any model loads
+        sources.append(AnnotatorReward(context, config.max_unlabelled_fraction))
     if not sources:
         raise UserError(f"stage {context.stage!r} has no reward source: wire a reward_model stage "
-                        "(use_reward_model: true) or name rule_rewards ('module:function')")
+                        "(use_reward_model: true), name rule_rewards ('module:function') or set use_annotator: true")
     if config.reward_weights is not None and len(config.reward_weights) != len(sources):
         raise UserError(f"stage {context.stage!r}: {len(config.reward_weights)} reward_weights for "
                         f"{len(sources)} reward sources ({', '.join(s.__name__ for s in sources)})")
@@ -119,6 +140,7 @@ def run_online_rl(context: StageContext, config: Any, trainer_class: Any, algori
         stage_training_args,
         train_summary,
     )
+    from alpacafarm_trl.annotator_reward import AnnotatorReward, attach_references
 
     spec, model_path = context.recipe.model, context.input("sft_model").path
     args = stage_training_args(config, context)
@@ -133,6 +155,9 @@ def run_online_rl(context: StageContext, config: Any, trainer_class: Any, algori
     rewards = reward_sources(context, args)
     tokenizer = load_tokenizer(spec, model_path)
     rows = prompt_rows(records, PromptFormat.for_model(spec.prompt_format, model_path, tokenizer), tokenizer)
+    annotator = next((r for r in rewards if isinstance(r, AnnotatorReward)), None)
+    if annotator is not None:
+        attach_references(context, args, records, rows)
     set_seed(args.seed)  # fresh LoRA adapters are drawn before the Trainer seeds itself
     trainer = trainer_class(model=load_merged_causal_lm(spec, model_path, trainable=True), reward_funcs=rewards,
                             args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
@@ -140,8 +165,12 @@ def run_online_rl(context: StageContext, config: Any, trainer_class: Any, algori
     fp32_master_weights(trainer.model)
     context.logger.info("stage %s: %s on %d prompts, %d completions each, beta %g, rewards: %s", context.stage,
                         algorithm, len(rows), args.num_generations, args.beta, ", ".join(r.__name__ for r in rewards))
-    with training_progress(trainer, context, f"training ({algorithm})"):
-        result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
+    try:
+        with training_progress(trainer, context, f"training ({algorithm})"):
+            result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
+    finally:
+        if annotator is not None:
+            annotator.close()
     model_dir = Path(context.stage_dir) / "model"
     merged = save_policy(trainer, spec, model_path, model_dir, context.logger)  # every rank; the main one writes
     if not context.is_main:
@@ -151,5 +180,7 @@ def run_online_rl(context: StageContext, config: Any, trainer_class: Any, algori
                "reward_last": logged[-1] if logged else None, "n_prompts": len(rows),
                "num_generations": args.num_generations, "beta": args.beta,
                "reward_sources": [r.__name__ for r in rewards], "lora": spec.lora is not None, "merged": merged}
+    if annotator is not None:
+        metrics["annotator"] = {"reference": args.annotator_reference, **annotator.summary(trainer.state.global_step)}
     write_json(Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": trainer.state.log_history})
     return Artifact("model", str(model_dir), metrics)

@@ -2,8 +2,9 @@
 
 Each prompt gets ``num_generations`` (k) sampled completions; a completion's baseline is the mean reward of the
 other k - 1 (Ahmadian et al. 2024), and the KL to the SFT model is subtracted from the sequence reward with
-coefficient ``beta`` before the baseline. No value model (unlike PPO). The reward is the recipe's reward model
-and/or rule rewards (see :mod:`alpacafarm_trl.online_rl`).
+coefficient ``beta`` before the baseline. No value model (unlike PPO). The reward is the recipe's reward model,
+rule rewards and/or the recipe's annotator asked while training (see :mod:`alpacafarm_trl.online_rl` and
+:mod:`alpacafarm_trl.annotator_reward`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class RLOO(Method):
     requires = ("sft_model", "instruction_splits")
     optional = ("reward_model",)
     provides = "policy_model"
+    #: with ``use_annotator: true`` the recipe's feedback annotator is a reward: changing the judge re-runs the stage
+    annotator_role = "feedback"
     #: TRL's trainer distributes through accelerate (each rank samples and scores its share of the completions,
     #: the reward model loaded on every rank); the main process saves.
     all_ranks = True
