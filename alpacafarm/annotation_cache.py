@@ -415,7 +415,10 @@ class _Transaction:
         return self.db
 
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
-        self.db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+        if exc_type is None:
+            self.db.execute("COMMIT")
+        elif self.db.in_transaction:  # SQLite already rolled back after some errors (a full disk): keep that error
+            self.db.execute("ROLLBACK")
 
 
 def _chunks(keys: Sequence[str], size: int = 500) -> Iterable[list[str]]:
