@@ -212,7 +212,14 @@ def train_summary(trainer: Any, result: Any) -> dict[str, Any]:
     """Loss and step count of a finished ``trainer.train()`` (plus the last logged loss, which is per-step), and
     how the trainer ran: over how many processes (its accelerator's count, which sets the global batch) and with
     which distribution (``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ``FSDP``, ``DEEPSPEED`` with its ZeRO stage)."""
+    import math
+
+    from alpacafarm.errors import UserError
+
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    if not math.isfinite(float(result.training_loss)) or any(not math.isfinite(float(v)) for v in losses):
+        raise UserError(f"training diverged: the loss is not finite (train loss {float(result.training_loss)}); "
+                        "lower learning_rate (or max_grad_norm) and run the stage again")
     state = trainer.accelerator.state
     plugin = getattr(state, "deepspeed_plugin", None)
     return {

@@ -104,7 +104,10 @@ class PromptedAnnotator(Annotator):
     # ------------------------------------------------------------------ prompting (subclasses may change it)
     def _init_prompting(self) -> None:
         """Load the template and check the parser (the built-in templates/ and parsing.PARSERS)."""
-        self.template = templates.load_template(self.config.template)
+        try:
+            self.template = templates.load_template(self.config.template)
+        except ValueError as exc:  # a name or path given with --set template=... or in a recipe
+            raise UserError(f"annotator {self.name!r}: {exc}") from None
         if self.config.parser not in parsing.PARSERS:
             raise UserError(f"annotator {self.name!r}: unknown parser {self.config.parser!r} "
                             f"(known: {', '.join(parsing.PARSERS)})")
