@@ -13,9 +13,8 @@ process group's timeout.
 
 from __future__ import annotations
 
-import contextvars
-
 import contextlib
+import contextvars
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
