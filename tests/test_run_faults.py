@@ -315,3 +315,21 @@ def test_generate_on_ranks_outside_all_ranks_is_one_line(monkeypatch):
             context.generate_on_ranks("transformers", None, [], None, "sampling")
     finally:
         distributed._MAIN_ONLY.reset(token)
+
+
+def test_a_reward_model_trained_to_nan_fails_its_stage_in_one_line(tiny_model_dir: str, tmp_path: Path):
+    from test_trl_methods import preference_records
+
+    prefs = write_records(tmp_path / "prefs.jsonl", preference_records(32))
+    recipe = tmp_path / "rm.yaml"
+    recipe.write_text(f"name: rm-nan\nmodel: {{name: {tiny_model_dir}}}\ndata:\n  preferences: {{path: {prefs}}}\n"
+                      "stages:\n  - name: rm\n    method: reward_model\n"
+                      "    config: {max_steps: 3, per_device_train_batch_size: 8, learning_rate: 1.0e+20,"
+                      " logging_steps: 1, save_strategy: 'no', eval_fraction: 0.25}\n")
+    out = tmp_path / "run"
+    result = cli(tmp_path, "run", str(recipe), "--output-dir", str(out))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and ("diverged" in errors[0] or "not finite" in errors[0]), result.stderr
+    assert json.loads((out / "stages" / "rm" / "manifest.json").read_text())["status"] != "complete"
+    assert not list(out.rglob("metrics.json"))  # no JSON file with NaN in it
