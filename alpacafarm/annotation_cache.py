@@ -101,8 +101,8 @@ def _cache_error(exc: sqlite3.Error, path: Path, action: str) -> CacheError:
         hint = "it is read-only: make it (and its folder) writable or set $ALPACAFARM_CACHE_DIR"
     elif "locked" in lowered or "busy" in lowered:
         hint = "another program holds a lock on it; close that program and retry"
-    elif "full" in lowered:
-        hint = "the disk is full: free some space"
+    elif "full" in lowered or "disk i/o" in lowered:
+        hint = "the disk refused the write (full, a file-size limit, or failing): free some space"
     else:
         hint = "the file is unusable"
     return CacheError(f"annotation cache {path}: cannot {action}: {text} ({hint})")

@@ -146,10 +146,11 @@ class PromptedAnnotator(Annotator):
         return (tokens_in * self.price.input + tokens_out * self.price.output) / 1e6
 
     def _estimate(self, prompt: Any) -> float:
-        text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
-        if self.no_usage:  # the answers will be counted by the bound below: reserve as much
-            return self.cost(*self.counted_tokens(prompt, ""))
-        return self.cost(len(text) // 3 + 16, self._max_tokens() or 512)
+        """What one request may cost at most, reserved against ``max_cost_usd`` while it is in flight: the upper
+        bound of :meth:`counted_tokens` (so the ledger stays within the budget whether or not the server reports
+        usage; 512 answer tokens when ``max_tokens`` is not set)."""
+        tokens_in, _ = self.counted_tokens(prompt, "")
+        return self.cost(tokens_in, self._max_tokens() or 512)
 
     def _max_tokens(self) -> int | None:
         value = self.config.decoding.get("max_completion_tokens") or self.config.decoding.get("max_tokens")
