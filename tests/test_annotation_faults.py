@@ -262,3 +262,20 @@ def test_a_read_only_cache_is_one_line_naming_it(tmp_path: Path, env):
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and "annotation cache" in lines[0] and "read-only" in lines[0], lines
+
+
+def test_a_cache_locked_by_another_program_is_one_line_naming_it(tmp_path: Path):
+    import sqlite3
+
+    cache = AnnotationCache(tmp_path / "c.sqlite")
+    other = sqlite3.connect(cache.path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")  # e.g. a sqlite3 shell left in a transaction
+    try:
+        cache._connect().execute("PRAGMA busy_timeout = 200")  # the real wait is 60 s
+        with pytest.raises(CacheError) as caught:
+            cache.claim(["k"], "owner")
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    message = str(caught.value)
+    assert str(cache.path) in message and "locked" in message and "another program" in message
