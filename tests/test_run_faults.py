@@ -303,6 +303,56 @@ def test_a_killed_conversion_leaves_no_temporary_folder_for_good(tmp_path: Path,
     assert not stale.exists() and (target / "config.json").is_file()
 
 
+def _generate_on_main_only(out: Path) -> None:
+    """One rank of a two-process pipeline whose method samples with generate_on_ranks but lacks all_ranks."""
+    from alpacafarm import distributed as d
+    from alpacafarm.generation import SamplingConfig
+    from alpacafarm.pipeline import Pipeline
+    from alpacafarm.plugins import get_registry, register_plugin
+    from alpacafarm.recipe import load_recipe
+
+    class Sampler(Method):
+        provides = "outputs"
+
+        def run(self, context: StageContext) -> Artifact:
+            context.generate_on_ranks("transformers", None, [{"instruction": "hi"}], SamplingConfig(), "sampling")
+            return Artifact("report", None, {})
+
+    class Plugin:
+        @alpacafarm.hookimpl
+        def register_methods(self, register):
+            register("sampler", Sampler)
+
+    d.init()
+    register_plugin(Plugin(), "sampler-test")
+    recipe = out / f"recipe{d.rank()}.yaml"
+    recipe.write_text("name: s\nstages:\n  - {name: s, method: sampler}\n")
+    try:
+        Pipeline(load_recipe(recipe), get_registry(), out / "run").run()
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    (out / f"rank{d.rank()}.json").write_text(json.dumps({"error": error}))
+    d.shutdown()
+
+
+def test_generate_on_ranks_without_all_ranks_on_two_processes_names_the_stage(tmp_path: Path):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(REPO_ROOT), str(REPO_ROOT / "plugins"), str(REPO_ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(port), str(Path(__file__)), "generate-on-main", str(tmp_path)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = [json.loads((tmp_path / f"rank{r}.json").read_text())["error"] for r in range(2)]
+    assert errors[0].startswith("UserError: stage 's': context.generate_on_ranks needs every rank"), errors
+    assert errors[1].startswith("RankFailed: rank 0 failed in stage 's': stage 's': context.generate_on_ranks"), errors
+
+
 def test_generate_on_ranks_outside_all_ranks_is_one_line(monkeypatch):
     from alpacafarm import distributed
     from alpacafarm.method import StageContext
@@ -333,3 +383,8 @@ def test_a_reward_model_trained_to_nan_fails_its_stage_in_one_line(tiny_model_di
     assert len(errors) == 1 and ("diverged" in errors[0] or "not finite" in errors[0]), result.stderr
     assert json.loads((out / "stages" / "rm" / "manifest.json").read_text())["status"] != "complete"
     assert not list(out.rglob("metrics.json"))  # no JSON file with NaN in it
+
+
+if __name__ == "__main__":  # a rank of the two-process test above (started by torch.distributed.run)
+    if sys.argv[1] == "generate-on-main":
+        _generate_on_main_only(Path(sys.argv[2]))
