@@ -252,8 +252,10 @@ def test_nested_yaml_aliases_and_a_recursive_alias_fail_in_one_line(tmp_path: Pa
     one_error_line(cli(tmp_path, "recipe", "check", str(recursive)), "self.yaml", "recursive alias")
 
 
-@pytest.mark.parametrize(("config", "culprit"), [("{k: true}", "stages[1].config.k"),
-                                                 ("{backend: nonexistent}", "unknown generation backend")])
+@pytest.mark.parametrize(("config", "culprit"), [
+    ("{k: true}", "stages[1].config.k: expected a number, got true"),
+    ("{max_instructions: true}", "stages[1].config.max_instructions: expected a number, got true"),  # was 1
+    ("{backend: nonexistent}", "unknown generation backend 'nonexistent'")])
 def test_a_bool_number_and_an_unknown_backend_fail_recipe_check(tmp_path: Path, config: str, culprit: str):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(SPLIT_RECIPE + f"  - {{name: prefs, method: preference_data, config: {config}}}\n")
