@@ -277,12 +277,11 @@ class PPOTrainer:
             scores = scores.clamp(-args.reward_clip, args.reward_clip)
         rewards, kl, penalized_kl = ppo_core.kl_penalized_rewards(
             scores, rollouts.logprobs, rollouts.ref_logprobs, rollouts.mask, args.kl_coef, penalty=args.kl_penalty)
-        if args.whiten_rewards:
-            rewards = ppo_core.masked_whiten(rewards, rollouts.mask, shift_mean=False, across_ranks=True)
-        advantages, returns = ppo_core.compute_gae(rewards, rollouts.values, rollouts.mask, gamma=args.gamma,
-                                                   lam=args.lam)
+        advantages, returns = ppo_core.advantages_and_returns(
+            rewards, rollouts.values, rollouts.mask, response_length=args.max_new_tokens, gamma=args.gamma,
+            lam=args.lam, whiten_rewards=args.whiten_rewards)
         rollouts.rewards, rollouts.kl, rollouts.penalized_kl, rollouts.returns = rewards, kl, penalized_kl, returns
-        rollouts.advantages = ppo_core.masked_whiten(advantages, rollouts.mask, across_ranks=True)
+        rollouts.advantages = ppo_core.masked_whiten(advantages, rollouts.mask)
         return rollouts
 
     # ---------------------------------------------------------------- update
