@@ -342,3 +342,157 @@ def test_value_head_starts_at_zero_on_the_reward_models_backbone_as_released(rel
     assert bool((values == 0).all()), f"values at step 0 are not 0: {values}"
     backbone = getattr(classifier, classifier.base_model_prefix)
     assert all(p is q for p, q in zip(ours.backbone.parameters(), backbone.parameters(), strict=True))
+
+
+# ------------------------------------------------------------------------------------------------ Quark
+
+
+@pytest.mark.parametrize("bins", [2, 3, 4, 5])
+@pytest.mark.parametrize("size", [8, 9, 30, 512])
+def test_quark_top_quantile_is_the_released_top_bin(released: SimpleNamespace, bins: int, size: int):
+    """The released ``DataPool`` sorts the pool by reward and cuts it into ``bins`` chunks of ``size // bins``
+    (the last takes the remainder); the best-quantile variant trains on the first chunk. Ours keeps
+    ``top_quantile(rewards, 1 / bins)``: the same samples, ties going to the earlier sample in both."""
+    from alpacafarm_trl.quark_trainer import top_quantile
+
+    g = torch.Generator().manual_seed(size * 10 + bins)
+    rewards = torch.randint(0, size // 2, (size,), generator=g).tolist()  # many ties
+    tokens = [f"<reward_{i}>" for i in range(bins)]
+    pool = released.quark.DataPool(SimpleNamespace(additional_special_tokens=tokens))
+    pool.add(queries=[f"q{i}" for i in range(size)], responses=[f"r{i}" for i in range(size)], rewards=rewards)
+    queries, _, _ = pool.sort_and_get(train_on_best_quantile=True)
+    theirs = sorted(int(q[1:]) for q in queries)
+    assert top_quantile(rewards, 1 / bins) == theirs
+    assert len(theirs) == size // bins
+
+    # Our deliberate difference: only the best-quantile variant. In the released all-quantiles variant, the
+    # samples conditioned on the best reward token (<reward_0>) are exactly the ones we keep.
+    queries, _, _ = pool.sort_and_get(train_on_best_quantile=False)
+    best_token = [int(q[len(tokens[0]) + 1:]) for q in queries if q.startswith(tokens[0])]
+    assert sorted(best_token) == theirs
+
+
+def test_quark_keeps_one_sample_where_the_released_top_bin_is_empty(released: SimpleNamespace):
+    """A pool smaller than the number of bins: the released top bin is empty (``size // bins`` = 0); ours keeps
+    the single best sample so that a tiny pool still trains (``kept_count``'s documented floor of one)."""
+    from alpacafarm_trl.quark_trainer import top_quantile
+
+    pool = released.quark.DataPool(SimpleNamespace(additional_special_tokens=[f"<reward_{i}>" for i in range(4)]))
+    pool.add(queries=["a", "b", "c"], responses=["x", "y", "z"], rewards=[0.1, 0.9, 0.5])
+    assert pool.sort_and_get(train_on_best_quantile=True)[0] == []
+    assert top_quantile([0.1, 0.9, 0.5], 0.25) == [1]
+
+
+class ReleasedTokenizer:
+    """What the released Quark ``compute_loss`` reads from its tokenizer (no reward tokens: best quantile)."""
+
+    def __init__(self, pad_token_id: int, vocab_size: int) -> None:
+        self.pad_token_id, self.vocab_size = pad_token_id, vocab_size
+        self.additional_special_tokens_ids: list[int] = []
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+class GivenOutputs:
+    """A stand-in released policy: returns the given response logits and their log-probabilities."""
+
+    def __init__(self, outputs: dict[str, torch.Tensor]) -> None:
+        self.outputs = outputs
+
+    def train(self) -> None:
+        """The released ``compute_loss`` puts its policy in training mode first."""
+
+    def __call__(self, queries: Any, query_attn_masks: Any, responses: Any, temperature: Any = None) -> dict:
+        return self.outputs
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_quark_loss_equals_released_up_to_its_padding_denominator(released: SimpleNamespace, tmp_path: Path,
+                                                                  seed: int):
+    """The same samples through our ``QuarkTrainer.compute_loss`` (real tiny models) and the released
+    ``compute_loss`` fed the same models' response logits: NLL on the kept samples' tokens plus
+    ``kl_coef * KL(policy || reference)`` per token, no entropy term (the paper's setting).
+
+    Documented difference: the released loss is a mean over ``[batch, response_len]`` with padding counted (as
+    0); ours is a mean over real tokens. So ``released * batch * response_len == ours * real tokens``, and the
+    two are equal when no response is padded."""
+    from alpacafarm.testing import tiny_causal_lm, tiny_tokenizer
+    from alpacafarm_trl.quark_config import QuarkMethodConfig
+    from alpacafarm_trl.quark_trainer import build_quark_trainer, training_example
+
+    tokenizer = tiny_tokenizer()
+    pad, kl_coef = tokenizer.pad_token_id, 0.05
+    args = QuarkMethodConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, step_batch_size=4,
+                             kl_coef=kl_coef, report_to="none", disable_tqdm=True)
+    trainer = build_quark_trainer(args, tiny_causal_lm(tokenizer, seed=seed), tokenizer,
+                                  tiny_causal_lm(tokenizer, seed=seed + 10))
+    g = torch.Generator().manual_seed(seed)
+    for response_lengths in ([5, 2, 7, 3], [6, 6, 6, 6]):
+        samples = [Sample(torch.randint(4, 2048, (p,), generator=g).tolist(),
+                          torch.randint(4, 2048, (r,), generator=g).tolist(), "", False)
+                   for p, r in zip([3, 6, 4, 5], response_lengths, strict=True)]
+        batch = trainer.data_collator([training_example(s, train_eos=True) for s in samples])
+        with torch.no_grad():
+            ours = float(trainer.compute_loss(trainer.model, batch))
+            logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            ref_logits = trainer.ref_model(input_ids=batch["input_ids"],
+                                           attention_mask=batch["attention_mask"]).logits
+        width = max(response_lengths)
+        responses = torch.full((4, width), pad)
+        policy_logits = torch.zeros(4, width, logits.shape[-1])
+        reference_logits = torch.zeros_like(policy_logits)
+        for row, s in enumerate(samples):
+            n, start = len(s.response_ids), len(s.prompt_ids) - 1  # logits at t predict token t + 1
+            responses[row, :n] = torch.tensor(s.response_ids)
+            policy_logits[row, :n] = logits[row, start:start + n]
+            reference_logits[row, :n] = ref_logits[row, start:start + n]
+        logprobs = released.torch_ops.compute_logprobs(policy_logits, responses, ignore_index=pad)
+        owner = SimpleNamespace(
+            policy=GivenOutputs({"logits": policy_logits, "logprobs": logprobs}),
+            ref_policy=GivenOutputs({"logits": reference_logits}),
+            tokenizer=ReleasedTokenizer(pad, logits.shape[-1]),
+            args=SimpleNamespace(temperature=1.0, num_reward_tokens=0),
+            kl_ctl=SimpleNamespace(value=kl_coef), entropy_ctl=SimpleNamespace(value=0.0),
+            accelerator=SimpleNamespace(device="cpu"))
+        batch_for_released = {"queries": torch.ones(4, 2, dtype=torch.long),
+                              "query_attn_masks": torch.ones(4, 2, dtype=torch.long), "responses": responses}
+        theirs, stats = released.quark.QuarkTrainer.compute_loss(owner, batch_for_released)
+        real_tokens = sum(response_lengths)
+        assert float(theirs) * 4 * width == pytest.approx(ours * real_tokens, rel=1e-5)
+        if len(set(response_lengths)) == 1:
+            assert float(theirs) == pytest.approx(ours, rel=1e-5)
+        # its per-token KL average is ours: the KL term is the same divergence
+        with torch.no_grad():
+            _, kl, mask, _ = trainer.token_terms(trainer.model, batch)
+        assert float(stats["train/kl_avg_seq"]) == pytest.approx(float(kl[mask].mean()), rel=1e-5)
+        assert float(stats["train/kl_avg_seq"]) > 1e-3  # two different models: the KL term is exercised
+
+
+def test_quark_trains_the_tokens_the_released_trainer_trains_no_eos(released: SimpleNamespace):
+    """The released rollout decodes responses without special tokens and its ``QueryResponseDataset``
+    re-tokenizes query + response: a finished sample's EOS is gone. Our default (``train_eos: false``) trains
+    exactly those tokens; ``train_eos: true`` adds the stop token."""
+    from alpacafarm.testing import tiny_tokenizer
+    from alpacafarm_trl.quark_config import QuarkMethodConfig
+    from alpacafarm_trl.quark_trainer import IGNORE_INDEX, training_example
+
+    tokenizer = tiny_tokenizer()
+    query, text = "Tell me about rivers.\n", "Rivers flow to the sea and carry water."
+    prompt_ids = tokenizer(query)["input_ids"]
+    sample = Sample(prompt_ids, tokenizer(text)["input_ids"] + [tokenizer.eos_token_id], text, True)
+    decoded = tokenizer.decode(sample.response_ids, skip_special_tokens=True)  # as the released rollout does
+    dataset = released.data.QueryResponseDataset(tokenizer=tokenizer, queries=[query], responses=[decoded],
+                                                 query_len=32, response_len=32)
+    their_targets = [t for t in dataset.responses[0].tolist() if t != tokenizer.pad_token_id]
+
+    def targets(example: dict[str, list[int]]) -> list[int]:
+        return [t for t in example["labels"] if t != IGNORE_INDEX]
+
+    default = QuarkMethodConfig.__dataclass_fields__["train_eos"].default
+    assert default is False
+    assert targets(training_example(sample, train_eos=default)) == their_targets
+    assert tokenizer.eos_token_id not in their_targets
+    assert targets(training_example(sample, train_eos=True)) == [*their_targets, tokenizer.eos_token_id]
+    cut = Sample(prompt_ids, sample.response_ids[:-1], text, False)  # cut at max_new_tokens: nothing to drop
+    assert targets(training_example(cut, train_eos=False)) == their_targets
