@@ -35,8 +35,11 @@ from alpacafarm_trl.pairs import preference_rows, split_pairs
 class RewardModelConfig(TrainingDefaults, RewardConfig):
     """Every ``trl.RewardConfig`` / ``TrainingArguments`` field, plus the held-out split.
 
-    Defaults follow the paper's reward model (learning rate 3e-6, one epoch); ``bf16`` and gradient
-    checkpointing are automatic (see ``alpacafarm.training``); ``output_dir`` is always the stage folder.
+    Defaults follow the released script (``examples/scripts/reward_modeling.sh``; the paper states no reward-model
+    settings): learning rate 3e-6, one epoch; its batch of 16 (1 per GPU x 2 accumulation x 8 GPUs) and cosine
+    schedule with 3% warm-up are set in ``recipes/reward_model.yaml`` (a batch is per process here).
+    ``bf16`` and gradient checkpointing are automatic (see ``alpacafarm.training``); ``output_dir`` is always the
+    stage folder.
     """
 
     eval_fraction: float = field(default=0.1, metadata={"help": "share of the pairs held out for accuracy"})
