@@ -235,7 +235,8 @@ def test_returns_are_length_invariant_as_released(released: SimpleNamespace, tmp
     first = ours.returns[:, 0].double()
     short, long = first[0::2], first[1::2]
     torch.testing.assert_close(short, long, rtol=1e-5, atol=1e-6,
-                               msg=lambda m: f"first-token returns depend on the length: {m}")
+                               msg=lambda m: f"first-token returns depend on the length: length 2 "
+                                             f"{short.tolist()} vs length 8 {long.tolist()}; {m}")
     shaped = ppo_core.kl_penalized_rewards(scores, zeros, zeros, mask, 0.0).rewards
     theirs = released_gae(released, shaped, zeros, response_len=response_len, gamma=1.0, lam=1.0)
     # ours in float32 (as the trainer holds rollouts), summed over 300 columns; the released formula in float64
