@@ -8,6 +8,7 @@ from transformers import TrainingArguments
 
 from alpacafarm.training import TrainingDefaults
 from alpacafarm_trl.ppo_core import KL_PENALTIES
+from alpacafarm_trl.ppo_models import VALUE_HEAD_INITS
 
 
 @dataclass
@@ -74,6 +75,10 @@ class PPOMethodConfig(TrainingDefaults, TrainingArguments):
     max_prompt_length: int | None = field(default=192, metadata={
         "help": "skip prompts with more tokens (released: query_len 192); None: keep every prompt"})
     score_batch_size: int = field(default=8, metadata={"help": "batch size of reward-model scoring"})
+    value_head_init: str = field(default="zero", metadata={
+        "help": "how the critic's head on the reward model's backbone starts: 'zero' = a new head with weight and "
+                "bias 0 (the released AlpacaFarm implementation: values start at 0, in the whitened units of the "
+                "returns), 'reward_head' = a copy of the reward model's score head (values start as raw scores)"})
 
     learning_rate: float = 1e-5
     adam_epsilon: float = 1e-5  # the released implementation's (OpenAI's PPO code's); transformers' is 1e-8
@@ -94,6 +99,9 @@ class PPOMethodConfig(TrainingDefaults, TrainingArguments):
                              f"mini_batch_size ({self.mini_batch_size})")
         if self.temperature <= 0:
             raise ValueError("temperature must be positive: PPO samples from the policy")
+        if self.value_head_init not in VALUE_HEAD_INITS:
+            raise ValueError(f"value_head_init must be one of {', '.join(VALUE_HEAD_INITS)}, "
+                             f"not {self.value_head_init!r}")
         if self.kl_penalty not in KL_PENALTIES:
             raise ValueError(f"kl_penalty must be one of {', '.join(KL_PENALTIES)}, not {self.kl_penalty!r}")
         if self.kl_coef < 0 or self.cliprange <= 0 or self.cliprange_value <= 0 or self.vf_coef < 0:
