@@ -206,6 +206,22 @@ def test_ddp_run_killed_after_its_first_checkpoint_resumes_to_the_uninterrupted_
         torch.testing.assert_close(saved[name], tensor, **TOLERANCE, msg=name)
 
 
+def test_an_fsdp_launch_accelerate_cannot_honour_is_one_line(monkeypatch: pytest.MonkeyPatch):
+    """On CPU processes accelerate builds plain data parallelism for an FSDP launch config without a word; the
+    trainer refuses instead of training something else than asked."""
+    from accelerate import DistributedType
+
+    from alpacafarm.errors import UserError
+    from alpacafarm.training import check_launch_honoured
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(UserError, match=r"asks for FSDP, which accelerate runs on GPUs only \(here: MULTI_CPU\)"):
+        check_launch_honoured(DistributedType.MULTI_CPU)
+    check_launch_honoured(DistributedType.FSDP)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    check_launch_honoured(DistributedType.MULTI_CPU)
+
+
 GUARDED = ("deepspeed", "accelerate", "torch.distributed")
 PPO_AND_QUARK = sorted((REPO_ROOT / "plugins/alpacafarm_trl").glob("ppo*.py")) + \
     sorted((REPO_ROOT / "plugins/alpacafarm_trl").glob("quark*.py"))

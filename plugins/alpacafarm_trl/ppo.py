@@ -28,22 +28,14 @@ from alpacafarm_trl.ppo_trainer import build_ppo_trainer
 
 def save_trained_policy(trainer: Any, spec: Any, sft_path: str, directory: str | Path,
                         state_dict: dict[str, Any] | None) -> bool:
-    """Save the trained policy to ``directory``; returns whether LoRA adapters were merged into full weights.
+    """Save the trained policy through :func:`alpacafarm.training.save_trained`; returns whether adapters were
+    merged. ``state_dict``: the policy's full weights (:meth:`~alpacafarm_trl.ppo_trainer.PPOTrainer.policy_state_dict`,
+    gathered whole whatever the launch config)."""
+    from alpacafarm.training import save_trained
 
-    ``state_dict``: the policy's full weights (:meth:`~alpacafarm_trl.ppo_trainer.PPOTrainer.policy_state_dict`,
-    gathered whole whatever the launch config). Full weights are written in the model block's save dtype
-    (:func:`alpacafarm.modeling.save_dtype`; the float32 master weights in memory are not touched), adapters as
-    they are (float32). New adapters on an SFT model that was itself adapters cannot name their base: they are
-    saved merged (from the policy in memory, which must then be whole on this process).
-    """
-    from alpacafarm.modeling import is_adapter_folder, save_dtype, save_model
-
-    merge = bool(spec.lora and (spec.merge_adapters or is_adapter_folder(sft_path)))
-    full_weights = spec.lora is None or merge
     policy = trainer.accelerator.unwrap_model(trainer.model).policy
-    save_model(trainer.models.policy_export(policy), trainer.tokenizer, directory, merge_adapters=merge,
-               dtype=save_dtype(spec) if full_weights else None, state_dict=None if merge else state_dict)
-    return merge
+    return save_trained(trainer.models.policy_export(policy), trainer.tokenizer, spec, sft_path, directory,
+                        state_dict=state_dict)
 
 
 class PPO(Method):

@@ -165,7 +165,7 @@ class PPOTrainer:
         from accelerate.state import AcceleratorState
 
         from alpacafarm import distributed
-        from alpacafarm.training import shared_process_state
+        from alpacafarm.training import check_launch_honoured, shared_process_state
 
         args = self.args
         world = distributed.world_size()
@@ -175,12 +175,13 @@ class PPOTrainer:
             mixed_precision="bf16" if args.bf16 else "no",
             gradient_accumulation_steps=self._micro_steps(world), log_with=log_with or None,
             project_dir=getattr(args, "logging_dir", None) or args.output_dir)
+        check_launch_honoured(accelerator.distributed_type)
         plugin = AcceleratorState().deepspeed_plugin
         if plugin is not None:  # DeepSpeed's "auto" values: what transformers' Trainer fills in for its engine
             plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
             plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
         if log_with:
-            accelerator.init_trackers(Path(args.output_dir).name or "ppo")
+            accelerator.init_trackers("tensorboard" if log_with == ["tensorboard"] else "ppo")
         return accelerator
 
     def _micro_steps(self, world: int) -> int:
