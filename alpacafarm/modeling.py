@@ -237,7 +237,7 @@ def save_model(model: Any, tokenizer: Any, directory: str | Path, *, merge_adapt
     ``dtype`` (a torch dtype) is the dtype full weights are written in; the model in memory is not touched (its
     float32 master weights may still be training). Adapters (a peft model that is not merged) and quantized
     weights are written as they are. ``state_dict`` (full weights) is written instead of the model's own: the
-    weights of a sharded model, gathered whole (see :mod:`alpacafarm_trl.ppo_sharding`).
+    weights of a sharded model, gathered whole (``accelerator.get_state_dict``).
     """
     directory = Path(directory)
     check_finite_weights(model if state_dict is None else state_dict, str(directory))
