@@ -38,7 +38,8 @@ def preference_records(n: int) -> list[dict[str, Any]]:
             for i in range(n)]
 
 
-PPO_CONFIG = ("{max_steps: 4, rollout_batch_size: 8, mini_batch_size: 4, per_device_train_batch_size: 4,"
+PPO_CONFIG = ("{max_steps: 4, warmup_steps: 0, rollout_batch_size: 8, mini_batch_size: 4,"
+              " per_device_train_batch_size: 4,"
               " generation_batch_size: 8, max_new_tokens: 6, learning_rate: 1.0e-3, save_steps: 2,"
               " score_batch_size: 4}")
 
@@ -258,7 +259,7 @@ def _train_on_token_reward(kl_coef: float) -> list[dict[str, Any]]:
         ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
         return [sum(t in target for t in row) / max(len(row), 1) for row in ids]
 
-    args = PPOMethodConfig(output_dir="unused", max_steps=24, rollout_batch_size=16, mini_batch_size=8,
+    args = PPOMethodConfig(output_dir="unused", max_steps=24, warmup_steps=0, rollout_batch_size=16, mini_batch_size=8,
                            per_device_train_batch_size=8, generation_batch_size=16, max_new_tokens=8,
                            learning_rate=1e-2, kl_coef=kl_coef, save_strategy="no", seed=1)
     trainer = PPOTrainer(args, models, tokenizer, PROMPTS, reward)
@@ -275,8 +276,9 @@ def test_reward_rises_while_the_kl_penalty_bounds_the_drift():
         assert history[0]["kl"] == pytest.approx(0.0, abs=1e-5)  # policy = reference at first
         assert sum(scores[-5:]) / 5 > sum(scores[:5]) / 5 + gain  # a random policy scores about 1/8
     # With the penalty the drift stays within a few nats; without it the policy collapses onto target tokens.
-    assert max(e["kl"] for e in penalised) < 10.0
+    assert max(e["kl"] for e in penalised) < 15.0
     assert free[-1]["kl"] > 20.0 and free[-1]["score"] > 0.8
+    assert max(e["kl"] for e in penalised) < 0.5 * free[-1]["kl"]
     assert free[-1]["entropy"] < penalised[-1]["entropy"]
 
 
@@ -485,7 +487,8 @@ def _trainer(sft_path: str, rm_path: str, spec: ModelSpec, logger: Any = None, *
     from alpacafarm_trl.ppo_config import PPOMethodConfig
     from alpacafarm_trl.ppo_trainer import build_ppo_trainer
 
-    settings = {"max_steps": 2, "rollout_batch_size": 8, "mini_batch_size": 4, "output_dir": "unused",
+    settings = {"max_steps": 2, "warmup_steps": 0, "rollout_batch_size": 8, "mini_batch_size": 4,
+                "output_dir": "unused",
                 "per_device_train_batch_size": 4, "generation_batch_size": 8, "max_new_tokens": 6,
                 "learning_rate": 1e-2, "save_strategy": "no", **config}
     return build_ppo_trainer(PPOMethodConfig(**settings), spec, sft_path, rm_path, PROMPTS[:8], logger=logger)
@@ -722,7 +725,7 @@ def test_step_metrics_go_to_the_report_to_trackers(tmp_path: Path):
     def build(report_to: list[str]) -> PPOTrainer:
         models = SeparateModels(policy, copy.deepcopy(policy),
                                 ValueModel.from_classifier(tiny_sequence_classifier(tokenizer)))
-        args = PPOMethodConfig(output_dir=str(tmp_path / "ppo"), max_steps=2, rollout_batch_size=4,
+        args = PPOMethodConfig(output_dir=str(tmp_path / "ppo"), max_steps=2, warmup_steps=0, rollout_batch_size=4,
                                mini_batch_size=4, per_device_train_batch_size=4, generation_batch_size=4,
                                max_new_tokens=4, save_strategy="no", report_to=report_to)
         return PPOTrainer(args, models, tokenizer, PROMPTS[:4], lambda r, c: [float(len(x)) for x in c])

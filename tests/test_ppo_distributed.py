@@ -68,7 +68,7 @@ def _worker(mode: str, out: Path) -> None:
     base = mode.split("-")[0]
     # Two mini-batches of 4 per step, micro-batches of 1 on two ranks (2 accumulation steps each), generation
     # batches of 3 (3 batches: the ranks make different numbers of them, synced by repeats)
-    args = PPOMethodConfig(output_dir=str(out / f"ckpt-{base}"), max_steps=2, rollout_batch_size=8,
+    args = PPOMethodConfig(output_dir=str(out / f"ckpt-{base}"), max_steps=2, warmup_steps=0, rollout_batch_size=8,
                            mini_batch_size=4, per_device_train_batch_size=1, generation_batch_size=3,
                            max_new_tokens=6, learning_rate=1e-2, save_strategy="steps", save_steps=1, seed=1,
                            report_to="none")

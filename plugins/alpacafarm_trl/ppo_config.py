@@ -27,9 +27,9 @@ class PPOMethodConfig(TrainingDefaults, TrainingArguments):
       charges the plain sampled estimate, negative terms included); the KL-shaped per-token rewards are
       whitened over the rollout batch before GAE, their mean kept (``whiten_rewards: true``); ``vf_coef`` 0.1,
       ``cliprange`` 0.2, ``cliprange_value`` 0.2; AdamW epsilon 1e-5 (``adam_epsilon``; transformers'
-      default is 1e-8); 5 warm-up PPO steps (the script's ``--warmup_steps 5``, its schedule stepped once per PPO
-      step; the paper only says the rate decays to 0): ``warmup_steps`` counts optimizer updates here, 4 per PPO
-      step with the defaults (``ppo_epochs`` 2 x 512 / 256), so its default is 20; prompts longer than 192 tokens
+      default is 1e-8); 5 warm-up PPO steps (the script's ``--warmup_steps 5``; the paper only says the rate decays
+      to 0): as released, the learning-rate schedule steps once per PPO step, so ``warmup_steps`` counts PPO
+      steps (a fraction below 1 is of ``max_steps``); prompts longer than 192 tokens
       skipped (``max_prompt_length``: the released ``query_len``);
     * **our assumptions**: ``max_new_tokens`` 300 (the paper's models answer in under 300 tokens), sampling at
       temperature 1, the reward-model score as it is (``reward_scale`` 1, no ``reward_clip``, no
@@ -85,7 +85,7 @@ class PPOMethodConfig(TrainingDefaults, TrainingArguments):
     adam_epsilon: float = 1e-5  # the released implementation's (OpenAI's PPO code's); transformers' is 1e-8
     num_train_epochs: float = 10.0
     lr_scheduler_type: str = "linear"
-    warmup_steps: float = 20  # optimizer updates: the released script's 5 PPO steps x 4 updates per step
+    warmup_steps: float = 5  # PPO steps: the released script's --warmup_steps 5 (its schedule steps once per PPO step)
     logging_steps: float = 1
     save_steps: float = 20
 

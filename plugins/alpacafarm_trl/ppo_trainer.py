@@ -139,12 +139,11 @@ class PPOTrainer:
         optimizer = torch.optim.AdamW(list(self.params.values()), lr=args.learning_rate,
                                       betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                                       weight_decay=args.weight_decay)
-        self.updates_per_step = args.ppo_epochs * (args.rollout_batch_size // args.mini_batch_size)
-        total_updates = self.max_steps * self.updates_per_step
-        # Stepped by us once per optimizer step (accelerate's scheduler wrapper would step it once per process)
+        # Stepped once per PPO step, as released (every update of a step uses one rate), by us: accelerate's
+        # scheduler wrapper would step it once per process
         self.lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer,
-                                          num_warmup_steps=args.get_warmup_steps(total_updates),
-                                          num_training_steps=total_updates,
+                                          num_warmup_steps=args.get_warmup_steps(self.max_steps),
+                                          num_training_steps=self.max_steps,
                                           scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
         self.model, self.optimizer = self.accelerator.prepare(models.actor_critic, optimizer)
         self.accelerator.register_save_state_pre_hook(self._keep_trained_tensors)
@@ -395,12 +394,13 @@ class PPOTrainer:
                     sums["value_clip_fraction"] += float(value.clip_fraction) * count
                     approx_kl = ppo_core.approx_policy_kl(new_logprobs.detach(), old_logprobs, mask)
                     sums["approx_kl"] += float(approx_kl) * count
-                self.lr_scheduler.step()
         sums = ppo_core.sum_across_ranks(sums)
         tokens_seen = sums.pop("tokens_seen")
         stats = {k: v / max(tokens_seen, 1.0) for k, v in sums.items()}
         stats["loss"] = stats["policy_loss"] + args.vf_coef * stats["value_loss"]
         stats["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        stats["learning_rate"] = float(self.lr_scheduler.get_last_lr()[0])  # the rate this step's updates used
+        self.lr_scheduler.step()
         return stats
 
     def rollout_stats(self, rollouts: Rollouts) -> dict[str, float]:
@@ -463,8 +463,7 @@ class PPOTrainer:
 
     def log(self, logs: dict[str, float]) -> None:
         """Append a log entry (with learning rate, epoch and step), send it to the trackers, fire ``on_log``."""
-        logs = {**logs, "learning_rate": float(self.lr_scheduler.get_last_lr()[0]),
-                "epoch": round(float(self.state.epoch), 4)}
+        logs = {**logs, "epoch": round(float(self.state.epoch), 4)}
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.accelerator.log({f"ppo/{k}": v for k, v in logs.items()}, step=self.state.global_step)
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
@@ -534,7 +533,7 @@ class PPOTrainer:
         self.state.max_steps = self.max_steps
         with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": a replay, on purpose
             warnings.simplefilter("ignore")
-            for _ in range(self.state.global_step * self.updates_per_step):
+            for _ in range(self.state.global_step):
                 self.lr_scheduler.step()
 
 
