@@ -33,8 +33,11 @@ Where the pieces live, as in TRL: the config in :mod:`alpacafarm_trl.quark_confi
 in :mod:`alpacafarm_trl.quark_trainer`; this module loads the models and runs the stage.
 
 Files: ``round_<r>/pool.jsonl`` (every rollout of round ``r``, 1-based, with its reward and whether it was
-kept), ``metrics.json`` (per-round statistics and the trainer's log history) and ``model/`` (with the SFT
-folder's prompt conditioning file, if it had one: the policy was trained behind it).
+kept), ``checkpoint-<r>/`` every ``save_rounds`` rounds (the newest ``save_total_limit`` kept; a killed stage
+re-run by the pipeline resumes after the newest readable one, see
+:meth:`alpacafarm_trl.quark_trainer.QuarkTrainer.save_round`), ``metrics.json`` (per-round statistics, the
+trainer's log history and the round a resumed attempt started after) and ``model/`` (with the SFT folder's prompt
+conditioning file, if it had one: the policy was trained behind it).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.prompts import PromptConditioning, PromptFormat
 from alpacafarm.train_progress import training_progress
-from alpacafarm.training import stage_training_args
+from alpacafarm.training import resume_checkpoint, stage_training_args
 from alpacafarm_trl.quark_config import QuarkMethodConfig
 from alpacafarm_trl.quark_trainer import build_quark_trainer, run_rounds
 
@@ -103,8 +106,8 @@ class Quark(Method):
         spec = context.recipe.model
         save_strategy = getattr(self.config.save_strategy, "value", self.config.save_strategy)
         if save_strategy != "no":
-            context.logger.warning("stage %s: save_strategy %r ignored; Quark rounds are not resumable from "
-                                   "trainer checkpoints", context.stage, save_strategy)
+            context.logger.warning("stage %s: save_strategy %r ignored; Quark writes checkpoint-<round> every "
+                                   "save_rounds rounds (%d)", context.stage, save_strategy, self.config.save_rounds)
         args = stage_training_args(self.config, context, save_strategy="no")
         records = context.records("instruction_splits", args.split)[: args.max_instructions]
         if not records:
@@ -119,11 +122,12 @@ class Quark(Method):
         context.logger.info("stage %s: Quark for %d rounds on %d instructions (%s reference)", context.stage,
                             args.rounds, len(records),
                             "adapter-disabled" if reference is None else "frozen copy")
+        resume = resume_checkpoint(context)  # the last round checkpoint an interrupted attempt left
         with context.progress("quark rounds", args.rounds) as advance, \
                 training_progress(trainer, context, line=advance):
             rounds = run_rounds(trainer, records, reward, out_dir=context.stage_dir,
                                 prompt_format=prompt_format, seed=context.seed, logger=context.logger,
-                                progress=advance)
+                                progress=advance, resume_from=resume)
 
         tokenizer.padding_side = "right"
         model_dir = Path(context.stage_dir) / "model"
@@ -142,6 +146,7 @@ class Quark(Method):
             "steps": sum(s["steps"] for s in rounds), "lora": spec.lora is not None, "merged": merge,
             "reference": "adapter_disabled" if reference is None else "frozen_copy",
             "seconds": round(sum(sum(s["seconds"].values()) for s in rounds), 3),
+            "resumed_after_round": int(Path(resume).name.split("-")[1]) if resume else None,
         }
         per_round = [{k: v for k, v in s.items() if k != "log_history"} for s in rounds]
         log_history = [{**entry, "round": s["round"]} for s in rounds for entry in s["log_history"]]

@@ -32,8 +32,10 @@ class QuarkMethodConfig(TrainingDefaults, TrainingArguments):
     per optimizer step, so with one step per round it steps once per round, as released.
 
     Ours (the paper states neither): sampling temperature 1.0 and ``max_new_tokens`` 300 (the paper's decoding
-    cap). ``output_dir`` is always the stage folder; checkpoints are off (a round's trainer state cannot
-    resume the rollout loop). ``bf16`` and activation checkpointing are automatic
+    cap). ``output_dir`` is always the stage folder. Checkpoints are Quark's own, one per ``save_rounds``
+    rounds (``checkpoint-<round>``, the newest ``save_total_limit`` = 2 kept); a killed stage resumes after the
+    last one (``save_strategy`` / ``save_steps`` do not apply: the Trainer's checkpoints cannot resume the rollout
+    loop). ``bf16`` and activation checkpointing are automatic
     (:class:`~alpacafarm.training.TrainingDefaults`).
     """
 
@@ -64,6 +66,9 @@ class QuarkMethodConfig(TrainingDefaults, TrainingArguments):
     split: str = field(default="train",
                        metadata={"help": "file (or metadata key) of the instruction splits input"})
     max_instructions: int | None = field(default=None, metadata={"help": "use the first N instructions only"})
+    save_rounds: int = field(default=1, metadata={
+        "help": "write checkpoint-<round> (trained tensors, optimizer state, round statistics) every this many "
+                "rounds, so a killed stage resumes after its last one; 0: never"})
 
     learning_rate: float = 3e-6
     lr_scheduler_type: str = "linear"
@@ -73,6 +78,7 @@ class QuarkMethodConfig(TrainingDefaults, TrainingArguments):
     max_grad_norm: float = 1.0
     logging_steps: float = 1
     save_strategy: str = "no"
+    save_total_limit: int | None = 2  # round checkpoints kept: a damaged newest one falls back to the one before
 
     def __post_init__(self) -> None:
         checks = [
@@ -97,6 +103,7 @@ class QuarkMethodConfig(TrainingDefaults, TrainingArguments):
             (self.score_batch_size >= 1, "score_batch_size must be at least 1"),
             (self.max_instructions is None or self.max_instructions >= 1,
              "max_instructions must be at least 1"),
+            (self.save_rounds >= 0, "save_rounds must be at least 0 (0: no round checkpoints)"),
         ]
         for ok, message in checks:
             if not ok:
