@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,12 @@ def test_config_defaults_follow_the_paper_and_the_released_run_and_bad_values_ar
     config = QuarkMethodConfig(output_dir=str(tmp_path))
     paper = (0.05, 3e-6, 1.0)
     assert (config.kl_coef, config.learning_rate, config.max_grad_norm) == paper
-    assert config.lr_scheduler_type.value == "linear" and config.warmup_steps == 0
+    assert config.lr_scheduler_type.value == "linear"
+    # Released, where the paper is silent: 5 warm-up steps (examples/scripts/rlhf_quark.sh), AdamW epsilon 1e-5
+    # (quark_utils.TrainingArguments), the stop token never trained (rollouts re-tokenized without it).
+    assert (config.warmup_steps, config.adam_epsilon, config.train_eos) == (5, 1e-5, False)
+    docs = QuarkMethodConfig.__doc__
+    assert "rlhf_quark.sh" in docs and "--warmup_steps 5" in docs and "1e-8" in docs and "train_eos" in docs
     assert (config.rounds, config.prompts_per_round) == (390, 512)
     # Released: the top of 4 reward bins (floor(512 / 4) = 128 kept), one optimizer step of 256 per round.
     assert (config.top_quantile, config.steps_per_round, config.step_batch_size) == (0.25, 1, 256)
@@ -172,7 +178,7 @@ def test_loss_is_logged_parameters_change_and_kl_grows_from_zero(tmp_path: Path)
     prompts = [tokenizer(format_prompt(row["instruction"], row["input"] or None))["input_ids"]
                for row in kept_rows]
     responses = [tokenizer(row["output"])["input_ids"] + [tokenizer.eos_token_id] for row in kept_rows]
-    examples = [training_example(Sample(prompt, response, row["output"], True))
+    examples = [training_example(Sample(prompt, response, row["output"], True), train_eos=trainer.args.train_eos)
                 for prompt, response, row in zip(prompts, responses, kept_rows, strict=True)]
     after = trainer.measure(examples)
     assert after["tokens"] > 0 and after["kl"] > 1e-3
@@ -263,13 +269,24 @@ def test_gradient_accumulation_is_derived_from_the_step_batch(tmp_path: Path):
 def test_learning_rate_decays_to_zero_over_all_rounds(tmp_path: Path):
     from alpacafarm_trl.quark_trainer import run_rounds
 
-    trainer = tiny_trainer(tmp_path, rounds=4, lr_scheduler_type="linear")
+    trainer = tiny_trainer(tmp_path, rounds=4, lr_scheduler_type="linear", warmup_steps=0)
     stats = run_rounds(trainer, INSTRUCTIONS[:8], e_share, out_dir=tmp_path)
     rates = [e["learning_rate"] for s in stats for e in s["log_history"] if "learning_rate" in e]
     # One optimizer step per round, so one scheduler step per round: 5e-3 x (1, 3/4, 1/2, 1/4), then 0.
     assert rates == pytest.approx([5e-3, 3.75e-3, 2.5e-3, 1.25e-3])
     assert all(a > b for a, b in itertools.pairwise(rates))  # one schedule, not restarted each round
     assert stats[-1]["learning_rate"] == 0.0
+
+
+def test_learning_rate_warms_up_over_the_first_five_rounds_by_default(tmp_path: Path):
+    from alpacafarm_trl.quark_trainer import run_rounds
+
+    trainer = tiny_trainer(tmp_path, rounds=7, prompts_per_round=2, rollouts_per_prompt=4, max_new_tokens=4,
+                           step_batch_size=8)
+    stats = run_rounds(trainer, INSTRUCTIONS[:8], e_share, out_dir=tmp_path)
+    rates = [e["learning_rate"] for s in stats for e in s["log_history"] if "learning_rate" in e]
+    # The released script's --warmup_steps 5 (one scheduler step per round): 0, 1/5, ..., 4/5, 1, then 1/2.
+    assert rates == pytest.approx([5e-3 * f for f in (0, 0.2, 0.4, 0.6, 0.8, 1.0, 0.5)])
 
 
 def test_the_pool_is_rebuilt_every_round(tmp_path: Path):
@@ -474,3 +491,210 @@ def test_quantization_without_lora_is_a_clear_error(tiny_model_dir: str, tmp_pat
     with pytest.raises(UserError, match="add lora"):
         load_policy_and_reference(spec, tiny_model_dir, quark_args(tmp_path))
 
+
+
+# ------------------------------------------------------------------------------------------- checkpoints, resume
+
+#: rtol / atol of "the resumed run ends with the uninterrupted run's weights": the same float32 operations in the
+#: same order, so in practice bit-equal; the tolerance allows for a different summation order on other hardware.
+RESUME_RTOL, RESUME_ATOL = 1e-4, 1e-5
+
+
+def assert_same_weights(a: dict[str, Any], b: dict[str, Any]) -> None:
+    import torch
+
+    assert set(a) == set(b)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=RESUME_RTOL, atol=RESUME_ATOL, msg=name)
+
+
+def test_round_checkpoints_hold_the_trained_tensors_optimizer_and_stats_and_resume_to_the_same_weights(
+        tmp_path: Path):
+    """Every round writes checkpoint-<round> (the newest save_total_limit = 2 kept); resuming from one skips its
+    rounds and ends with the uninterrupted run's weights; a damaged newest one is skipped for the one before."""
+    import torch
+    from safetensors.torch import load_file
+
+    from alpacafarm.training import checkpoint_problem, resume_checkpoint
+    from alpacafarm_trl.quark_trainer import run_rounds
+
+    settings = {"rounds": 3, "prompts_per_round": 4, "warmup_steps": 1}
+    whole = tiny_trainer(tmp_path / "a", **settings)
+    whole_stats = run_rounds(whole, INSTRUCTIONS, e_share, out_dir=tmp_path / "whole")
+    final = {n: p.detach().clone() for n, p in whole.model.named_parameters()}
+    folders = sorted(p.name for p in (tmp_path / "whole").iterdir() if p.name.startswith("checkpoint"))
+    assert folders == ["checkpoint-2", "checkpoint-3"]  # save_total_limit 2: checkpoint-1 rotated out
+    checkpoint = tmp_path / "whole/checkpoint-2"
+    assert checkpoint_problem(checkpoint) is None
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    assert set(tensors) == {n for n, p in whole.model.named_parameters() if p.requires_grad}
+    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert optimizer["state"] and json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 2
+    assert [s["round"] for s in json.loads((checkpoint / "rounds.json").read_text())] == [1, 2]
+
+    # A damaged newest checkpoint (killed while writing, disk full): the pipeline resumes from the one before.
+    damaged = tmp_path / "whole/checkpoint-3/model.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:-100])
+    assert "truncated" in checkpoint_problem(damaged.parent)
+    (tmp_path / "whole/checkpoint-4.partial").mkdir()  # a half-written one is never a candidate
+
+    class Context:
+        stage, stage_dir, resuming = "quark", tmp_path / "whole", True
+        logger = __import__("logging").getLogger("test")
+
+    assert resume_checkpoint(Context()) == str(checkpoint)
+
+    resumed = tiny_trainer(tmp_path / "b", **settings)
+    sampled = []
+    real_train = resumed.train
+    resumed.train = lambda *a, **k: sampled.append(1) or real_train(*a, **k)
+    stats = run_rounds(resumed, INSTRUCTIONS, e_share, out_dir=tmp_path / "resumed", resume_from=checkpoint)
+    assert len(sampled) == 1 and not (tmp_path / "resumed/round_1").exists()  # only round 3 ran
+    assert [s["round"] for s in stats] == [1, 2, 3] and stats[:2] == json.loads(
+        (checkpoint / "rounds.json").read_text())
+    assert stats[2]["learning_rate"] == pytest.approx(whole_stats[2]["learning_rate"])  # the schedule replayed
+    assert stats[2]["reward_mean"] == pytest.approx(whole_stats[2]["reward_mean"], rel=RESUME_RTOL)
+    assert_same_weights({n: p.detach() for n, p in resumed.model.named_parameters()}, final)
+
+
+def test_resume_refuses_where_the_launch_config_shards_the_optimizer(tmp_path: Path):
+    from alpacafarm.errors import UserError
+    from alpacafarm_trl.quark_trainer import run_rounds
+
+    trainer = tiny_trainer(tmp_path, rounds=1, prompts_per_round=2)
+    run_rounds(trainer, INSTRUCTIONS, e_share, out_dir=tmp_path / "run")
+    sharded = tiny_trainer(tmp_path, rounds=1, prompts_per_round=2)
+    sharded.is_deepspeed_enabled = True  # as Trainer sets it under a DeepSpeed launch config
+    assert not sharded.checkpoints_whole()
+    with pytest.raises(UserError, match="cannot resume from checkpoint-1 here: the launch config shards"):
+        run_rounds(sharded, INSTRUCTIONS, e_share, out_dir=tmp_path / "run",
+                   resume_from=tmp_path / "run/checkpoint-1")
+
+
+def test_step_metrics_go_to_the_report_to_trackers(tmp_path: Path):
+    """``report_to: tensorboard``: the Trainer's integration callback writes every round's logged steps to event
+    files (in the pipeline ``output_dir`` is the stage folder)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    from alpacafarm_trl.quark_trainer import run_rounds
+
+    trainer = tiny_trainer(tmp_path, rounds=2, prompts_per_round=4, report_to=["tensorboard"])
+    train = trainer.train
+
+    def one_second_apart(*args, **kwargs):  # tensorboardX names an event file by the second it opened it, and
+        time.sleep(1.0)                     # each round's train() opens one: rounds under a second would share it
+        return train(*args, **kwargs)
+
+    trainer.train = one_second_apart
+    run_rounds(trainer, INSTRUCTIONS, e_share, out_dir=tmp_path / "run")
+    tags: dict[str, list[float]] = {}
+    steps: dict[str, list[int]] = {}
+    files = sorted((tmp_path / "trainer").rglob("events.out.tfevents.*"))  # under output_dir/runs/
+    assert files
+    for file in files:  # TFRecord framing: length, crc, an Event protobuf, crc
+        data, offset = file.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                tags.setdefault(value.tag, []).append(value.simple_value)
+                steps.setdefault(value.tag, []).append(event.step)
+    for key in ("loss", "nll", "kl", "learning_rate"):
+        assert len(tags[f"train/{key}"]) == 2, (key, sorted(tags))  # one optimizer step per round, two rounds
+        assert sorted(steps[f"train/{key}"]) == [1, 2]  # the run's optimizer step, not each round's own
+
+
+#: Runs a recipe in a child process whose Quark stage dies (os._exit, no clean-up, as under SIGKILL) when it
+#: starts sampling round 2, i.e. just after checkpoint-1 was written.
+DIE_IN_ROUND_2 = """
+import os, sys
+import torch
+torch.set_num_threads(1)
+import alpacafarm_trl.quark_trainer as quark_trainer
+from alpacafarm.testing import run_recipe
+sample_pool, calls = quark_trainer.sample_pool, []
+def sample_or_die(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        os._exit(9)
+    return sample_pool(*args, **kwargs)
+quark_trainer.sample_pool = sample_or_die
+run_recipe(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_a_killed_stage_resumes_after_its_last_round_and_ends_with_the_uninterrupted_weights(
+        tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    import alpacafarm_trl.quark_trainer as quark_trainer
+
+    recipe = quark_recipe(tmp_path, tiny_model_dir)
+    recipe.write_text(recipe.read_text().replace("rounds: 2,", "rounds: 3, warmup_steps: 1,"))
+    run, stage = tmp_path / "killed", tmp_path / "killed/stages/quark"
+    died = subprocess.run([sys.executable, "-c", DIE_IN_ROUND_2, str(recipe), str(run)], capture_output=True,
+                          text=True, timeout=600)
+    assert died.returncode == 9, died.stderr[-3000:]
+    assert json.loads((stage / "manifest.json").read_text())["status"] == "running"
+    assert (stage / "checkpoint-1/trainer_state.json").is_file() and not (stage / "checkpoint-2").exists()
+    first_pool = (stage / "round_1/pool.jsonl").read_bytes()
+
+    sampled: list[int] = []
+    sample_pool = quark_trainer.sample_pool
+    monkeypatch.setattr(quark_trainer, "sample_pool", lambda *a, **k: sampled.append(1) or sample_pool(*a, **k))
+    artifacts = run_recipe(recipe, run)  # the same command again: the pipeline re-runs the "running" stage
+    assert len(sampled) == 2  # rounds 2 and 3 only: round 1's pool was not sampled again
+    assert (stage / "round_1/pool.jsonl").read_bytes() == first_pool
+    metrics = json.loads((stage / "metrics.json").read_text())
+    assert metrics["resumed_after_round"] == 1 and artifacts["quark"].metadata["resumed_after_round"] == 1
+    assert [r["round"] for r in metrics["per_round"]] == [1, 2, 3] and metrics["steps"] == 3
+    log = "\n".join(p.read_text() for p in run.rglob("*.log"))
+    assert "resumed from checkpoint-1: rounds 1-1 done, continuing at round 2" in log
+
+    monkeypatch.setattr(quark_trainer, "sample_pool", sample_pool)
+    run_recipe(recipe, tmp_path / "whole")
+    whole = tmp_path / "whole/stages/quark"
+    timeless = [{k: v for k, v in r.items() if k != "seconds"}
+                for r in json.loads((whole / "metrics.json").read_text())["per_round"]]
+    for resumed, uninterrupted in zip(metrics["per_round"], timeless, strict=True):
+        resumed.pop("seconds")
+        assert resumed == pytest.approx(uninterrupted, rel=RESUME_RTOL, abs=RESUME_ATOL)
+    assert_same_weights(load_file(str(stage / "model/model.safetensors")),
+                        load_file(str(whole / "model/model.safetensors")))
+    for r in (2, 3):  # the same pools: sampled from the same weights with the round's seed
+        assert read_pool(stage / f"round_{r}/pool.jsonl") == read_pool(whole / f"round_{r}/pool.jsonl")
+
+
+def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_to_the_same_adapters(tiny_model_dir: str,
+                                                                                      tmp_path: Path):
+    from safetensors.torch import load_file
+
+    from alpacafarm.modeling import load_tokenizer
+    from alpacafarm_trl.quark import load_policy_and_reference
+    from alpacafarm_trl.quark_trainer import build_quark_trainer, run_rounds
+
+    spec = ModelSpec.model_validate({"name": tiny_model_dir, "lora": {"r": 4, "alpha": 8}})
+    args = quark_args(tmp_path, rounds=2, prompts_per_round=4, learning_rate=5e-2, warmup_steps=0)
+
+    def trainer() -> Any:
+        import transformers
+
+        transformers.set_seed(0)  # the new adapters' initialisation
+        policy, _, _ = load_policy_and_reference(spec, tiny_model_dir, args)
+        return build_quark_trainer(args, policy, load_tokenizer(spec, tiny_model_dir))
+
+    whole = trainer()
+    run_rounds(whole, INSTRUCTIONS[:8], e_share, out_dir=tmp_path / "whole")
+    saved = load_file(str(tmp_path / "whole/checkpoint-1/model.safetensors"))
+    assert saved and all("lora_" in name for name in saved)  # the frozen base is not in a checkpoint
+    resumed = trainer()
+    stats = run_rounds(resumed, INSTRUCTIONS[:8], e_share, out_dir=tmp_path / "resumed",
+                       resume_from=tmp_path / "whole/checkpoint-1")
+    assert [s["round"] for s in stats] == [1, 2]
+    assert_same_weights(resumed.trained_tensors(), whole.trained_tensors())

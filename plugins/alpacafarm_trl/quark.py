@@ -33,8 +33,11 @@ Where the pieces live, as in TRL: the config in :mod:`alpacafarm_trl.quark_confi
 in :mod:`alpacafarm_trl.quark_trainer`; this module loads the models and runs the stage.
 
 Files: ``round_<r>/pool.jsonl`` (every rollout of round ``r``, 1-based, with its reward and whether it was
-kept), ``metrics.json`` (per-round statistics and the trainer's log history) and ``model/`` (with the SFT
-folder's prompt conditioning file, if it had one: the policy was trained behind it).
+kept), ``checkpoint-<r>/`` every ``save_rounds`` rounds (the newest ``save_total_limit`` kept; a killed stage
+re-run by the pipeline resumes after the newest readable one, see
+:meth:`alpacafarm_trl.quark_trainer.QuarkTrainer.save_round`), ``metrics.json`` (per-round statistics, the
+trainer's log history and the round a resumed attempt started after) and ``model/`` (with the SFT folder's prompt
+conditioning file, if it had one: the policy was trained behind it).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.prompts import PromptConditioning, PromptFormat
 from alpacafarm.train_progress import training_progress
-from alpacafarm.training import stage_training_args
+from alpacafarm.training import resume_checkpoint, stage_training_args
 from alpacafarm_trl.quark_config import QuarkMethodConfig
 from alpacafarm_trl.quark_trainer import build_quark_trainer, run_rounds
 
@@ -97,13 +100,14 @@ class Quark(Method):
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json
-        from alpacafarm.modeling import load_tokenizer, save_dtype, save_model
+        from alpacafarm.modeling import load_tokenizer
+        from alpacafarm.training import save_policy
 
         spec = context.recipe.model
         save_strategy = getattr(self.config.save_strategy, "value", self.config.save_strategy)
         if save_strategy != "no":
-            context.logger.warning("stage %s: save_strategy %r ignored; Quark rounds are not resumable from "
-                                   "trainer checkpoints", context.stage, save_strategy)
+            context.logger.warning("stage %s: save_strategy %r ignored; Quark writes checkpoint-<round> every "
+                                   "save_rounds rounds (%d)", context.stage, save_strategy, self.config.save_rounds)
         args = stage_training_args(self.config, context, save_strategy="no")
         records = context.records("instruction_splits", args.split)[: args.max_instructions]
         if not records:
@@ -111,29 +115,25 @@ class Quark(Method):
         sft_path = context.input("sft_model").path
         tokenizer = load_tokenizer(spec, sft_path)
         prompt_format = PromptFormat.for_model(spec.prompt_format, sft_path, tokenizer)
-        policy, reference, from_adapters = load_policy_and_reference(spec, sft_path, args)
+        policy, reference, _ = load_policy_and_reference(spec, sft_path, args)
         reward = context.reward_function(batch_size=args.score_batch_size)
 
         trainer = build_quark_trainer(args, policy, tokenizer, reference)
         context.logger.info("stage %s: Quark for %d rounds on %d instructions (%s reference)", context.stage,
                             args.rounds, len(records),
                             "adapter-disabled" if reference is None else "frozen copy")
+        resume = resume_checkpoint(context)  # the last round checkpoint an interrupted attempt left
         with context.progress("quark rounds", args.rounds) as advance, \
                 training_progress(trainer, context, line=advance):
             rounds = run_rounds(trainer, records, reward, out_dir=context.stage_dir,
                                 prompt_format=prompt_format, seed=context.seed, logger=context.logger,
-                                progress=advance)
+                                progress=advance, resume_from=resume)
 
-        # New adapters on an SFT model that was itself adapters cannot name their base: save merged weights.
-        merge = bool(spec.lora) and (spec.merge_adapters or from_adapters)
-        if merge and from_adapters and not spec.merge_adapters:
-            context.logger.info("stage %s: the SFT model was LoRA adapters; saving merged weights",
-                                context.stage)
         tokenizer.padding_side = "right"
         model_dir = Path(context.stage_dir) / "model"
-        if not context.is_main:  # every rank holds the same weights (DDP); the main process saves them
+        merge = save_policy(trainer, spec, sft_path, model_dir, context.logger)  # every rank; the main one writes
+        if not context.is_main:
             return Artifact("model", str(model_dir))
-        save_model(trainer.model, tokenizer, model_dir, merge_adapters=merge, dtype=save_dtype(spec))
         if prompt_format.conditioning != PromptConditioning():  # trained behind it: sample behind it
             prompt_format.conditioning.save(model_dir)
         first, last = rounds[0], rounds[-1]
@@ -146,6 +146,7 @@ class Quark(Method):
             "steps": sum(s["steps"] for s in rounds), "lora": spec.lora is not None, "merged": merge,
             "reference": "adapter_disabled" if reference is None else "frozen_copy",
             "seconds": round(sum(sum(s["seconds"].values()) for s in rounds), 3),
+            "resumed_after_round": int(Path(resume).name.split("-")[1]) if resume else None,
         }
         per_round = [{k: v for k, v in s.items() if k != "log_history"} for s in rounds]
         log_history = [{**entry, "round": s["round"]} for s in rounds for entry in s["log_history"]]

@@ -8,15 +8,31 @@ one core sampler (:func:`alpacafarm.sampling.sample`) on prompts written by
 :class:`alpacafarm.prompts.PromptFormat`, scores it with a reward function, keeps the top ``top_quantile``
 (rounded down) and takes ``steps_per_round`` optimizer steps of ``step_batch_size`` examples drawn by cycling
 through the kept samples in a seeded shuffled order; the pool is then discarded.
+
+**Checkpoints.** After every ``save_rounds`` rounds :meth:`QuarkTrainer.save_round` writes ``checkpoint-<round>/``
+in the stage folder: the trained tensors (``model.safetensors``: the parameters that require gradients, or the
+LoRA adapters), the optimizer state (``optimizer.pt``), the statistics of the rounds so far (``rounds.json``) and a
+``trainer_state.json`` whose ``global_step`` is the optimizer steps taken (the learning-rate schedule's position).
+It is written as ``checkpoint-<round>.partial`` by the main process and renamed when whole. A killed stage resumes
+with :meth:`QuarkTrainer.load_round`: every rank loads the tensors and the optimizer state, the schedule is
+replayed to its step, and :func:`run_rounds` skips the finished rounds (each round's prompts, sampling and draw
+order are seeded by the round, so nothing else carries over). The files are written by us, not by
+``accelerator.save_state``: the Trainer prepares the model and optimizer inside each ``train()``, so before the first
+resumed round (whose pool must be sampled from the restored policy) the accelerator holds nothing to load into.
+Where the trained tensors or the optimizer state are sharded across processes (DeepSpeed ZeRO, FSDP) no checkpoint
+is written and a resume is refused: only plain data parallelism holds them whole on the main process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import random
+import shutil
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +47,8 @@ from alpacafarm.seeding import stable_seed
 from alpacafarm_trl.quark_config import QuarkMethodConfig
 
 IGNORE_INDEX = -100
+#: Files of a round checkpoint (see the module docstring); trainer_state.json is written last, as trainers do.
+TRAINED_TENSORS, OPTIMIZER_STATE, ROUND_STATS = "model.safetensors", "optimizer.pt", "rounds.json"
 
 
 def kept_count(pool_size: int, quantile: float) -> int:
@@ -60,10 +78,16 @@ def draw_order(n_kept: int, n_draws: int, seed: int) -> list[int]:
     return order[:n_draws]
 
 
-def training_example(sample: Sample) -> dict[str, list[int]]:
-    """Prompt + response ids; only the response is a target (the prompt's labels are ignored)."""
-    return {"input_ids": sample.prompt_ids + sample.response_ids,
-            "labels": [IGNORE_INDEX] * len(sample.prompt_ids) + sample.response_ids}
+def training_example(sample: Sample, *, train_eos: bool) -> dict[str, list[int]]:
+    """Prompt + response ids; only the response is a target (the prompt's labels are ignored).
+
+    With ``train_eos`` false (``QuarkMethodConfig.train_eos``'s default, as released) a finished sample's stop
+    token is left out, so Quark never trains it: the released trainer decodes its rollouts without special
+    tokens and re-tokenizes the text, so its kept samples carry no EOS.
+    """
+    response = sample.response_ids[:-1] if sample.finished and not train_eos else sample.response_ids
+    return {"input_ids": sample.prompt_ids + response,
+            "labels": [IGNORE_INDEX] * len(sample.prompt_ids) + response}
 
 
 class PadCollator:
@@ -118,6 +142,8 @@ class QuarkTrainer(Trainer):
             raise ValueError("QuarkTrainer needs a ref_model unless the policy is a peft model with adapters")
         self._log_terms = [0.0, 0.0, 0]    # nll sum, kl sum, tokens since the last log
         self.round_terms = [0.0, 0.0, 0]   # the same since reset_round_terms()
+        self.resumed_steps = 0             # optimizer steps a loaded checkpoint had taken (replayed by the schedule)
+        self.steps_before_round = 0        # optimizer steps of the rounds before this one (set by run_rounds)
 
     def reset_round_terms(self) -> None:
         self.round_terms = [0.0, 0.0, 0]
@@ -141,7 +167,88 @@ class QuarkTrainer(Trainer):
                 self.args.lr_scheduler_type, optimizer=optimizer or self.optimizer,
                 num_warmup_steps=self.args.get_warmup_steps(total), num_training_steps=total,
                 scheduler_specific_kwargs=self.args.lr_scheduler_kwargs or {})
+            with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": a replay, on purpose
+                warnings.simplefilter("ignore")
+                for _ in range(self.resumed_steps):
+                    self.lr_scheduler.step()
         return self.lr_scheduler
+
+    # ---------------------------------------------------------------- round checkpoints
+
+    def checkpoints_whole(self) -> bool:
+        """Whether the trained tensors and the optimizer state are whole on the main process (one process or plain
+        data parallelism), so a round checkpoint can be written and loaded."""
+        return not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+
+    def trained_tensors(self) -> dict[str, Any]:
+        """The policy's parameters that train (all of them, or the LoRA adapters), by their unwrapped names."""
+        model = self.accelerator.unwrap_model(self.model)
+        return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+    def save_round(self, out_dir: str | Path, round_: int, stats: Sequence[dict[str, Any]]) -> Path:
+        """Write ``checkpoint-<round_>/`` (see the module docstring) and keep the newest ``save_total_limit``;
+        call on every rank after the round's training, the main process writes."""
+        import torch
+        from safetensors.torch import save_file
+        from transformers.trainer_callback import TrainerState
+
+        from alpacafarm.data import write_json
+
+        final = Path(out_dir) / f"checkpoint-{round_}"
+        partial = final.with_name(f"{final.name}.partial")
+        self.accelerator.wait_for_everyone()  # every rank has finished the round's optimizer steps
+        if self.accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+            save_file({n: p.detach().to("cpu").contiguous() for n, p in self.trained_tensors().items()},
+                      str(partial / TRAINED_TENSORS))
+            torch.save(self.optimizer.state_dict(), partial / OPTIMIZER_STATE)
+            write_json(partial / ROUND_STATS, list(stats))
+            steps = self.args.steps_per_round
+            TrainerState(global_step=round_ * steps, max_steps=self.rounds * steps,
+                         log_history=[{**e, "round": s["round"]} for s in stats for e in s["log_history"]],
+                         ).save_to_json(str(partial / "trainer_state.json"))
+            shutil.rmtree(final, ignore_errors=True)
+            partial.rename(final)
+            limit = self.args.save_total_limit
+            if limit and limit >= 1:
+                rounds = sorted(int(p.name.split("-")[1]) for p in Path(out_dir).glob("checkpoint-*")
+                                if p.name.split("-")[1].isdigit())
+                for old in rounds[:-limit]:
+                    shutil.rmtree(Path(out_dir) / f"checkpoint-{old}", ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        return final
+
+    def load_round(self, path: str | Path) -> list[dict[str, Any]]:
+        """Restore a ``checkpoint-<round>/`` written by :meth:`save_round` (call on every rank before the next
+        round): the trained tensors, the optimizer state and the schedule's position; returns the statistics of the
+        finished rounds. Tensors are read with safetensors and the optimizer state with ``weights_only=True``."""
+        import torch
+        from safetensors.torch import load_file
+        from transformers.trainer_callback import TrainerState
+
+        path = Path(path)
+        if not self.checkpoints_whole():
+            raise UserError(f"quark: cannot resume from {path.name} here: the launch config shards the weights or "
+                            "the optimizer (DeepSpeed ZeRO or FSDP), which Quark's round checkpoints do not hold; "
+                            "re-run with the launch config that wrote it, or start the stage again")
+        if self.lr_scheduler is not None:
+            raise ValueError("load_round must be called before the first round trains")
+        tensors = load_file(str(path / TRAINED_TENSORS))
+        trained = self.trained_tensors()
+        if set(tensors) != set(trained):
+            differ = sorted(set(tensors) ^ set(trained))
+            raise UserError(f"quark: {path} does not match this model ({len(differ)} trained tensors differ, "
+                            f"e.g. {differ[0]})")
+        with torch.no_grad():
+            for name, parameter in trained.items():
+                parameter.copy_(tensors[name])
+        if self.optimizer is None:
+            self.create_optimizer()  # the one train() would build; it keeps an existing optimizer
+        self.optimizer.load_state_dict(torch.load(path / OPTIMIZER_STATE, map_location="cpu", weights_only=True))
+        state = TrainerState.load_from_json(str(path / "trainer_state.json"))
+        self.resumed_steps = int(state.global_step)
+        return json.loads((path / ROUND_STATS).read_text(encoding="utf-8"))
 
     def reference_logits(self, model: Any, input_ids: Any, attention_mask: Any) -> Any:
         """The reference's logits, without gradients (and in eval mode: no dropout, no checkpointing)."""
@@ -196,7 +303,14 @@ class QuarkTrainer(Trainer):
         if "loss" in logs and tokens:
             logs = {**logs, "nll": round(nll / tokens, 6), "kl": round(kl / tokens, 6)}
             self._log_terms = [0.0, 0.0, 0]
-        super().log(logs, start_time)
+        # Each round's train() counts its steps from 0; the log entries and the report_to trackers get the run's
+        # optimizer step, so the rounds follow one another on one axis.
+        round_step = self.state.global_step
+        self.state.global_step = self.steps_before_round + round_step
+        try:
+            super().log(logs, start_time)
+        finally:
+            self.state.global_step = round_step
 
     def measure(self, examples: Sequence[dict[str, list[int]]], batch_size: int = 8) -> dict[str, float]:
         """Mean per-token NLL and KL(policy || reference) over ``examples``, in eval mode, not training."""
@@ -281,7 +395,8 @@ def _mean(values: Sequence[float]) -> float:
 
 def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: RewardFunction, *,
                out_dir: str | Path, prompt_format: PromptFormat | str = "alpaca", seed: int = 0,
-               logger: Any = None, progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+               logger: Any = None, progress: Callable[[int], None] | None = None,
+               resume_from: str | Path | None = None) -> list[dict[str, Any]]:
     """The Quark loop: each round sample a fresh pool, score it, keep the top quantile, train; returns stats.
 
     A round's training is ``steps_per_round`` optimizer steps, each on ``step_batch_size`` examples drawn from
@@ -296,6 +411,10 @@ def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: 
     Under several processes every rank calls this: the pool's sampling batches are split across ranks and
     gathered (the pool one process samples), each rank scores a share of it, the trainer's steps are data
     parallel (accelerate), the round's NLL and KL are summed over ranks, and the main process writes the pool.
+
+    Every ``save_rounds`` rounds a ``checkpoint-<round>/`` is written under ``out_dir``
+    (:meth:`QuarkTrainer.save_round`); ``resume_from`` (such a folder) restores it and starts at the next round,
+    the finished rounds' statistics coming back from it.
     """
     from alpacafarm import distributed
     from alpacafarm.data import write_jsonl
@@ -308,9 +427,20 @@ def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: 
     if isinstance(prompt_format, str):
         prompt_format = PromptFormat(prompt_format, tokenizer)
     queries = tokenize_prompts(tokenizer, prompt_format.records(records))
-    stats: list[dict[str, Any]] = []
+    stats: list[dict[str, Any]] = trainer.load_round(resume_from) if resume_from else []
+    if stats and logger is not None:
+        logger.info("quark: resumed from %s: rounds 1-%d done, continuing at round %d", Path(resume_from).name,
+                    len(stats), len(stats) + 1)
+    if stats and progress is not None:
+        progress(len(stats))
+    save = args.save_rounds > 0 and trainer.checkpoints_whole()
+    if args.save_rounds > 0 and not save and logger is not None:
+        logger.warning("quark: no round checkpoints: the launch config shards the weights or the optimizer "
+                       "(DeepSpeed ZeRO or FSDP); a killed stage starts again from round 1")
     schedule = round_prompts(len(records), args, stable_seed(seed, "quark-prompts"))
     for r, indices in enumerate(schedule, start=1):
+        if r <= len(stats):  # finished before the checkpoint: its pool is not sampled again
+            continue
         started = time.perf_counter()
         with sharded_across_ranks() if distributed.world_size() > 1 else contextlib.nullcontext():
             groups = sample_pool(trainer.model, tokenizer, [queries[i] for i in indices], args,
@@ -335,11 +465,12 @@ def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: 
                  "kept": k in kept_set, "finished": s.finished, "n_tokens": len(s.response_ids)}
                 for k, ((i, j, s), reward) in enumerate(zip(pool, rewards, strict=True))])
 
-        examples = [training_example(pool[k][2]) for k in kept]
+        examples = [training_example(pool[k][2], train_eos=args.train_eos) for k in kept]
         draws = draw_order(len(examples), args.steps_per_round * args.step_batch_size,
                            stable_seed(seed, "quark-order", r))
         trainer.train_dataset = [examples[k] for k in draws]
         trainer.reset_round_terms()
+        trainer.steps_before_round = (r - 1) * args.steps_per_round
         result = trainer.train()
         if distributed.world_size() > 1:  # every rank's tokens: the round's means over the whole step batches
             parts = distributed.all_gather_object(list(trainer.round_terms), f"quark round {r}")
@@ -366,8 +497,10 @@ def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: 
                         "loss %.4f, nll %.4f, kl %.5f", r, args.rounds, stat["reward_mean"],
                         stat["reward_kept_mean"], stat["threshold"], len(kept), len(pool), stat["train_loss"],
                         terms["nll"] or 0.0, terms["kl"] or 0.0)
-        if progress is not None:
-            progress(1)
         del groups, pool, rewards, kept, examples  # the pool is discarded: the next round samples a fresh one
         trainer.train_dataset = None
+        if save and r % args.save_rounds == 0:
+            trainer.save_round(out_dir, r, stats)
+        if progress is not None:
+            progress(1)
     return stats
