@@ -294,23 +294,27 @@ def test_a_killed_run_resumes_at_its_round_without_paying_again(tiny_model_dir: 
 
 
 def test_the_budget_stops_online_dpo_with_one_line(tiny_model_dir: str, tmp_path: Path, env: dict[str, str]):
+    """Half of what the whole run costs stops it in one line; with a larger budget the rerun pays only the rest."""
     with FakeOpenAIServer(Judge()) as server:
         first = server_recipe(tmp_path, tiny_model_dir, server.base_url)
         done = run_cli("run", str(first), "--output-dir", str(tmp_path / "one"), env=env)
         assert done.returncode == 0, done.stderr
-        per_pair = cache(env).ledger().price_usd / 12
-        budget = 6.5 * per_pair  # round 1 (4 pairs) and part of round 2
-        (tmp_path / "b").mkdir()
+        budget = cache(env).ledger().price_usd / 2
         env_b = {**env, "ALPACAFARM_CACHE_DIR": str(tmp_path / "cache-b")}
+        (tmp_path / "b").mkdir()
         capped = server_recipe(tmp_path / "b", tiny_model_dir, server.base_url, f", max_cost_usd: {budget}")
         stopped = run_cli("run", str(capped), "--output-dir", str(tmp_path / "two"), env=env_b)
-    assert stopped.returncode == 2, stopped.stderr
-    errors = [line for line in stopped.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "max_cost_usd" in errors[0] and "Traceback" not in stopped.stderr, stopped.stderr
-    spent = cache(env_b).ledger()
-    assert 4 <= spent.requests < 12 and spent.price_usd <= budget
-    assert (tmp_path / "two/stages/odpo/round_1/round_complete.json").is_file()
-    assert not (tmp_path / "two/stages/odpo/round_3").exists()
+        assert stopped.returncode == 2, stopped.stderr
+        errors = [line for line in stopped.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "max_cost_usd" in errors[0] and "Traceback" not in stopped.stderr, stopped.stderr
+        spent = cache(env_b).ledger()
+        assert 1 <= spent.requests < 12 and spent.price_usd <= budget
+        assert json.loads((tmp_path / "two/stages/odpo/manifest.json").read_text())["status"] != "complete"
+
+        raised = server_recipe(tmp_path / "b", tiny_model_dir, server.base_url, f", max_cost_usd: {budget * 10}")
+        again = run_cli("run", str(raised), "--output-dir", str(tmp_path / "two"), env=env_b)
+        assert again.returncode == 0, again.stderr
+    assert cache(env_b).ledger().requests == 12 and set(cache(env_b).paid_keys().values()) == {1}
 
 
 # ------------------------------------------------------------------------------------------------ two processes
