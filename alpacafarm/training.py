@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,64 @@ def check_launch_honoured(distributed_type: Any) -> None:
         raise UserError("the accelerate launch config asks for FSDP, which accelerate runs on GPUs only (here: "
                         f"{getattr(distributed_type, 'value', distributed_type)}); on CPU processes use "
                         "--accelerate-config ddp, zero2 or zero3")
+
+
+def trackers(report_to: Sequence[str] | None) -> list[str]:
+    """The ``accelerate`` trackers ``report_to`` names; one line for a name accelerate does not know or a tracker
+    whose package is missing (accelerate itself would drop it silently)."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+
+    from alpacafarm.errors import MissingPackageError, UserError
+
+    names = [name for name in (report_to or []) if name not in ("none", "all")]
+    if "all" in (report_to or []):
+        return [str(t) for t in get_available_trackers()]
+    available = {str(t) for t in get_available_trackers()}
+    for name in names:
+        if name not in LOGGER_TYPE_TO_CLASS:
+            raise UserError(f"report_to: {name!r} is not a tracker accelerate can log to "
+                            f"({', '.join(sorted(LOGGER_TYPE_TO_CLASS))})")
+        if name not in available:
+            package = "tensorboardX" if name == "tensorboard" else name
+            raise MissingPackageError(f"report_to: {name} needs its package, which is not installed: "
+                                      f"pip install {package}")
+    return names
+
+
+def trainer_accelerator(args: Any, gradient_accumulation_steps: int, *, project: str) -> Any:
+    """The one ``accelerate.Accelerator`` of a trainer of our own (PPO): every launched process (also on CPUs, see
+    :func:`shared_process_state`), the launch config's distribution (refused where accelerate would silently
+    build another, :func:`check_launch_honoured`), bf16 autocast when ``args.bf16``, DeepSpeed's ``auto`` values
+    filled as transformers' Trainer fills them, and the ``report_to`` trackers (:func:`trackers`) under
+    ``output_dir/tensorboard`` (TensorBoard) or ``output_dir/<project>``."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    shared_process_state(args.accelerator_config)
+    log_with = trackers(args.report_to)
+    accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no",
+                              gradient_accumulation_steps=gradient_accumulation_steps, log_with=log_with or None,
+                              project_dir=args.output_dir)
+    check_launch_honoured(accelerator.distributed_type)
+    plugin = AcceleratorState().deepspeed_plugin
+    if plugin is not None:
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+        plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
+    if log_with:
+        accelerator.init_trackers("tensorboard" if log_with == ["tensorboard"] else project)
+    return accelerator
+
+
+def rotate_checkpoints(output_dir: str | Path, limit: int | None) -> None:
+    """Keep the newest ``limit`` ``checkpoint-N`` folders of ``output_dir`` (all of them when ``limit`` is unset)."""
+    import shutil
+
+    if not limit or limit < 1:
+        return
+    checkpoints = sorted((p for p in Path(output_dir).glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+                         key=lambda p: int(p.name.split("-")[-1]))
+    for old in checkpoints[:-limit]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 #: Files a checkpoint's weights may be in (transformers, peft, our PPO trainer); FSDP and DeepSpeed use subfolders.

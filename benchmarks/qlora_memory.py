@@ -153,8 +153,8 @@ def cuda_memory() -> dict[str, float]:
 
 
 def run_ppo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from alpacafarm_trl.ppo import build_ppo_trainer
     from alpacafarm_trl.ppo_config import PPOMethodConfig
-    from alpacafarm_trl.ppo_trainer import build_ppo_trainer
 
     config = PPOMethodConfig(
         output_dir=str(work / "ppo"), max_steps=args.steps, rollout_batch_size=args.rollout_batch_size,

@@ -334,9 +334,9 @@ def test_value_model_is_the_reward_models_backbone_with_a_zero_head(full_run, ti
     """As released: the critic is the reward model's backbone with a new head whose weight and bias are 0 (values
     0 at step 0); ``value_head_init: reward_head`` starts the head as the reward model's score head instead."""
     from alpacafarm.modeling import load_classifier
+    from alpacafarm_trl.ppo import build_ppo_trainer
     from alpacafarm_trl.ppo_config import PPOMethodConfig
     from alpacafarm_trl.ppo_core import collate
-    from alpacafarm_trl.ppo_trainer import build_ppo_trainer
 
     spec = ModelSpec(name=tiny_model_dir)
     rm_path = full_run["artifacts"]["rm"].path
@@ -484,8 +484,8 @@ def _lora_trainer(lora_run: dict[str, Any], tiny_model_dir: str, spec: ModelSpec
 
 
 def _trainer(sft_path: str, rm_path: str, spec: ModelSpec, logger: Any = None, **config: Any) -> Any:
+    from alpacafarm_trl.ppo import build_ppo_trainer
     from alpacafarm_trl.ppo_config import PPOMethodConfig
-    from alpacafarm_trl.ppo_trainer import build_ppo_trainer
 
     settings = {"max_steps": 2, "warmup_steps": 0, "rollout_batch_size": 8, "mini_batch_size": 4,
                 "output_dir": "unused",
@@ -583,8 +583,8 @@ def test_4bit_lora_trains_on_quantized_bases(lora_run, tiny_model_dir: str):
 
 def test_quantization_without_lora_is_refused(tiny_model_dir: str):
     from alpacafarm.errors import UserError
+    from alpacafarm_trl.ppo import build_ppo_trainer
     from alpacafarm_trl.ppo_config import PPOMethodConfig
-    from alpacafarm_trl.ppo_trainer import build_ppo_trainer
 
     with pytest.raises(UserError):
         build_ppo_trainer(PPOMethodConfig(output_dir="unused", rollout_batch_size=4, mini_batch_size=4),

@@ -1,7 +1,7 @@
 """``ppo``: Proximal Policy Optimization of the SFT model against the surrogate reward model (our trainer).
 
 The method wires the stage: the SFT model, the reward model and the unlabeled instructions go to
-:func:`alpacafarm_trl.ppo_trainer.build_ppo_trainer`, training shows one progress line (PPO steps, the loss) and
+:func:`build_ppo_trainer`, training shows one progress line (PPO steps, the loss) and
 resumes from the stage's last ``checkpoint-N``, and the trained policy is saved as ``model/`` with
 ``metrics.json`` (and the SFT folder's prompt conditioning, if it has one: the policy was trained behind it).
 
@@ -15,15 +15,19 @@ written in the model block's save dtype.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from alpacafarm.method import Artifact, Method, StageContext
-from alpacafarm.prompts import PromptConditioning
+from alpacafarm.modeling import loading_whole
+from alpacafarm.prompts import PromptConditioning, PromptFormat
+from alpacafarm.rewards import RewardFunction
 from alpacafarm.train_progress import training_progress
 from alpacafarm.training import limit, resume_checkpoint, stage_training_args
+from alpacafarm_trl.ppo_build import build_models
 from alpacafarm_trl.ppo_config import PPOMethodConfig
-from alpacafarm_trl.ppo_trainer import build_ppo_trainer
+from alpacafarm_trl.ppo_trainer import PPOTrainer
 
 
 def save_trained_policy(trainer: Any, spec: Any, sft_path: str, directory: str | Path,
@@ -36,6 +40,39 @@ def save_trained_policy(trainer: Any, spec: Any, sft_path: str, directory: str |
     policy = trainer.accelerator.unwrap_model(trainer.model).policy
     return save_trained(trainer.models.policy_export(policy), trainer.tokenizer, spec, sft_path, directory,
                         state_dict=state_dict)
+
+
+def build_ppo_trainer(config: PPOMethodConfig, spec: Any, sft_path: str, reward_path: str,
+                      records: Sequence[dict[str, Any]], *, reward_fn: RewardFunction | None = None,
+                      callbacks: Sequence[Any] | None = None, logger: Any = None) -> PPOTrainer:
+    """A ready :class:`PPOTrainer` from the recipe's model block, the SFT model and the reward model folders.
+
+    ``config`` must carry its final ``output_dir`` (see :func:`~alpacafarm.training.stage_training_args`).
+    Prompts are written for the SFT folder (its ``prompt_format`` and conditioning file, see
+    :meth:`alpacafarm.prompts.PromptFormat.for_model`). Without ``reward_fn`` the reward is the reward model's
+    score (an :class:`~alpacafarm.rewards.RewardScorer`), run by the reward model the layout already holds when it
+    holds one (the critic's backbone with its adapter off), else loaded frozen on every rank.
+    """
+    from transformers import set_seed
+
+    from alpacafarm.modeling import load_classifier, load_tokenizer
+    from alpacafarm.rewards import RewardScorer
+
+    set_seed(config.seed)  # new adapters are randomly initialised: same seed, same run
+    tokenizer = load_tokenizer(spec, sft_path)
+    with loading_whole():  # whole on every rank: accelerate partitions what trains when it prepares it
+        models = build_models(spec, sft_path, reward_path, logger=logger,
+                              gradient_checkpointing=bool(config.gradient_checkpointing),
+                              value_head_init=config.value_head_init)
+        if reward_fn is None:
+            reward_classifier = models.reward_model()  # scored by what the layout holds, when it holds the RM
+            if reward_classifier is None:
+                reward_classifier = load_classifier(spec, reward_path)  # frozen: the model block's dtype
+            reward_fn = RewardScorer(reward_classifier, load_tokenizer(spec, reward_path),
+                                     prompt_format=spec.prompt_format, batch_size=config.score_batch_size)
+    prompt_format = PromptFormat.for_model(spec.prompt_format, sft_path, tokenizer)
+    return PPOTrainer(config, models, tokenizer, records, reward_fn, prompt_format=prompt_format,
+                      callbacks=callbacks)
 
 
 class PPO(Method):

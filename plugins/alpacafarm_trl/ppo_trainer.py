@@ -47,14 +47,13 @@ from typing import Any
 
 import torch
 
-from alpacafarm.errors import MissingPackageError, UserError
-from alpacafarm.modeling import loading_whole
+from alpacafarm.errors import UserError
 from alpacafarm.prompts import PromptFormat
 from alpacafarm.rewards import RewardFunction
 from alpacafarm.sampling import Sample, sample, sharded_across_ranks, stop_token_ids, tokenize_prompts
 from alpacafarm.seeding import stable_seed
+from alpacafarm.training import rotate_checkpoints
 from alpacafarm_trl import ppo_core
-from alpacafarm_trl.ppo_build import build_models
 from alpacafarm_trl.ppo_config import PPOMethodConfig
 from alpacafarm_trl.ppo_core import Rollouts, collate
 from alpacafarm_trl.ppo_models import PolicyAndValue
@@ -70,26 +69,6 @@ LOG_KEYS = (
     "value_mean", "return_mean", "grad_norm", "rollout_time", "update_time",
     "learning_rate", "epoch",
 )
-
-
-def trackers(report_to: Sequence[str] | None) -> list[str]:
-    """The ``accelerate`` trackers ``report_to`` names; one line for a name accelerate does not know or a tracker
-    whose package is missing (accelerate itself would drop it silently)."""
-    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
-
-    names = [name for name in (report_to or []) if name not in ("none", "all")]
-    if "all" in (report_to or []):
-        return [str(t) for t in get_available_trackers()]
-    available = {str(t) for t in get_available_trackers()}
-    for name in names:
-        if name not in LOGGER_TYPE_TO_CLASS:
-            raise UserError(f"report_to: {name!r} is not a tracker accelerate can log to "
-                            f"({', '.join(sorted(LOGGER_TYPE_TO_CLASS))})")
-        if name not in available:
-            package = "tensorboardX" if name == "tensorboard" else name
-            raise MissingPackageError(f"report_to: {name} needs its package, which is not installed: "
-                                      f"pip install {package}")
-    return names
 
 
 class PPOTrainer:
@@ -159,29 +138,12 @@ class PPOTrainer:
     # ---------------------------------------------------------------- setup helpers
 
     def _accelerator(self) -> Any:
-        """The one Accelerator: the launch config's distribution, micro-batches accumulated over a mini-batch."""
-        from accelerate import Accelerator
-        from accelerate.state import AcceleratorState
-
+        """The one Accelerator (:func:`alpacafarm.training.trainer_accelerator`): the launch config's distribution,
+        micro-batches accumulated over a mini-batch."""
         from alpacafarm import distributed
-        from alpacafarm.training import check_launch_honoured, shared_process_state
+        from alpacafarm.training import trainer_accelerator
 
-        args = self.args
-        world = distributed.world_size()
-        shared_process_state(args.accelerator_config)  # every launched process, also on CPUs
-        log_with = trackers(args.report_to)
-        accelerator = Accelerator(
-            mixed_precision="bf16" if args.bf16 else "no",
-            gradient_accumulation_steps=self._micro_steps(world), log_with=log_with or None,
-            project_dir=getattr(args, "logging_dir", None) or args.output_dir)
-        check_launch_honoured(accelerator.distributed_type)
-        plugin = AcceleratorState().deepspeed_plugin
-        if plugin is not None:  # DeepSpeed's "auto" values: what transformers' Trainer fills in for its engine
-            plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
-            plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
-        if log_with:
-            accelerator.init_trackers("tensorboard" if log_with == ["tensorboard"] else "ppo")
-        return accelerator
+        return trainer_accelerator(self.args, self._micro_steps(distributed.world_size()), project="ppo")
 
     def _micro_steps(self, world: int) -> int:
         """Micro-batches per rank per mini-batch: the gradient accumulation of one optimizer step."""
@@ -498,18 +460,9 @@ class PPOTrainer:
             self.state.save_to_json(str(partial / "trainer_state.json"))
             shutil.rmtree(final, ignore_errors=True)
             partial.rename(final)
-            self._rotate_checkpoints(output_dir)
+            rotate_checkpoints(output_dir, self.args.save_total_limit)
         self.accelerator.wait_for_everyone()
         return final
-
-    def _rotate_checkpoints(self, output_dir: Path) -> None:
-        limit = self.args.save_total_limit
-        if not limit or limit < 1:
-            return
-        checkpoints = sorted((p for p in output_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
-                             key=lambda p: int(p.name.split("-")[-1]))
-        for old in checkpoints[:-limit]:
-            shutil.rmtree(old, ignore_errors=True)
 
     def _load_checkpoint(self, path: Path) -> None:
         """Restore weights, optimizer and step count from ``checkpoint-N/`` (written by :meth:`_save_checkpoint`
@@ -535,37 +488,3 @@ class PPOTrainer:
             warnings.simplefilter("ignore")
             for _ in range(self.state.global_step):
                 self.lr_scheduler.step()
-
-
-
-def build_ppo_trainer(config: PPOMethodConfig, spec: Any, sft_path: str, reward_path: str,
-                      records: Sequence[dict[str, Any]], *, reward_fn: RewardFunction | None = None,
-                      callbacks: Sequence[Any] | None = None, logger: Any = None) -> PPOTrainer:
-    """A ready :class:`PPOTrainer` from the recipe's model block, the SFT model and the reward model folders.
-
-    ``config`` must carry its final ``output_dir`` (see :func:`~alpacafarm.training.stage_training_args`).
-    Prompts are written for the SFT folder (its ``prompt_format`` and conditioning file, see
-    :meth:`alpacafarm.prompts.PromptFormat.for_model`). Without ``reward_fn`` the reward is the reward model's
-    score (an :class:`~alpacafarm.rewards.RewardScorer`), run by the reward model the layout already holds when it
-    holds one (the critic's backbone with its adapter off), else loaded frozen on every rank.
-    """
-    from transformers import set_seed
-
-    from alpacafarm.modeling import load_classifier, load_tokenizer
-    from alpacafarm.rewards import RewardScorer
-
-    set_seed(config.seed)  # new adapters are randomly initialised: same seed, same run
-    tokenizer = load_tokenizer(spec, sft_path)
-    with loading_whole():  # whole on every rank: accelerate partitions what trains when it prepares it
-        models = build_models(spec, sft_path, reward_path, logger=logger,
-                              gradient_checkpointing=bool(config.gradient_checkpointing),
-                              value_head_init=config.value_head_init)
-        if reward_fn is None:
-            reward_classifier = models.reward_model()  # scored by what the layout holds, when it holds the RM
-            if reward_classifier is None:
-                reward_classifier = load_classifier(spec, reward_path)  # frozen: the model block's dtype
-            reward_fn = RewardScorer(reward_classifier, load_tokenizer(spec, reward_path),
-                                     prompt_format=spec.prompt_format, batch_size=config.score_batch_size)
-    prompt_format = PromptFormat.for_model(spec.prompt_format, sft_path, tokenizer)
-    return PPOTrainer(config, models, tokenizer, records, reward_fn, prompt_format=prompt_format,
-                      callbacks=callbacks)

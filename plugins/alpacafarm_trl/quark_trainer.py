@@ -16,11 +16,9 @@ LoRA adapters), the optimizer state (``optimizer.pt``), the statistics of the ro
 It is written as ``checkpoint-<round>.partial`` by the main process and renamed when whole. A killed stage resumes
 with :meth:`QuarkTrainer.load_round`: every rank loads the tensors and the optimizer state, the schedule is
 replayed to its step, and :func:`run_rounds` skips the finished rounds (each round's prompts, sampling and draw
-order are seeded by the round, so nothing else carries over). The files are written by us, not by
-``accelerator.save_state``: the Trainer prepares the model and optimizer inside each ``train()``, so before the first
-resumed round (whose pool must be sampled from the restored policy) the accelerator holds nothing to load into.
-Where the trained tensors or the optimizer state are sharded across processes (DeepSpeed ZeRO, FSDP) no checkpoint
-is written and a resume is refused: only plain data parallelism holds them whole on the main process.
+order are seeded by the round). Not ``accelerator.save_state``: the Trainer prepares the model and optimizer inside
+each ``train()``, so before the first resumed round the accelerator holds nothing to load into. Under DeepSpeed
+ZeRO or FSDP (tensors or optimizer state sharded) no checkpoint is written and a resume is refused.
 """
 
 from __future__ import annotations
@@ -193,6 +191,7 @@ class QuarkTrainer(Trainer):
         from transformers.trainer_callback import TrainerState
 
         from alpacafarm.data import write_json
+        from alpacafarm.training import rotate_checkpoints
 
         final = Path(out_dir) / f"checkpoint-{round_}"
         partial = final.with_name(f"{final.name}.partial")
@@ -210,12 +209,7 @@ class QuarkTrainer(Trainer):
                          ).save_to_json(str(partial / "trainer_state.json"))
             shutil.rmtree(final, ignore_errors=True)
             partial.rename(final)
-            limit = self.args.save_total_limit
-            if limit and limit >= 1:
-                rounds = sorted(int(p.name.split("-")[1]) for p in Path(out_dir).glob("checkpoint-*")
-                                if p.name.split("-")[1].isdigit())
-                for old in rounds[:-limit]:
-                    shutil.rmtree(Path(out_dir) / f"checkpoint-{old}", ignore_errors=True)
+            rotate_checkpoints(out_dir, self.args.save_total_limit)
         self.accelerator.wait_for_everyone()
         return final
 
