@@ -237,7 +237,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
     Each plugin block is validated here, once, while its YAML positions are known; the config objects are kept
     in the :class:`LoadedRecipe` and handed to ``Registry.create`` when the stage runs.
     """
-    doc = load_with_includes(Path(path))
+    doc = load_with_includes(Path(path), known_keys=frozenset(Recipe.model_fields))
     for text in overrides:
         apply_override(doc, text)
     try:

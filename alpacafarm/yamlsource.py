@@ -176,8 +176,10 @@ def display_path(path: Path) -> str:
         return str(path)
 
 
-def load_with_includes(path: Path, _stack: tuple[Path, ...] = ()) -> SourcedDocument:
-    """Load ``path``; its ``include:`` (a file or list of files, relative to it) are merged underneath it."""
+def load_with_includes(path: Path, _stack: tuple[Path, ...] = (), *,
+                       known_keys: frozenset[str] | None = None) -> SourcedDocument:
+    """Load ``path``; its ``include:`` (a file or list of files, relative to it) are merged underneath it. An
+    included file may only hold ``known_keys`` (the recipe schema's, given by the caller) when they are given."""
     path = Path(path)
     shown = display_path(path)
     if path.is_dir():
@@ -195,10 +197,8 @@ def load_with_includes(path: Path, _stack: tuple[Path, ...] = ()) -> SourcedDocu
     doc = parse_yaml(read_text(path, "recipe", display=shown), shown, quiet=included)
     if not isinstance(doc.data, dict):
         raise RecipeError(f"{shown}:1: a recipe must be a YAML mapping, got {type(doc.data).__name__}")
-    if included:
-        from alpacafarm.recipe import Recipe
-
-        known = {*Recipe.model_fields, "include"}
+    if included and known_keys is not None:  # the recipe schema's keys (the caller's: no import of the schema here)
+        known = {*known_keys, "include"}
         for key in doc.data:
             if key not in known:
                 line = doc.positions[(key,)][1]
@@ -218,7 +218,7 @@ def load_with_includes(path: Path, _stack: tuple[Path, ...] = ()) -> SourcedDocu
             where = doc.positions.get(("include", i)) or doc.positions.get(("include",))
             loc = f"{where[0]}:{where[1]}: " if where else f"{shown}: "
             raise RecipeError(f"{loc}include: file not found: {display_path(target)}")
-        merged = deep_merge(merged, load_with_includes(target, (*_stack, resolved)))
+        merged = deep_merge(merged, load_with_includes(target, (*_stack, resolved), known_keys=known_keys))
     doc.positions = {k: v for k, v in doc.positions.items() if k[:1] != ("include",)}
     return deep_merge(merged, doc)
 
