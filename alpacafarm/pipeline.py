@@ -1,12 +1,6 @@
 """The pipeline runner: a recipe → planned stages → artifacts in a run directory, with skip and resume.
 
-Layout of a run directory::
-
-    recipe.yaml            the resolved recipe (includes merged, overrides applied)
-    run.json               package versions, seed, command history
-    run.log                log of every run in this directory
-    stages/<name>/         one folder per stage: its files and manifest.json
-    error.log              the last failure, if any
+The run directory's layout and checks are in :mod:`alpacafarm.run_directory`.
 
 A stage is skipped when its manifest says ``complete``, its fingerprint (method, plugin version, config,
 seed, model block, annotator, and the identities of its inputs) is unchanged and its recorded output files are
@@ -20,7 +14,6 @@ or moved run directory resumes in its new place. :meth:`Pipeline.plan_run` says 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -28,11 +21,8 @@ import shutil
 import time
 import traceback
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +33,20 @@ from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.paths import make_dir
 from alpacafarm.recipe import LoadedRecipe
 from alpacafarm.registry import Registry
+from alpacafarm.run_directory import (
+    artifact_problem,
+    check_run_directory,
+    manifest_problem,
+    package_versions,
+    run_directory,
+    run_lock,
+)
 from alpacafarm.seeding import stable_seed
 
 BASE_MODEL = "base_model"
 EVALUATION_STAGE = "evaluate"
 #: Requirements that fall back to another provider when no stage provides them.
 FALLBACKS = {"sft_model": BASE_MODEL}
-TRACKED_PACKAGES = ("alpacafarm", "torch", "transformers", "trl", "peft", "accelerate", "datasets", "openai", "pluggy")
 
 logger = logging.getLogger("alpacafarm")
 
@@ -177,102 +174,12 @@ def policy_stages(recipe: Any, planned: list[str], doc: Any) -> list[str]:
     return chosen
 
 
-def package_versions(extra: tuple[str, ...] = ()) -> dict[str, str]:
-    out = {}
-    for name in (*TRACKED_PACKAGES, *extra):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            continue
-    return out
-
-
 def _digest(payload: Any) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-@contextmanager
-def _run_lock(run_dir: Path) -> Iterator[None]:
-    with (run_dir / ".lock").open("w") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UserError(f"another alpacafarm run is using {run_dir}; wait for it or pick --output-dir") from None
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-#: What a run directory may hold before its run.json exists (a run that stopped while setting up).
-_SETUP_FILES = {".lock", "run.log", "error.log"}
-
-
-def check_run_directory(run_dir: Path) -> None:
-    """Refuse a folder that is not a run directory: it must be new, empty, or hold ``run.json`` (so a run never
-    overwrites a ``recipe.yaml`` or anything else it did not write, e.g. ``--output-dir`` given the recipe's own
-    folder)."""
-    if not run_dir.is_dir() or (run_dir / "run.json").exists():
-        return
-    others = sorted(p.name for p in run_dir.iterdir() if p.name not in _SETUP_FILES)
-    if others:
-        shown = ", ".join(others[:3]) + (f" (+{len(others) - 3} more)" if len(others) > 3 else "")
-        raise UserError(f"{run_dir} is not an alpacafarm run directory (no run.json) and holds {shown}; a run "
-                        "writes recipe.yaml, run.json and stages/ there: give --output-dir a new or empty folder")
-
-
-def manifest_problem(manifest: Any) -> str | None:
-    """What makes a stage manifest unusable (its stage then runs again), or None for a usable one (or none)."""
-    if manifest is None:
-        return None
-    if not isinstance(manifest, dict):
-        return f"is a JSON {type(manifest).__name__}, not an object"
-    if manifest.get("status") == "complete" and not isinstance(manifest.get("artifact"), dict):
-        return "says complete but records no artifact"
-    outputs = manifest.get("outputs")
-    if outputs is not None and not (isinstance(outputs, dict) and all(isinstance(v, dict) for v in outputs.values())):
-        return "has a malformed outputs record"
-    return None
-
-
-def artifact_problem(artifact: Artifact, run_dir: Path) -> str | None:
-    """Why a finished stage's artifact cannot be used by the stages after it, or None. A path inside the run
-    directory must exist; a model folder must hold a readable ``config.json`` or ``adapter_config.json``; a
-    ``.json`` or ``.jsonl`` file must parse."""
-    from alpacafarm.method import run_relative
-
-    if artifact.path is None or run_relative(artifact.path, run_dir) is None:
-        return None  # nothing declared here (a hub ID, a path outside the run: the method's responsibility)
-    path = Path(artifact.path)
-    if not path.exists():
-        return f"path {path} does not exist (nothing was written there)"
-    if artifact.kind == "model":
-        configs = [path / name for name in ("config.json", "adapter_config.json") if (path / name).is_file()]
-        if not path.is_dir() or not configs:
-            return f"path {path} is not a model folder (no config.json or adapter_config.json)"
-        files = configs
-    else:
-        files = [path] if path.is_file() and path.suffix in (".json", ".jsonl") else []
-    for file in files:
-        try:
-            text = file.read_text(encoding="utf-8")
-            if file.suffix == ".jsonl":
-                for line in text.splitlines():
-                    if line.strip():
-                        json.loads(line)
-            else:
-                json.loads(text)
-        except (OSError, ValueError) as exc:
-            return f"file {file} does not load ({type(exc).__name__}: {str(exc)[:120]})"
-    return None
-
-
-def run_directory(loaded: LoadedRecipe, output_dir: str | Path | None) -> Path:
-    return Path(output_dir or loaded.recipe.output_dir or Path("runs") / loaded.recipe.name)
 
 
 class Pipeline:
@@ -408,7 +315,7 @@ class Pipeline:
                         make_dir(self.run_dir, "run directory")
                         # The lock first: a run refused because another one holds the directory writes nothing
                         # into it (no run.log line, no error.log).
-                        stack.enter_context(_run_lock(self.run_dir))
+                        stack.enter_context(run_lock(self.run_dir))
                         history = self._read_run_info()
                         handler = logging.FileHandler(self.run_dir / "run.log", encoding="utf-8")
                         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
