@@ -8,8 +8,9 @@ Layout of a run directory::
     stages/<name>/         one folder per stage: its files and manifest.json
     error.log              the last failure, if any
 
-A stage is skipped when its manifest says ``complete``, its fingerprint (method, plugin version, config,
-seed, model block, annotator, and the identities of its inputs) is unchanged and its recorded output files are
+A stage is skipped when its manifest says ``complete``, its fingerprint (method, plugin version, the source code of
+the plugin packages it runs (:mod:`alpacafarm.code_identity`), config, seed, model block, annotator, and the
+identities of its inputs) is unchanged and its recorded output files are
 intact (see :mod:`alpacafarm.manifest`: missing or changed files re-run the stage). Each completed stage gets a
 fresh ``output_id``; downstream fingerprints include it, so re-running a stage (``--force``, changed config,
 lost outputs) re-runs what depends on it. A stage interrupted mid-way is re-run with ``context.resuming = True``
@@ -259,8 +260,20 @@ class Pipeline:
             "method": stage.method, "plugin": stage.plugin, "config": stage.raw_config, "seed": self.recipe.seed,
             "plugin_version": self.registry.plugin_versions.get(stage.plugin),
             "model": self.recipe.model.model_dump(mode="json") if self.recipe.model else None,
-            "inputs": identities, "annotator": self._annotator_identity(stage),
+            "inputs": identities, "annotator": self._annotator_identity(stage), "code": self._code_identity(stage),
         }
+
+    def _code_identity(self, stage: PlannedStage) -> dict[str, str]:
+        """The source hashes of the plugin packages behind the stage's method and (with ``annotator_role``) its
+        judge: code changed without a new version still re-runs the stage."""
+        from alpacafarm.code_identity import code_identity
+
+        classes: list[Any] = [stage.method_cls]
+        role = getattr(stage.method_cls, "annotator_role", None)
+        ref = self.recipe.annotator_for(role) if role is not None else None
+        if ref is not None:
+            classes.append(self.registry.get("annotator", ref.name))
+        return code_identity(*classes)
 
     def _read_manifest(self, stage: PlannedStage) -> dict[str, Any] | None:
         path = self.run_dir / "stages" / stage.name / "manifest.json"

@@ -390,3 +390,39 @@ def test_a_missing_or_bad_baseline_is_a_one_line_user_error(tmp_path: Path):
     assert result.returncode == 2 and "is not an alpacafarm bench baseline" in result.stderr
     result = run_cli("bench", "recipes/bench/best_of_n.yaml", "--baseline", str(bad), "--margin", "0")
     assert result.returncode == 2 and "--margin must be positive" in result.stderr
+
+
+def test_a_method_whose_code_changed_under_the_same_version_re_runs_and_fails(tiny_bench: dict, tmp_path: Path):
+    """The plugin's version is not bumped: only its source changes. The gate must not reuse the old outputs."""
+    import shutil
+
+    site = tmp_path / "site"
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                             "--no-index", "--target", str(site), str(BENCHTEST_PLUGIN)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_bench["root"] / "baseline-run", run_dir)
+    command = ["bench", tiny_bench["recipe"], "--baseline", str(tiny_bench["baseline_file"]), "--output-dir",
+               str(run_dir), "--set", "stages.best_of_n.method=best_of_n_refactored", "--json"]
+    env = {"PYTHONPATH": str(site)}
+    first = run_cli(*command, env=env)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["verdict"] == PASS
+    # The author changes the method to keep the lowest-reward sample, same name, same version 0.1.0.
+    methods = site / "alpacafarm_benchtest" / "methods.py"
+    source = methods.read_text(encoding="utf-8")
+    assert "class RefactoredBestOfN(BestOfN):" in source
+    methods.write_text(source.replace("class RefactoredBestOfN(BestOfN):", "class RefactoredBestOfN(WorstOfN):"),
+                       encoding="utf-8")
+    second = run_cli(*command, env=env)
+    assert second.returncode == 1, second.stderr
+    assert "best_of_n (best_of_n_refactored) — fingerprint changed: code" in second.stderr
+    assert "split: unchanged, skipped" in second.stderr  # the stages whose code did not change are reused
+    report = json.loads(second.stdout)
+    assert report["verdict"] == FAIL and by_system(report)["best_of_4"]["verdict"] == FAIL
+    # --force re-runs every stage, the unchanged ones too
+    forced = run_cli(*command, "--force", env=env)
+    assert forced.returncode == 1, forced.stderr
+    assert "split (split_instructions) — forced (--force)" in forced.stderr
+    assert "unchanged, skipped" not in forced.stderr

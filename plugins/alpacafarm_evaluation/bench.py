@@ -1,8 +1,9 @@
 """``alpacafarm bench RECIPE --baseline FILE``: the CI gate that blocks a change whose win-rate regresses.
 
 It runs a benchmark recipe through the normal pipeline (fixed seeds, data and judge; finished stages are skipped,
-as with ``alpacafarm run``), reads every evaluated system's per-instruction outcomes, and compares each system with
-the committed baseline file on the same instructions (:mod:`alpacafarm_evaluation.gate_stats`: a one-sided paired
+as with ``alpacafarm run``: a stage re-runs when its method's or judge's code changed, even under the same plugin
+version; ``--force`` re-runs them all), reads every evaluated system's per-instruction outcomes, and compares
+each system with the committed baseline file on the same instructions (:mod:`alpacafarm_evaluation.gate_stats`: a one-sided paired
 non-inferiority test of the win-rate against the reference). Identical outputs (same hashes on every instruction)
 pass at once.
 
@@ -79,9 +80,9 @@ def judged_records(run_dir: Path, artifact: Any) -> dict[str, list[dict[str, Any
 
 
 def run_benchmark(recipe: str, overrides: list[str], output_dir: str | None,
-                  probe: list[dict[str, Any]] | None = None) -> BenchRun:
+                  probe: list[dict[str, Any]] | None = None, force: bool = False) -> BenchRun:
     """Run the recipe's pipeline, then read outcomes and fingerprints. ``probe``: the baseline's judge probe
-    (re-judged now); None picks a new one from this run's judged pairs."""
+    (re-judged now); None picks a new one from this run's judged pairs. ``force`` re-runs every stage."""
     from alpacafarm.pipeline import Pipeline, package_versions
     from alpacafarm.plugins import get_registry
     from alpacafarm.recipe import load_recipe
@@ -94,7 +95,7 @@ def run_benchmark(recipe: str, overrides: list[str], output_dir: str | None,
     run_dir = Path(output_dir) if output_dir else Path("runs") / "bench" / loaded.recipe.name
     started = time.perf_counter()
     pipeline = Pipeline(loaded, registry, run_dir)
-    outcomes = {o.name: o for o in pipeline.run()}
+    outcomes = {o.name: o for o in pipeline.run(force=("all",) if force else ())}
     records = judged_records(pipeline.run_dir, outcomes[EVALUATION_STAGE].artifact)
     probe = pick_probe(records) if probe is None else probe
     judge = {**judge, "probe_labels": judge_probe(loaded, registry, probe)}
@@ -236,6 +237,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a recipe value, e.g. --set stages.best_of_n.method=my_best_of_n")
     parser.add_argument("--output-dir", help="run directory (default: runs/bench/<recipe name>)")
+    parser.add_argument("--force", action="store_true",
+                        help="re-run every stage (finished stages are otherwise reused when their fingerprint, "
+                             "which covers the plugins' source code, is unchanged)")
     parser.add_argument("--margin", type=float, help=f"non-inferiority margin in win-rate points (default: the "
                         f"baseline's, else {DEFAULT_MARGIN:g})")
     parser.add_argument("--alpha", type=float, help=f"the gate's level (default: the baseline's, else "
@@ -284,7 +288,7 @@ def main(argv: list[str]) -> int:
     route_library_output(verbose=args.verbose)
     try:
         run = run_benchmark(args.recipe, args.overrides, args.output_dir,
-                            probe=None if baseline is None else baseline["judge_probe"])
+                            probe=None if baseline is None else baseline["judge_probe"], force=args.force)
     except (UserError, OSError, KeyboardInterrupt):
         raise  # one line, exit 2 (or 130), as for every command
     except Exception as exc:  # a crash is no verdict: loud, and never mistaken for FAIL (exit 1)
