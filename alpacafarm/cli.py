@@ -1,6 +1,6 @@
 """The ``alpacafarm`` command line.
 
-Core commands: ``run``, ``plugins``, ``recipe check``. Plugins add more through ``register_commands``.
+Core commands: ``run``, ``plugins``, ``recipe check``, ``plugin new``. Plugins add more through ``register_commands``.
 User errors (bad recipe, unknown name, missing file or package) print one line and exit 2; ``--debug`` adds
 the traceback. Importing this module must stay cheap: no torch, trl or pydantic before a command needs them.
 """
@@ -53,6 +53,14 @@ def build_parser(plugin_commands: dict[str, str]) -> argparse.ArgumentParser:
     recipe_commands = recipe.add_subparsers(dest="recipe_command", metavar="SUBCOMMAND", required=True)
     recipe_check = recipe_commands.add_parser("check", help="validate a recipe without running it")
     _add_recipe_args(recipe_check)
+
+    plugin = commands.add_parser("plugin", help="write a new plugin repository")
+    plugin_commands_parser = plugin.add_subparsers(dest="plugin_command", metavar="SUBCOMMAND", required=True)
+    plugin_new = plugin_commands_parser.add_parser(
+        "new", help="scaffold a plugin: a method built from alpacafarm.kit, its test, a benchmark recipe and the "
+                    "CI gate workflow")
+    plugin_new.add_argument("name", help="the plugin's distribution name, e.g. my-rerank (package my_rerank)")
+    plugin_new.add_argument("--dir", default=".", help="where to create the folder NAME (default: here)")
 
     for name, description in sorted(plugin_commands.items()):
         # listed for --help only: main() hands a plugin command its arguments before argparse sees them
@@ -139,6 +147,14 @@ def cmd_recipe_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plugin_new(args: argparse.Namespace) -> int:
+    from alpacafarm.scaffold import new_plugin
+
+    root = new_plugin(args.name, args.dir)
+    print(f"plugin written: {root} (cd {root} && pip install -e '.[test]' && pytest; README.md says what is next)")
+    return 0
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     from alpacafarm.plugins import get_plugins
 
@@ -213,6 +229,8 @@ def _main(argv: Sequence[str] | None) -> int:
             return cmd_run(args)
         if args.command == "plugins":
             return cmd_plugins(args)
+        if args.command == "plugin":
+            return cmd_plugin_new(args)
         return cmd_recipe_check(args)
     except UserError as exc:
         return _report_error(exc, exc, debug)

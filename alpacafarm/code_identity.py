@@ -62,3 +62,14 @@ def package_digest(package: str) -> str:
 def code_identity(*objects: Any) -> dict[str, str]:
     """``{package: digest}`` of the code behind ``objects`` (classes or instances): see the module docstring."""
     return {package: package_digest(package) for package in code_packages(*objects)}
+
+
+def stage_code_identity(method_cls: type, recipe: Any, registry: Any) -> dict[str, str]:
+    """The code behind a stage: its method class and, when it has an ``annotator_role``, the recipe's judge for it
+    (a judge whose code changed re-labels, so the stage re-runs)."""
+    classes: list[Any] = [method_cls]
+    role = getattr(method_cls, "annotator_role", None)
+    ref = recipe.annotator_for(role) if role is not None else None
+    if ref is not None:
+        classes.append(registry.get("annotator", ref.name))
+    return code_identity(*classes)

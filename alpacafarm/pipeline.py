@@ -37,6 +37,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from alpacafarm.code_identity import stage_code_identity
 from alpacafarm.data import source_fingerprint, write_json
 from alpacafarm.errors import UserError, did_you_mean
 from alpacafarm.manifest import MANIFEST_FORMAT, check_outputs, record_outputs
@@ -260,20 +261,9 @@ class Pipeline:
             "method": stage.method, "plugin": stage.plugin, "config": stage.raw_config, "seed": self.recipe.seed,
             "plugin_version": self.registry.plugin_versions.get(stage.plugin),
             "model": self.recipe.model.model_dump(mode="json") if self.recipe.model else None,
-            "inputs": identities, "annotator": self._annotator_identity(stage), "code": self._code_identity(stage),
+            "inputs": identities, "annotator": self._annotator_identity(stage),
+            "code": stage_code_identity(stage.method_cls, self.recipe, self.registry),
         }
-
-    def _code_identity(self, stage: PlannedStage) -> dict[str, str]:
-        """The source hashes of the plugin packages behind the stage's method and (with ``annotator_role``) its
-        judge: code changed without a new version still re-runs the stage."""
-        from alpacafarm.code_identity import code_identity
-
-        classes: list[Any] = [stage.method_cls]
-        role = getattr(stage.method_cls, "annotator_role", None)
-        ref = self.recipe.annotator_for(role) if role is not None else None
-        if ref is not None:
-            classes.append(self.registry.get("annotator", ref.name))
-        return code_identity(*classes)
 
     def _read_manifest(self, stage: PlannedStage) -> dict[str, Any] | None:
         path = self.run_dir / "stages" / stage.name / "manifest.json"

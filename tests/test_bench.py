@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,28 @@ def test_verdicts_follow_the_documented_rules():
     assert EXIT_CODES == {PASS: 0, FAIL: 1, INCONCLUSIVE: 3, STALE: 4}
     assert family_alpha(0.05, 2) == 0.025 and family_alpha(0.05, 0) == 0.05
     assert paired_differences({"a": 1.0, "b": 0.5, "c": 0.0}, {"b": 1.0, "a": 1.0, "x": 0.0}) == [-50.0, 0.0]
+
+
+def test_the_baseline_power_estimate_follows_the_formula_and_finds_the_instructions_needed():
+    from scipy import stats
+
+    from alpacafarm_evaluation.gate_stats import baseline_power
+
+    a = {f"i{k}": [1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.0, 0.25][k % 8] for k in range(64)}
+    b = {k: min(1.0, v + (0.25 if int(k[1:]) % 3 == 0 else 0.0)) for k, v in a.items()}
+    rho = stats.pearsonr([a[k] for k in a], [b[k] for k in a]).statistic
+    first, second = baseline_power({"a": a, "b": b}, margin=5.0, alpha=0.05, power=0.8)
+    assert first.system == "a" and math.isclose(first.correlation, rho, rel_tol=1e-9)
+    sd = math.sqrt(2 * (1 - rho)) * stats.tstd([100 * v for v in a.values()])
+    expected = (stats.t.ppf(1 - 0.025, 63) + stats.norm.ppf(0.8)) * sd / 8  # alpha shared by two systems
+    assert math.isclose(first.mde, expected, rel_tol=1e-9)
+    n = first.needed
+    mde_at = lambda m: (stats.t.ppf(1 - 0.025, m - 1) + stats.norm.ppf(0.8)) * sd / math.sqrt(m)  # noqa: E731
+    assert first.underpowered == (first.mde > 5.0) and mde_at(n) <= 5.0 < mde_at(n - 1)
+    # one system: no other system to estimate the correlation from, so the upper bound rho = 0
+    (alone,) = baseline_power({"a": a}, margin=5.0)
+    assert alone.correlation == 0.0 and alone.mde > first.mde and alone.needed > n
+    assert second.system == "b"
 
 
 @pytest.mark.parametrize("kwargs,message", [({"margin": 0.0}, "margin must be positive"),
@@ -359,12 +382,25 @@ def test_the_command_exits_4_on_a_stale_baseline_and_update_baseline_writes_a_ne
     assert stale.returncode == 4, stale.stderr
     assert "stale: judge changed" in stale.stderr and "STALE" in stale.stderr
     baseline = tmp_path / "baselines" / "tiny.json"  # a new file in a new folder
+    # The tiny benchmark cannot see a 7.5-point regression (its MDE is ~17): refused, one line, nothing written
+    refused = run_cli("bench", tiny_bench["recipe"], "--baseline", str(baseline), "--update-baseline",
+                      "--output-dir", run_dir, "--margin", "7.5", *sets, env=env)
+    assert refused.returncode == 2, refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: bench: baseline not written: best_of_") and "above the margin 7.5" in last, last
+    assert re.search(r"\(96 instructions; about \d+ instructions would do\)", last), last
+    assert re.search(r"best_of_4: estimated MDE \d+\.\d points on 96 instructions \(margin 7.5; about \d+ needed",
+                     refused.stderr), refused.stderr
+    assert not baseline.exists()
     result = run_cli("bench", tiny_bench["recipe"], "--baseline", str(baseline), "--update-baseline",
-                     "--output-dir", run_dir, "--margin", "7.5", *sets, env=env)
+                     "--output-dir", run_dir, "--margin", "7.5", "--allow-underpowered", *sets, env=env)
     assert result.returncode == 0, result.stderr
     assert f"baseline written: {baseline}" in result.stderr
     written = json.loads(baseline.read_text(encoding="utf-8"))
     assert written["gate"]["margin"] == 7.5 and set(written["systems"]) == {"best_of_1", "best_of_4"}
+    estimate = {e["system"]: e for e in written["power_estimate"]}
+    assert estimate["best_of_4"]["underpowered"] and estimate["best_of_4"]["needed"] > 96
+    assert estimate["best_of_4"]["mde"] > 7.5
     assert written["judge"]["annotator"]["config"]["model"] == tiny_bench["reward_dirs"][1]
     assert written["fingerprints"]["data"] == tiny_bench["baseline"]["fingerprints"]["data"]
     # a crash is no verdict: exit 5 with the traceback, never 1 (FAIL)
