@@ -156,9 +156,10 @@ def cmd_plugin_new(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from alpacafarm.plugins import get_plugins
+    from alpacafarm.plugins import load_plugins, report_failures
 
-    loaded = get_plugins()
+    loaded = load_plugins()  # not get_plugins: the listing shows a clash before the command stops on it
+    report_failures(loaded)
     registers = loaded.registry.by_plugin()
     descriptions: dict[str, dict[str, dict[str, str]]] = {}
     for kind in loaded.registry.kinds():
@@ -166,22 +167,31 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             descriptions.setdefault(entry.plugin, {}).setdefault(kind, {})[entry.name] = entry.description
     rows = [
         {"name": p.name, "distribution": p.distribution, "version": p.version, "module": p.module,
-         "builtin": p.builtin, "error": p.error, "disabled": p.disabled, "registers": registers.get(p.name, {}),
+         "builtin": p.builtin, "error": p.error, "clash": p.clash, "registers": registers.get(p.name, {}),
          "descriptions": descriptions.get(p.name, {})}
         for p in loaded.plugins
     ]
     if args.json:
         print(json.dumps({"plugins": rows}, indent=2))
-        return 0
+        return _stop_on_clash(loaded)
     from alpacafarm.console import print_table
 
     table_rows = []
     for row in rows:
         what = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in sorted(row["registers"].items()))
-        failed = f"{'DISABLED' if row['disabled'] else 'FAILED'}: {row['error']}"
+        failed = f"{'CLASH' if row['clash'] else 'FAILED'}: {row['error']}"
         status = failed if row["error"] else ("built-in" if row["builtin"] else "")
         table_rows.append([row["name"], row["distribution"], row["version"], what or "-", status])
     print_table("alpacafarm plugins", ["plugin", "distribution", "version", "registers", "status"], table_rows)
+    return _stop_on_clash(loaded)
+
+
+def _stop_on_clash(loaded: object) -> int:
+    from alpacafarm.plugins import clash_error
+
+    clash = clash_error(loaded)
+    if clash is not None:
+        raise clash
     return 0
 
 
@@ -211,10 +221,12 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         from alpacafarm.plugins import get_registry
 
-        registry = get_registry()
-        plugin_commands = {e.name: e.description for e in registry.entries("command")}
         rest = [a for a in argv if a != "--debug"]
-        if rest and rest[0] in plugin_commands:  # plugin commands parse their own arguments, --help included
+        # ``plugins`` lists what is installed even when two plugins clash (it then stops on the clash itself)
+        registry = get_registry() if rest[:1] != ["plugins"] else None
+        plugin_commands = {e.name: e.description for e in registry.entries("command")} if registry else {}
+        # plugin commands parse their own arguments, --help included
+        if registry is not None and rest and rest[0] in plugin_commands:
             own = rest[1:]
             if own[:1] == ["--"]:  # ``alpacafarm compare -- --agreement ...``: the separator is not theirs
                 own = own[1:]

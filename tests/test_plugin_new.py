@@ -244,10 +244,11 @@ def test_the_plugin_workflow_template_installs_and_gates_a_scaffolded_plugin(tmp
     assert run.env["ON_INCONCLUSIVE"] == "fail" and run.env["BASELINE"] == "benchmarks/baseline.json"
     install, gate, comment, verdict = run.run()
     assert install["rc"] == 0, install["stderr"][-3000:]
-    assert re.search(r"my_rerank\s+│\s+my-rerank\s+│\s+0\.1\.0", install["stdout"]), install["stdout"]
+    listing = install["stdout"] + install["stderr"]  # the table goes where the console writes
+    assert re.search(r"my_rerank\s+│\s+my-rerank\s+│\s+0\.1\.0", listing), listing[-3000:]
     # alpacafarm came from the checkout, not from this environment
     where = subprocess.run([str(repo / ".venv/bin/python"), "-c", "import alpacafarm; print(alpacafarm.__file__)"],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, cwd=tmp_path)
     assert where.stdout.strip().startswith(str(repo / ".venv")), where
     assert gate["rc"] == 0 and run.outputs["gate"]["code"] == "0", gate["stderr"][-3000:]
     assert (repo / "gate.md").read_text(encoding="utf-8").startswith("## ✅ alpacafarm bench: PASS")
@@ -282,7 +283,7 @@ def test_this_repositorys_gate_workflow_installs_the_extras_it_needs_and_gates(t
     # the recipe's openvino backend needs the fast-cpu extra: the workflow installs it, pinned
     assert "fast-cpu" in REPO_WORKFLOW.read_text(encoding="utf-8")
     importable = subprocess.run([str(repo / ".venv/bin/python"), "-c", "import openvino_genai, alpacafarm; "
-                                 "print(alpacafarm.__file__)"], capture_output=True, text=True)
+                                 "print(alpacafarm.__file__)"], capture_output=True, text=True, cwd=tmp_path)
     assert importable.returncode == 0 and importable.stdout.strip().startswith(str(repo)), importable
     assert gate["rc"] == 0 and run.outputs["gate"]["code"] == "0", gate["stderr"][-3000:]
     assert verdict["rc"] == 0
