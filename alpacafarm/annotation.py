@@ -16,7 +16,8 @@ Failing loudly: every annotation has an ``outcome`` (labelled, tie, unparsed, fa
 :class:`~alpacafarm.types.Annotation`). :func:`summarize` counts them and names the first failure and its
 endpoint; :func:`check_unlabelled` is the tolerance a pipeline stage applies (``max_unlabelled_fraction``): more
 pairs without a label (failed or unparsed; a tie is a label) than the tolerance raise :class:`AnnotationFailed`,
-one line, exit status 1, so the stage is never recorded complete and a re-run asks only for what is missing.
+one line, exit status 1, so the stage is never recorded complete and a re-run asks only for what is missing
+(failed pairs; unparsed pairs up to the judge's ``reask_unparsed`` more times, after which they stay unparsed).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def check_unlabelled(annotations: Sequence[Annotation], max_fraction: float, wha
         raise AnnotationFailed(
             f"{what}: {summary.unlabelled} of {summary.n} pairs have no label ({summary.failed} failed, "
             f"{summary.unparsed} unparsed; tolerance max_unlabelled_fraction={max_fraction:g}); {summary.cause()}; "
-            "the answers received are cached: re-run to ask only for the missing pairs")
+            f"the answers received are cached: a re-run asks only for the missing pairs (failed pairs are asked "
+            f"again; unparsed ones again up to the judge's reask_unparsed times, then they stay unparsed)")
     return summary
 
 

@@ -3,7 +3,9 @@
 - ``annotations``: content-addressed answers (key = hash of the annotator's fingerprint, the pair as sent and, for
   a repeated annotation, its replicate index: replicate k > 0 is a label of its own, requested and paid once).
   A row holds a label (1, 2, a tie 0) or, with ``outcome = 'unparsed'``, a pair whose *own* answers (asked alone,
-  then asked again) could not be read: a paid answer of this judge, served as unparsed and not bought again.
+  then asked again) could not be read, and ``unparsed_asks``, how many calls gave it up so. A caller that passes
+  ``reask_unparsed=R`` is served such a row only once ``unparsed_asks > R`` (it asks again, and pays again, up to
+  R later times: a transient failure heals, an unreadable judge does not cost forever).
   Failures (transport, HTTP) are never stored, and neither is a batch's unreadable answer: its pairs are asked
   again one by one. A row with no label and no outcome (written before outcomes existed, when an unreadable batch
   took its neighbours with it) is not served: those pairs are asked again and the row is replaced.
@@ -20,8 +22,14 @@
   is older than ``stale_after_s`` (another host, a reused pid); a dead claim is taken over. Answers delete their
   claims in the transaction that stores them; a failed request releases its claims at once.
 
+- Before each request an owner re-checks its claims (:meth:`AnnotationCache.renew`, one transaction that also
+  refreshes their heartbeat): a process that was paused (Ctrl-Z, a sleeping laptop) past ``stale_after_s`` and
+  lost its claims to another process learns it there and waits for that process's answers instead of paying.
+
 WAL mode and a busy timeout make concurrent writers (several processes annotating at once) safe. No secret is
-ever written here: the annotator fingerprint holds the model and prompt, never the endpoint's key.
+ever written here: the annotator fingerprint holds the model and prompt, never the endpoint's key. SQLite's
+refusals (a corrupt or foreign file, a folder in its place, read-only, locked, full) are a :class:`CacheError`:
+one line naming the file.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from alpacafarm.errors import UserError
 from alpacafarm.paths import cache_dir
 from alpacafarm.types import Annotation, Pair
 
@@ -60,9 +69,44 @@ CREATE TABLE IF NOT EXISTS claims (
 CREATE INDEX IF NOT EXISTS claims_by_owner ON claims (owner);
 """
 #: Columns added since the first release (caches written before them are migrated in place).
-ADDED_COLUMNS = {"annotations": {"outcome": "TEXT"}, "requests": {"keys": "TEXT", "run": "TEXT"}}
+ADDED_COLUMNS = {"annotations": {"outcome": "TEXT", "unparsed_asks": "INTEGER"},
+                 "requests": {"keys": "TEXT", "run": "TEXT"}}
 #: Served from the cache: a label, a tie, or a pair given up alone (never a legacy NULL of a poisoned batch).
 SERVABLE = "(preference IS NOT NULL OR outcome = 'unparsed')"
+
+
+def servable(reask_unparsed: int | None) -> str:
+    """The SQL condition of a row served from the cache: :data:`SERVABLE`; with ``reask_unparsed`` R, a pair given
+    up as unparsed only once R later calls asked again (rows from before the count existed count once)."""
+    if reask_unparsed is None:
+        return SERVABLE
+    return (f"(preference IS NOT NULL OR (outcome = 'unparsed' AND COALESCE(unparsed_asks, 1) > "
+            f"{int(reask_unparsed)}))")
+
+
+class CacheError(UserError):
+    """The annotation cache file cannot be used (corrupt, not a database, a folder, read-only, locked, full)."""
+
+
+def _cache_error(exc: sqlite3.Error, path: Path, action: str) -> CacheError:
+    """One line naming the cache file and what SQLite refused, with what to do about it."""
+    text = str(exc)
+    lowered = text.lower()
+    if "not a database" in lowered or "malformed" in lowered or "file is encrypted" in lowered:
+        hint = "it is not an intact SQLite database (truncated or another file): move it away to start a new cache"
+    elif "unable to open" in lowered:
+        hint = ("cannot open it (a folder in its place, or its folder is missing or not writable); "
+                f"check the path or set ${'ALPACAFARM_CACHE_DIR'}")
+    elif "readonly" in lowered or "read-only" in lowered:
+        hint = "it is read-only: make it (and its folder) writable or set $ALPACAFARM_CACHE_DIR"
+    elif "locked" in lowered or "busy" in lowered:
+        hint = "another program holds a lock on it; close that program and retry"
+    elif "full" in lowered or "disk i/o" in lowered:
+        hint = "the disk refused the write (full, a file-size limit, or failing): free some space"
+    else:
+        hint = "the file is unusable"
+    return CacheError(f"annotation cache {path}: cannot {action}: {text} ({hint})")
+
 HOST = socket.gethostname()
 #: A claim whose heartbeat is older than this is dead even if its pid seems alive (another host, a reused pid).
 DEFAULT_STALE_AFTER_S = 120.0
@@ -140,19 +184,33 @@ class AnnotationCache:
 
     def __init__(self, path: str | Path | None = None) -> None:
         self.path = Path(path) if path else cache_dir() / "annotations.sqlite"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        from alpacafarm.paths import make_dir
+
+        make_dir(self.path.parent, "annotation cache directory")
         self._local = threading.local()
-        db = self._connect()
-        db.executescript(SCHEMA)
-        self._migrate(db)
+        with self.errors("open"):
+            db = self._connect()
+            db.executescript(SCHEMA)
+            self._migrate(db)
+
+    def errors(self, action: str) -> _Errors:
+        """A context in which SQLite's refusals become a :class:`CacheError` naming this file and ``action``."""
+        return _Errors(self.path, action)
 
     def _connect(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
         if db is None:
+            if self.path.is_dir():  # sqlite would say only "unable to open database file"
+                raise CacheError(f"annotation cache {self.path}: is a directory, not a file; move it away or set "
+                                 "$ALPACAFARM_CACHE_DIR")
             db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.execute("PRAGMA busy_timeout=60000")
+            try:
+                db.execute("PRAGMA busy_timeout=60000")
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+            except BaseException:
+                db.close()
+                raise
             self._local.db = db
         return db
 
@@ -171,18 +229,21 @@ class AnnotationCache:
     def _transaction(self) -> _Transaction:
         return _Transaction(self._connect())
 
-    def get_many(self, keys: Sequence[str]) -> dict[str, Annotation]:
-        """Cached answers for the keys that have one (labels, ties, pairs given up as unparsed)."""
-        found: dict[str, Annotation] = {}
-        db = self._connect()
-        for chunk in _chunks(keys):
-            rows = db.execute(
-                f"SELECT key, annotator, preference, raw_completion, tokens_in, tokens_out, price_usd, latency_s, "
-                f"outcome FROM annotations WHERE key IN ({_marks(chunk)}) AND {SERVABLE}", chunk).fetchall()
-            for key, annotator, preference, raw, t_in, t_out, price, latency, outcome in rows:
-                found[key] = Annotation(preference, annotator, raw, t_in, t_out, price, latency, cached=True,
-                                        outcome=outcome or None)
-        return found
+    def get_many(self, keys: Sequence[str], reask_unparsed: int | None = None) -> dict[str, Annotation]:
+        """Cached answers for the keys that have one (labels, ties, pairs given up as unparsed; with
+        ``reask_unparsed``, see :func:`servable`)."""
+        with self.errors("read"):
+            found: dict[str, Annotation] = {}
+            db = self._connect()
+            for chunk in _chunks(keys):
+                rows = db.execute(
+                    f"SELECT key, annotator, preference, raw_completion, tokens_in, tokens_out, price_usd, latency_s, "
+                    f"outcome FROM annotations WHERE key IN ({_marks(chunk)}) AND {servable(reask_unparsed)}",
+                    chunk).fetchall()
+                for key, annotator, preference, raw, t_in, t_out, price, latency, outcome in rows:
+                    found[key] = Annotation(preference, annotator, raw, t_in, t_out, price, latency, cached=True,
+                                            outcome=outcome or None)
+            return found
 
     def record_batch(self, annotator: str, model: str, entries: Iterable[tuple[str, Annotation]], *,
                      tokens_in: int, tokens_out: int, price_usd: float, latency_s: float, attempts: int,
@@ -193,102 +254,154 @@ class AnnotationCache:
         ``keys`` are the pairs the request was for (default: the entries' keys; a batch whose answer did not
         parse stores no entry but names its keys); ``owner``'s claims on the entries are released with them.
         Failed annotations are never stored."""
-        request_id = uuid.uuid4().hex
-        now = time.time()
-        entries = [(key, a) for key, a in entries if a.outcome != "failed"]
-        keys = list(keys) if keys is not None else [key for key, _ in entries]
-        with self._transaction() as db:
-            db.execute("INSERT INTO requests (id, annotator, model, n_pairs, tokens_in, tokens_out, price_usd, "
-                       "latency_s, attempts, parsed, created, keys, run) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                       (request_id, annotator, model, len(keys), tokens_in, tokens_out, price_usd, latency_s,
-                        attempts, int(parsed), now, json.dumps(keys), run))
-            db.executemany(
-                "INSERT OR REPLACE INTO annotations (key, annotator, preference, raw_completion, tokens_in, "
-                "tokens_out, price_usd, latency_s, request_id, created, outcome) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                [(key, a.annotator, a.preference, a.raw_completion, a.tokens_in, a.tokens_out, a.price_usd,
-                  a.latency_s, request_id, now, a.outcome) for key, a in entries])
-            if owner is not None and entries:
-                db.executemany("DELETE FROM claims WHERE key = ? AND owner = ?", [(key, owner) for key, _ in entries])
-        return request_id
+        with self.errors("store answers in"):
+            request_id = uuid.uuid4().hex
+            now = time.time()
+            entries = [(key, a) for key, a in entries if a.outcome != "failed"]
+            keys = list(keys) if keys is not None else [key for key, _ in entries]
+            with self._transaction() as db:
+                db.execute("INSERT INTO requests (id, annotator, model, n_pairs, tokens_in, tokens_out, price_usd, "
+                           "latency_s, attempts, parsed, created, keys, run) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                           (request_id, annotator, model, len(keys), tokens_in, tokens_out, price_usd, latency_s,
+                            attempts, int(parsed), now, json.dumps(keys), run))
+                # a pair given up as unparsed once more: one more than the row it replaces (legacy rows: 1)
+                db.executemany(
+                    "INSERT OR REPLACE INTO annotations (key, annotator, preference, raw_completion, tokens_in, "
+                    "tokens_out, price_usd, latency_s, request_id, created, outcome, unparsed_asks) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?, CASE WHEN ? = 'unparsed' THEN 1 + COALESCE((SELECT "
+                    "CASE WHEN outcome = 'unparsed' THEN COALESCE(unparsed_asks, 1) ELSE 0 END FROM annotations "
+                    "WHERE key = ?), 0) END)",
+                    [(key, a.annotator, a.preference, a.raw_completion, a.tokens_in, a.tokens_out, a.price_usd,
+                      a.latency_s, request_id, now, a.outcome, a.outcome, key) for key, a in entries])
+                if owner is not None and entries:
+                    db.executemany("DELETE FROM claims WHERE key = ? AND owner = ?",
+                                   [(key, owner) for key, _ in entries])
+            return request_id
 
     # ------------------------------------------------------------------------------------------------ claims
-    def claim(self, keys: Sequence[str], owner: str, *, stale_after_s: float = DEFAULT_STALE_AFTER_S) -> ClaimResult:
+    def claim(self, keys: Sequence[str], owner: str, *, stale_after_s: float = DEFAULT_STALE_AFTER_S,
+              reask_unparsed: int | None = None) -> ClaimResult:
         """Claim ``keys`` for ``owner`` (this process) in one transaction; see the module for the protocol."""
-        result = ClaimResult()
+        with self.errors("claim pairs in"):
+            result = ClaimResult()
+            now = time.time()
+            pid = os.getpid()
+            with self._transaction() as db:
+                for chunk in _chunks(keys):
+                    marks = _marks(chunk)
+                    done = {row[0] for row in db.execute(
+                        f"SELECT key FROM annotations WHERE key IN ({marks}) AND {servable(reask_unparsed)}", chunk)}
+                    held = {row[0]: row[1:] for row in db.execute(
+                        f"SELECT key, owner, pid, host, heartbeat FROM claims WHERE key IN ({marks})", chunk)}
+                    take = []
+                    for key in chunk:
+                        if key in done:
+                            result.done.append(key)
+                            continue
+                        if key in held:
+                            other, other_pid, other_host, heartbeat = held[key]
+                            if other != owner and claim_alive(other_pid, other_host, heartbeat, now, stale_after_s):
+                                result.busy[key] = f"pid {other_pid} on {other_host}"
+                                continue
+                            result.taken_over += other != owner
+                        take.append((key, owner, pid, HOST, now, now))
+                        result.mine.append(key)
+                    db.executemany("INSERT OR REPLACE INTO claims VALUES (?,?,?,?,?,?)", take)
+            return result
+
+    def renew(self, keys: Sequence[str], owner: str, *, reask_unparsed: int | None = None) -> dict[str, str]:
+        """Right before paying for ``keys``: refresh ``owner``'s claims on them in one transaction and return those
+        that are no longer ``owner``'s, ``{key: who}`` (``"answered"`` or the other owner). A key whose claim was
+        released and that nobody answered is claimed again. After this, no other process can take the claims for
+        ``stale_after_s`` seconds, so the request that follows is paid once."""
+        lost: dict[str, str] = {}
         now = time.time()
-        pid = os.getpid()
-        with self._transaction() as db:
+        with self.errors("renew claims in"), self._transaction() as db:
             for chunk in _chunks(keys):
                 marks = _marks(chunk)
                 done = {row[0] for row in db.execute(
-                    f"SELECT key FROM annotations WHERE key IN ({marks}) AND {SERVABLE}", chunk)}
+                    f"SELECT key FROM annotations WHERE key IN ({marks}) AND {servable(reask_unparsed)}", chunk)}
                 held = {row[0]: row[1:] for row in db.execute(
-                    f"SELECT key, owner, pid, host, heartbeat FROM claims WHERE key IN ({marks})", chunk)}
-                take = []
+                    f"SELECT key, owner, pid, host FROM claims WHERE key IN ({marks})", chunk)}
                 for key in chunk:
                     if key in done:
-                        result.done.append(key)
-                        continue
-                    if key in held:
-                        other, other_pid, other_host, heartbeat = held[key]
-                        if other != owner and claim_alive(other_pid, other_host, heartbeat, now, stale_after_s):
-                            result.busy[key] = f"pid {other_pid} on {other_host}"
-                            continue
-                        result.taken_over += other != owner
-                    take.append((key, owner, pid, HOST, now, now))
-                    result.mine.append(key)
-                db.executemany("INSERT OR REPLACE INTO claims VALUES (?,?,?,?,?,?)", take)
-        return result
+                        lost[key] = "answered"
+                    elif key in held and held[key][0] != owner:
+                        lost[key] = f"pid {held[key][1]} on {held[key][2]}"
+                mine = [key for key in chunk if key not in lost]
+                db.executemany("INSERT OR REPLACE INTO claims VALUES (?,?,?,?,?,?)",
+                               [(key, owner, os.getpid(), HOST, now, now) for key in mine])
+        return lost
 
     def heartbeat(self, owner: str) -> None:
         """Keep ``owner``'s claims alive."""
-        self._connect().execute("UPDATE claims SET heartbeat = ? WHERE owner = ?", (time.time(), owner))
+        with self.errors("refresh claims in"):
+            self._connect().execute("UPDATE claims SET heartbeat = ? WHERE owner = ?", (time.time(), owner))
 
     def release(self, owner: str, keys: Sequence[str] | None = None) -> None:
         """Give up ``owner``'s claims on ``keys`` (all of them without ``keys``): others may then pay for them."""
-        db = self._connect()
-        if keys is None:
-            db.execute("DELETE FROM claims WHERE owner = ?", (owner,))
-            return
-        for chunk in _chunks(keys):
-            db.execute(f"DELETE FROM claims WHERE owner = ? AND key IN ({_marks(chunk)})", [owner, *chunk])
+        with self.errors("release claims in"):
+            db = self._connect()
+            if keys is None:
+                db.execute("DELETE FROM claims WHERE owner = ?", (owner,))
+                return
+            for chunk in _chunks(keys):
+                db.execute(f"DELETE FROM claims WHERE owner = ? AND key IN ({_marks(chunk)})", [owner, *chunk])
 
     def claims(self) -> list[dict[str, Any]]:
         """Every claim held now (for inspection and tests)."""
-        rows = self._connect().execute("SELECT key, owner, pid, host, claimed, heartbeat FROM claims").fetchall()
-        return [dict(zip(("key", "owner", "pid", "host", "claimed", "heartbeat"), row, strict=True)) for row in rows]
+        with self.errors("read claims of"):
+            rows = self._connect().execute("SELECT key, owner, pid, host, claimed, heartbeat FROM claims").fetchall()
+            names = ("key", "owner", "pid", "host", "claimed", "heartbeat")
+            return [dict(zip(names, row, strict=True)) for row in rows]
 
     # ------------------------------------------------------------------------------------------------ ledger
     def ledger(self, annotator: str | None = None, since: float | None = None, run: str | None = None) -> LedgerTotals:
         """Totals of the paid requests (optionally of one annotator, since a UNIX time, of one run)."""
-        query = ("SELECT COUNT(*), COALESCE(SUM(tokens_in),0), COALESCE(SUM(tokens_out),0), COALESCE(SUM(price_usd),0) "
-                 "FROM requests WHERE 1=1")
-        args: list[Any] = []
-        for column, value in (("annotator", annotator), ("run", run)):
-            if value is not None:
-                query += f" AND {column} = ?"
-                args.append(value)
-        if since is not None:
-            query += " AND created >= ?"
-            args.append(since)
-        n, t_in, t_out, price = self._connect().execute(query, args).fetchone()
-        return LedgerTotals(n, t_in, t_out, price)
+        with self.errors("read the ledger of"):
+            query = ("SELECT COUNT(*), COALESCE(SUM(tokens_in),0), COALESCE(SUM(tokens_out),0), "
+                     "COALESCE(SUM(price_usd),0) FROM requests WHERE 1=1")
+            args: list[Any] = []
+            for column, value in (("annotator", annotator), ("run", run)):
+                if value is not None:
+                    query += f" AND {column} = ?"
+                    args.append(value)
+            if since is not None:
+                query += " AND created >= ?"
+                args.append(since)
+            n, t_in, t_out, price = self._connect().execute(query, args).fetchone()
+            return LedgerTotals(n, t_in, t_out, price)
 
     def paid_keys(self, parsed_only: bool = True) -> dict[str, int]:
         """How many ledger rows paid for each pair key (parsed answers only by default): an audit of
         exactly-once payment (a count above 1 is a pair bought twice)."""
-        counts: dict[str, int] = {}
-        query = "SELECT keys FROM requests" + (" WHERE parsed = 1" if parsed_only else "")
-        for (keys,) in self._connect().execute(query):
-            for key in json.loads(keys or "[]"):
-                counts[key] = counts.get(key, 0) + 1
-        return counts
+        with self.errors("read the ledger of"):
+            counts: dict[str, int] = {}
+            query = "SELECT keys FROM requests" + (" WHERE parsed = 1" if parsed_only else "")
+            for (keys,) in self._connect().execute(query):
+                for key in json.loads(keys or "[]"):
+                    counts[key] = counts.get(key, 0) + 1
+            return counts
 
     def close(self) -> None:
         db = getattr(self._local, "db", None)
         if db is not None:
             db.close()
             self._local.db = None
+
+
+class _Errors:
+    """Turns ``sqlite3.Error`` inside the block into a :class:`CacheError` (see :meth:`AnnotationCache.errors`)."""
+
+    def __init__(self, path: Path, action: str) -> None:
+        self.path, self.action = path, action
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if isinstance(exc, sqlite3.Error):
+            raise _cache_error(exc, self.path, self.action) from exc
 
 
 class _Transaction:
@@ -302,7 +415,10 @@ class _Transaction:
         return self.db
 
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
-        self.db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+        if exc_type is None:
+            self.db.execute("COMMIT")
+        elif self.db.in_transaction:  # SQLite already rolled back after some errors (a full disk): keep that error
+            self.db.execute("ROLLBACK")
 
 
 def _chunks(keys: Sequence[str], size: int = 500) -> Iterable[list[str]]:

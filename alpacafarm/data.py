@@ -7,6 +7,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,7 +39,16 @@ def read_records(path: Path) -> list[dict[str, Any]]:
         raise not_utf8(path) from None
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         raise UserError(f"{path}: expected a list of records (JSON objects)")
+    for number, record in enumerate(records, start=1):
+        for key, value in record.items():
+            if isinstance(value, str) and _SURROGATE.search(value):  # JSON's "\ud800" escape: not Unicode text
+                raise UserError(f"{path}: record {number}, field {key!r}: holds a lone surrogate "
+                                f"({_SURROGATE.search(value)[0].encode('unicode_escape').decode()}), which is not "
+                                "valid Unicode; fix the text")
     return records
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _read_records(path: Path) -> Any:
@@ -83,14 +93,50 @@ def _from_columns(data: Any, path: Path) -> Any:
 
 
 def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> int:
-    """Write records as JSON lines atomically (a reader never sees half a file); returns the count."""
-    lines = (json.dumps(record, ensure_ascii=False) + "\n" for record in records)
-    return _write_text(Path(path), lines)
+    """Write records as JSON lines atomically (a reader never sees half a file); returns the count. A NaN or
+    infinite number is a one-line UserError naming the file and the record's field (JSON has no NaN)."""
+    def lines() -> Iterable[str]:
+        for number, record in enumerate(records, start=1):
+            yield _dumps(record, path, f"line {number}") + "\n"
+
+    return _write_text(Path(path), lines())
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically."""
-    _write_text(Path(path), [json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n"])
+    """Write JSON atomically; a NaN or infinite number is a one-line UserError naming the file and the key (a
+    diverged loss or score must fail its stage, never be written as the invalid token ``NaN``)."""
+    _write_text(Path(path), [_dumps(data, path, None, indent=2) + "\n"])
+
+
+def _dumps(data: Any, path: Path, where: str | None, indent: int | None = None) -> str:
+    try:
+        return json.dumps(data, indent=indent, ensure_ascii=False, default=str, allow_nan=False)
+    except ValueError:
+        key = _non_finite(data)
+        if key is None:
+            raise
+        at = f"{where}, " if where else ""
+        raise UserError(f"{path}: {at}{key or '(the value)'} is not a finite number (NaN or infinity): the "
+                        "computation that produced it diverged") from None
+
+
+def _non_finite(data: Any, prefix: str = "") -> str | None:
+    """The path (``a.b[2]``) of the first NaN or infinite float in ``data``, or None."""
+    import math
+
+    if isinstance(data, float):
+        return None if math.isfinite(data) else prefix
+    if isinstance(data, dict):
+        for key, value in data.items():
+            found = _non_finite(value, f"{prefix}.{key}" if prefix else str(key))
+            if found is not None:
+                return found
+    if isinstance(data, list | tuple):
+        for i, value in enumerate(data):
+            found = _non_finite(value, f"{prefix}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _write_text(path: Path, chunks: Iterable[str]) -> int:

@@ -7,6 +7,8 @@ import itertools
 import math
 import re
 from collections import Counter
+from collections.abc import Iterable
+from typing import Any
 
 
 class UserError(Exception):
@@ -118,3 +120,64 @@ def scrub(message: str) -> str:
     values that look like a key (last line of defence for messages that quote what the user typed)."""
     message = _KEY_PATTERN.sub(REDACTED, message)
     return _QUOTED.sub(lambda m: m[1] + REDACTED + m[1] if looks_like_secret(m[2]) else m[0], message)
+
+
+def redact(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` without the given ``secrets`` (each replaced by ``<redacted>``, in any case) and then
+    :func:`scrub`-bed: for what a server sent back, which may quote the key it was given."""
+    for secret in secrets:
+        if secret and len(secret) >= 4:
+            text = re.sub(re.escape(secret), REDACTED, text, flags=re.IGNORECASE)
+    return scrub(text)
+
+
+def public_url(url: str) -> str:
+    """``url`` without user:password, query or fragment (where keys hide), to be printed or logged."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def redact_url(url: str) -> str:
+    """``url`` with a password in its user info and every query value replaced by ``<redacted>`` (the rest kept,
+    so a written recipe still says which endpoint it used)."""
+    from urllib.parse import parse_qsl, urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return REDACTED
+    if not parts.scheme or not parts.netloc:
+        return url
+    netloc = parts.hostname or ""
+    if port:
+        netloc += f":{port}"
+    if parts.username is not None:
+        netloc = f"{REDACTED if parts.password is None else parts.username + ':' + REDACTED}@{netloc}"
+    query = "&".join(f"{k}={REDACTED}" for k, _ in parse_qsl(parts.query, keep_blank_values=True))
+    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def redact_secrets(value: Any, field: object = None) -> Any:
+    """A copy of plain data (a resolved recipe, a config) fit to be written: URLs lose credentials and query
+    values, fields that hold a secret (``api_key``, ``hf_token``; not ``api_key_env``, a variable name) and
+    key-shaped strings become ``<redacted>``."""
+    if isinstance(value, dict):
+        return {k: redact_secrets(v, k) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact_secrets(v, field) for v in value]
+    if isinstance(value, str):
+        if is_secret_field(field) and not is_env_name_field(field):
+            return REDACTED
+        if _URL.match(value):
+            return redact_url(value)
+        return REDACTED if _KEY_PATTERN.fullmatch(value.strip()) else scrub(value)
+    return value

@@ -205,8 +205,14 @@ class StageContext:
         and its rows reach the others.
         """
         from alpacafarm import distributed
+        from alpacafarm.errors import UserError
         from alpacafarm.generation import generate_records
         from alpacafarm.sampling import sharded_across_ranks
+
+        if distributed.main_only():  # the other ranks wait for this stage's artifact: they never join the sampling
+            raise UserError(f"stage {self.stage!r}: context.generate_on_ranks needs every rank, but this stage's "
+                            "method runs on the main process only; its plugin must set all_ranks = True on the "
+                            "method class (or sample with context.generator)")
 
         def generate() -> tuple[list[dict[str, Any]], int]:
             generator = self.generator(backend, backend_config)

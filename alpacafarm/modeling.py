@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -236,11 +237,53 @@ def save_model(model: Any, tokenizer: Any, directory: str | Path, *, merge_adapt
     ``dtype`` (a torch dtype) is the dtype full weights are written in; the model in memory is not touched (its
     float32 master weights may still be training). Adapters (a peft model that is not merged) and quantized
     weights are written as they are. ``state_dict`` (full weights) is written instead of the model's own: the
-    weights of a sharded model, gathered whole (see :mod:`alpacafarm_trl.ppo_sharding`).
+    weights of a sharded model, gathered whole (``accelerator.get_state_dict``).
     """
     directory = Path(directory)
+    check_finite_weights(model if state_dict is None else state_dict, str(directory))
     if merge_adapters and hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
+    try:
+        _save(model, tokenizer, directory, dtype, state_dict)
+    except Exception as exc:  # a full disk surfaces as safetensors' own error type, not an OSError
+        error = _save_error(exc, directory)
+        if error is None:
+            raise
+        raise error from exc
+    return str(directory)
+
+
+def _save_error(exc: BaseException, directory: Path) -> Exception | None:
+    """A one-line UserError for a save the file system refused (full disk, quota, permissions), else None."""
+    import errno
+
+    from alpacafarm.paths import path_error
+
+    if isinstance(exc, OSError):
+        return path_error(exc, directory, "save the model to")
+    if type(exc).__name__ != "SafetensorError":
+        return None
+    text = str(exc)
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EROFS):
+        if f"code: {code}," in text or os.strerror(code) in text:
+            return path_error(OSError(code, os.strerror(code)), directory, "save the model to")
+    first = (text.splitlines() or [""])[0][:200]
+    return UserError(f"cannot save the model to {directory}: {first}")
+
+
+def check_finite_weights(weights: Any, where: str) -> None:
+    """Refuse to save weights holding NaN or infinity (a diverged training: the learning rate is too high): one
+    line naming the first bad tensor. ``weights``: a model or a state dict."""
+    import torch
+
+    items = weights.items() if isinstance(weights, dict) else weights.named_parameters()
+    for name, tensor in items:
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise UserError(f"the trained weights for {where} are not finite (NaN or inf in {name}): training "
+                            "diverged; lower learning_rate (or max_grad_norm) and run the stage again")
+
+
+def _save(model: Any, tokenizer: Any, directory: Path, dtype: Any, state_dict: dict[str, Any] | None) -> None:
     is_adapters = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
     quantized = getattr(model, "is_quantized", False) or getattr(model, "quantization_method", None) is not None
     if dtype is None or is_adapters or quantized:
@@ -257,4 +300,3 @@ def save_model(model: Any, tokenizer: Any, directory: str | Path, *, merge_adapt
         config["dtype"] = str(dtype).removeprefix("torch.")
         config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     tokenizer.save_pretrained(directory)
-    return str(directory)

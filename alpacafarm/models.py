@@ -56,14 +56,22 @@ def resolve_model_path(name: str) -> str:
     if alias is None:
         return name
     target = cache_dir() / "models" / name
-    if (target / "config.json").is_file():
+    if (target / "config.json").is_file() and not stale_conversions(target):
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with (target.parent / f".{name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two processes converting at once would race on the folder
+        for stale in stale_conversions(target):  # holding the lock: no conversion of this model is running
+            shutil.rmtree(stale, ignore_errors=True)
         if not (target / "config.json").is_file():
             _convert_gguf(alias, target)
     return str(target)
+
+
+def stale_conversions(target: Path) -> list[Path]:
+    """Temporary folders of conversions into ``target`` (``<name>.tmp<pid>``); outside the conversion lock they
+    are all leftovers of killed conversions (hundreds of MB each) and are removed."""
+    return sorted(target.parent.glob(f"{target.name}.tmp*"))
 
 
 def _convert_gguf(alias: GGUFAlias, target: Path) -> None:

@@ -210,6 +210,69 @@ def _run_lock(run_dir: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+#: What a run directory may hold before its run.json exists (a run that stopped while setting up).
+_SETUP_FILES = {".lock", "run.log", "error.log"}
+
+
+def check_run_directory(run_dir: Path) -> None:
+    """Refuse a folder that is not a run directory: it must be new, empty, or hold ``run.json`` (so a run never
+    overwrites a ``recipe.yaml`` or anything else it did not write, e.g. ``--output-dir`` given the recipe's own
+    folder)."""
+    if not run_dir.is_dir() or (run_dir / "run.json").exists():
+        return
+    others = sorted(p.name for p in run_dir.iterdir() if p.name not in _SETUP_FILES)
+    if others:
+        shown = ", ".join(others[:3]) + (f" (+{len(others) - 3} more)" if len(others) > 3 else "")
+        raise UserError(f"{run_dir} is not an alpacafarm run directory (no run.json) and holds {shown}; a run "
+                        "writes recipe.yaml, run.json and stages/ there: give --output-dir a new or empty folder")
+
+
+def manifest_problem(manifest: Any) -> str | None:
+    """What makes a stage manifest unusable (its stage then runs again), or None for a usable one (or none)."""
+    if manifest is None:
+        return None
+    if not isinstance(manifest, dict):
+        return f"is a JSON {type(manifest).__name__}, not an object"
+    if manifest.get("status") == "complete" and not isinstance(manifest.get("artifact"), dict):
+        return "says complete but records no artifact"
+    outputs = manifest.get("outputs")
+    if outputs is not None and not (isinstance(outputs, dict) and all(isinstance(v, dict) for v in outputs.values())):
+        return "has a malformed outputs record"
+    return None
+
+
+def artifact_problem(artifact: Artifact, run_dir: Path) -> str | None:
+    """Why a finished stage's artifact cannot be used by the stages after it, or None. A path inside the run
+    directory must exist; a model folder must hold a readable ``config.json`` or ``adapter_config.json``; a
+    ``.json`` or ``.jsonl`` file must parse."""
+    from alpacafarm.method import run_relative
+
+    if artifact.path is None or run_relative(artifact.path, run_dir) is None:
+        return None  # nothing declared here (a hub ID, a path outside the run: the method's responsibility)
+    path = Path(artifact.path)
+    if not path.exists():
+        return f"path {path} does not exist (nothing was written there)"
+    if artifact.kind == "model":
+        configs = [path / name for name in ("config.json", "adapter_config.json") if (path / name).is_file()]
+        if not path.is_dir() or not configs:
+            return f"path {path} is not a model folder (no config.json or adapter_config.json)"
+        files = configs
+    else:
+        files = [path] if path.is_file() and path.suffix in (".json", ".jsonl") else []
+    for file in files:
+        try:
+            text = file.read_text(encoding="utf-8")
+            if file.suffix == ".jsonl":
+                for line in text.splitlines():
+                    if line.strip():
+                        json.loads(line)
+            else:
+                json.loads(text)
+        except (OSError, ValueError) as exc:
+            return f"file {file} does not load ({type(exc).__name__}: {str(exc)[:120]})"
+    return None
+
+
 def run_directory(loaded: LoadedRecipe, output_dir: str | Path | None) -> Path:
     return Path(output_dir or loaded.recipe.output_dir or Path("runs") / loaded.recipe.name)
 
@@ -268,10 +331,15 @@ class Pipeline:
     def _read_manifest(self, stage: PlannedStage) -> dict[str, Any] | None:
         path = self.run_dir / "stages" / stage.name / "manifest.json"
         try:
-            return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+            manifest = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
         except (OSError, ValueError) as exc:  # write_json is atomic: only a hand-edited file lands here
             logger.warning("stage %s: unreadable manifest %s (%s): the stage runs again", stage.name, path, exc)
             return None
+        problem = manifest_problem(manifest)
+        if problem is not None:
+            logger.warning("stage %s: manifest %s %s: the stage runs again", stage.name, path, problem)
+            return None
+        return manifest
 
     def _decide(self, stage: PlannedStage, parts: dict[str, Any], previous: dict[str, Any] | None,
                 force: set[str]) -> StageDecision:
@@ -339,22 +407,29 @@ class Pipeline:
             with contextlib.ExitStack() as stack:
                 with distributed.agree("run setup"):
                     if main:
+                        check_run_directory(self.run_dir)
                         make_dir(self.run_dir, "run directory")
+                        # The lock first: a run refused because another one holds the directory writes nothing
+                        # into it (no run.log line, no error.log).
+                        stack.enter_context(_run_lock(self.run_dir))
+                        history = self._read_run_info()
                         handler = logging.FileHandler(self.run_dir / "run.log", encoding="utf-8")
                         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
                         logger.addHandler(handler)
                         logger.setLevel(logging.INFO)
-                        stack.enter_context(_run_lock(self.run_dir))
-                        self._write_run_files()
+                        self._write_run_files(history)
                         if distributed.world_size() > 1:
                             logger.info("running on %d processes (world size %d); rank 0 writes the run directory",
                                         distributed.world_size(), distributed.world_size())
                 return self._run_stages(set(force))
         except BaseException as exc:
-            if handler is not None:  # the main process, its run directory made
+            if handler is not None:  # the main process, its run directory made and locked
                 with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped the run
                     (self.run_dir / "error.log").write_text(f"{_now()}\n{traceback.format_exc()}", encoding="utf-8")
-                logger.error("run failed: %s", exc)
+                if isinstance(exc, KeyboardInterrupt):
+                    logger.error("run interrupted (Ctrl-C): the stage that was running resumes on the next run")
+                else:
+                    logger.error("run failed: %s", str(exc) or type(exc).__name__)
             raise
         finally:
             if handler is not None:
@@ -372,17 +447,34 @@ class Pipeline:
                 raise UserError(f"stage {stage.name!r} (method {stage.method}) does not run on {world} processes "
                                 "yet; run this recipe without --num-processes")
 
-    def _write_run_files(self) -> None:
+    def _read_run_info(self) -> list[Any]:
+        """The command history of ``run.json`` (empty for a new run directory); a damaged file is one line."""
+        info_path = self.run_dir / "run.json"
+        if not info_path.exists():
+            return []
+        try:
+            info = json.loads(info_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            problem = "empty" if info_path.is_file() and not info_path.stat().st_size else f"unreadable ({exc})"
+            raise UserError(f"{info_path}: {problem}; it records this run directory: restore it, or delete it to "
+                            "start its history again") from None
+        if not isinstance(info, dict) or not isinstance(info.get("history", []), list):
+            raise UserError(f"{info_path}: not a run record (expected a JSON object with a 'history' list); "
+                            "restore it, or delete it to start its history again")
+        return list(info.get("history", []))
+
+    def _write_run_files(self, history: list[Any]) -> None:
         import yaml
 
-        (self.run_dir / "recipe.yaml").write_text(yaml.safe_dump(self.loaded.resolved(), sort_keys=False),
-                                                  encoding="utf-8")
-        info_path = self.run_dir / "run.json"
-        history = json.loads(info_path.read_text())["history"] if info_path.is_file() else []
+        from alpacafarm.errors import redact_secrets
+
+        info_path = self.run_dir / "run.json"  # first: run.json is what marks a run directory (see below)
         history.append({"started_at": _now(), "recipe": str(self.loaded.path)})
         plugins = sorted({s.plugin for s in self.stages})
         write_json(info_path, {"recipe": self.recipe.name, "seed": self.recipe.seed, "plugins": plugins,
                                "versions": package_versions(), "history": history})
+        (self.run_dir / "recipe.yaml").write_text(
+            yaml.safe_dump(redact_secrets(self.loaded.resolved()), sort_keys=False), encoding="utf-8")
 
     def _run_stages(self, force: set[str]) -> list[StageOutcome]:
         from alpacafarm import distributed
@@ -419,6 +511,7 @@ class Pipeline:
         """On the main process: skip the stage (its artifact) or prepare its folder and running manifest."""
         from alpacafarm import distributed
         from alpacafarm.console import console
+        from alpacafarm.errors import redact_secrets
 
         stage_dir = self.run_dir / "stages" / stage.name
         manifest_path = stage_dir / "manifest.json"
@@ -446,9 +539,9 @@ class Pipeline:
             "format": MANIFEST_FORMAT, "stage": stage.name, "method": stage.method, "plugin": stage.plugin,
             "status": "running", "fingerprint": fingerprint,
             "fingerprint_parts": {k: _digest(v) for k, v in parts.items() if k != "inputs"},
-            "seed": seed, "recipe_seed": self.recipe.seed, "config": stage.raw_config,
+            "seed": seed, "recipe_seed": self.recipe.seed, "config": redact_secrets(stage.raw_config),
             "inputs": {r: {"from": stage.inputs[r], "id": identities[r]} for r in stage.inputs},
-            "versions": package_versions(), "recipe": self.loaded.resolved(), "started_at": _now(),
+            "versions": package_versions(), "recipe": redact_secrets(self.loaded.resolved()), "started_at": _now(),
             "world_size": distributed.world_size(),
             "ranks_ran": distributed.world_size() if stage.method_cls.all_ranks else 1,
         }
@@ -462,12 +555,17 @@ class Pipeline:
     def _run_method(self, stage: PlannedStage, context: StageContext) -> Artifact:
         artifact = self.registry.create(stage.kind, stage.method, stage.config).run(context)
         if not isinstance(artifact, Artifact):
-            raise TypeError(f"method {stage.method!r} returned {type(artifact).__name__}, not an Artifact")
+            raise UserError(f"stage {stage.name!r}: method {stage.method!r} of plugin {stage.plugin!r} returned "
+                            f"{type(artifact).__name__}, not an Artifact")
         return artifact
 
     def _finish_stage(self, stage: PlannedStage, artifact: Artifact, manifest: dict[str, Any],
                       seconds: float) -> Artifact:
-        """On the main process: record the stage's outputs and mark its manifest complete."""
+        """On the main process: check the stage's declared outputs, record them and mark its manifest complete."""
+        problem = artifact_problem(artifact, self.run_dir)
+        if problem is not None:  # never "complete" with outputs the next stage cannot read
+            raise UserError(f"stage {stage.name!r}: method {stage.method!r} of plugin {stage.plugin!r} returned "
+                            f"a {artifact.kind} artifact whose {problem}; the stage is not recorded complete")
         artifact.metadata["output_id"] = uuid.uuid4().hex
         manifest.update(status="complete", finished_at=_now(), duration_s=round(seconds, 3),
                         artifact=artifact.to_json(self.run_dir), outputs=record_outputs(artifact, self.run_dir))

@@ -10,6 +10,7 @@ block's path), or ``None`` (it takes no config: the block must be empty and the 
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from typing import Any
 
@@ -84,7 +85,7 @@ def pydantic_error(exc: ValidationError, doc: SourcedDocument, root_path: Path_,
         expected = _EXPECTED.get(first["type"], first["msg"].replace("Input should be ", ""))
         message = f"has no value (nothing after '{path[-1]}:'); give {expected}"
     else:
-        message = _redacted(first["msg"], first.get("input"), loc)
+        message = _redacted(first["msg"].removeprefix("Value error, "), first.get("input"), loc)
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return doc.error(path, message)
@@ -119,6 +120,20 @@ def check_secrets(data: Any, doc: SourcedDocument, path: Path_ = ()) -> None:
             check_secrets(item, doc, (*path, i))
 
 
+def number_not_bool(annotation: Any) -> bool:
+    """Whether a field of this type takes a number but not true/false (YAML's ``k: true`` would read as 1)."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (
+        annotation,)
+    return bool({int, float} & set(args)) and bool not in args
+
+
+def reject_bool_numbers(fields: dict[str, Any], data: dict[str, Any], doc: SourcedDocument, path: Path_) -> None:
+    """Refuse ``true``/``false`` given for a number field (``fields``: name -> annotation)."""
+    for key, value in data.items():
+        if isinstance(value, bool) and key in fields and number_not_bool(fields[key]):
+            raise doc.error((*path, key), f"expected a number, got {str(value).lower()}")
+
+
 def validate_plugin_config(config_class: Any, data: Any, doc: SourcedDocument | None = None,
                            path: Path_ = ()) -> Any:
     """Validate a plugin's config block with the plugin's own config class and return the config object.
@@ -138,6 +153,7 @@ def validate_plugin_config(config_class: Any, data: Any, doc: SourcedDocument | 
             raise doc.error((*path, next(iter(data))), "unknown key: this plugin takes no config")
         return None
     if isinstance(config_class, type) and issubclass(config_class, BaseModel):
+        reject_bool_numbers({k: f.annotation for k, f in config_class.model_fields.items()}, data, doc, path)
         try:
             return config_class.model_validate(data)
         except ValidationError as exc:
@@ -158,6 +174,7 @@ def _validate_dataclass(cls: type, data: dict[str, Any], doc: SourcedDocument, p
         hints = typing.get_type_hints(cls)
     except Exception:  # unresolvable forward references: fall back to the constructor's own checks
         hints = {}
+    reject_bool_numbers(hints, data, doc, path)
     values = {}
     for key, value in data.items():
         hint = hints.get(key)

@@ -12,7 +12,15 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from alpacafarm.errors import UnknownNameError
 from alpacafarm.plugin_config import pydantic_error
@@ -22,6 +30,16 @@ from alpacafarm.yamlsource import Path_, SourcedDocument, apply_override, load_w
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """``seed: true`` is a mistake, not the number 1 (pydantic's lax mode would take it)."""
+        from alpacafarm.plugin_config import number_not_bool
+
+        if isinstance(value, bool) and number_not_bool(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
 
 
 class LoraSpec(_Strict):
@@ -205,6 +223,13 @@ def _failed_plugins_hint() -> str:
         f"{f.name} ({f.error})" for f in failures)
 
 
+def _check_backend(registry: Registry, config: Any, doc: SourcedDocument, path: Path_) -> None:
+    """A stage config's ``backend`` names a generation backend: an unknown one is an error now, not mid-run."""
+    backend = getattr(config, "backend", None)
+    if isinstance(backend, str):
+        _check_name(registry, "generation_backend", backend, doc, (*path, "backend"))
+
+
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
                 registry: Registry | None = None) -> LoadedRecipe:
     """Load, merge includes, apply ``--set`` overrides, validate the schema and every plugin config block.
@@ -238,6 +263,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
                             "'provides' (what its artifact is); the plugin must set it")
         loaded.stage_configs[stage.name] = registry.config("method", stage.method, stage.config, source=doc,
                                                            path=("stages", i, "config"))
+        _check_backend(registry, loaded.stage_configs[stage.name], doc, ("stages", i, "config"))
         accepted = (*getattr(method_cls, "requires", ()), *getattr(method_cls, "optional", ()))
         for requirement in stage.inputs:
             if requirement not in accepted:
@@ -251,6 +277,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
         _check_name(registry, "evaluator", evaluation.evaluator, doc, ("evaluation", "evaluator"))
         loaded.stage_configs["evaluate"] = registry.config("evaluator", evaluation.evaluator, evaluation.config,
                                                            source=doc, path=("evaluation", "config"))
+        _check_backend(registry, loaded.stage_configs["evaluate"], doc, ("evaluation", "config"))
         if evaluation.annotator is not None:
             roles.append(("evaluation", evaluation.annotator, ("evaluation", "annotator")))
     for role, ref, at in roles:

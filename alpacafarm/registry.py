@@ -74,6 +74,10 @@ def import_target(spec: str, what: str = "target") -> Any:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise PluginError(f"{what}: cannot import {module_name!r}: {exc}") from exc
+    except Exception as exc:  # the plugin's module itself raised while importing: name it, not 40 lines of stack
+        first = (str(exc).splitlines() or [""])[0][:200]
+        raise PluginError(f"{what}: importing {module_name!r} raised {type(exc).__name__}"
+                          f"{': ' + first if first else ''} (a bug in that plugin; --debug shows where)") from exc
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)

@@ -10,6 +10,7 @@ adapter-trained base: see :func:`alpacafarm.modeling.load_classifier`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -90,4 +91,10 @@ class RewardScorer:
                 logits = self.model(**batch).logits.squeeze(-1).float().tolist()
                 for i, value in zip(chunk, logits if isinstance(logits, list) else [logits], strict=True):
                     scores[i] = float(value)
+        bad = sum(not math.isfinite(s) for s in scores)
+        if bad:  # a reward model trained to NaN would otherwise rank every candidate alike, silently
+            from alpacafarm.errors import UserError
+
+            raise UserError(f"the reward model scored {bad} of {len(scores)} texts NaN or infinite: its weights are "
+                            "broken (a diverged training); retrain it with a lower learning_rate")
         return scores

@@ -98,11 +98,15 @@ def exact_generation_config(model: Any) -> Iterator[None]:
 def sample(model: Any, tokenizer: Any, queries: Sequence[Sequence[int]], *, n: int = 1, temperature: float = 1.0,
            top_p: float = 1.0, max_new_tokens: int = 256, batch_size: int = 8, seed: int = 0,
            stop_ids: Sequence[int] | None = None, generate: Callable[..., Any] | None = None,
-           progress: Callable[[int], None] | None = None) -> list[list[Sample]]:
+           progress: Callable[[int], None] | None = None, synced: bool = False) -> list[list[Sample]]:
     """``n`` responses per tokenized prompt, in the prompts' order; ``temperature: 0`` is greedy decoding.
 
-    ``generate`` replaces ``model.generate`` (a layout that switches adapters before generating); ``model`` then
-    only supplies the device and the stop tokens. ``progress(k)`` is called after each batch of ``k`` prompts.
+    ``generate`` replaces ``model.generate``; ``model`` then only supplies the device and the stop tokens.
+    ``progress(k)`` is called after each batch of ``k`` prompts. ``synced`` (inside :func:`sharded_across_ranks`,
+    for a model whose forward is a collective, e.g. sharded by FSDP or ZeRO-3): every rank makes the same number of
+    ``generate`` calls (a rank with fewer batches repeats its last one and drops the result) and each call runs
+    with ``synced_gpus`` (a rank whose sequences ended keeps stepping until every rank's have), so no rank waits
+    forever for another; the samples are the same as without it.
     """
     import torch
     from transformers import GenerationConfig
@@ -127,13 +131,21 @@ def sample(model: Any, tokenizer: Any, queries: Sequence[Sequence[int]], *, n: i
         from alpacafarm import distributed
 
         world = distributed.world_size()
+        n_batches = len(starts)
         starts = distributed.shard(starts, strided=True)  # batch b → rank b mod world: balanced, longest first
-    for start in starts:
+    synced = synced and world > 1
+    calls = list(starts)
+    if synced:  # as many calls as the rank with the most batches: repeats of this rank's last (or first) batch
+        calls += [starts[-1] if starts else 0] * (-(-n_batches // world) - len(starts))
+    for call, start in enumerate(calls):
         indices = order[start:start + batch_size]
         input_ids, attention_mask = left_pad([queries[i] for i in indices], pad_id, device)
         torch.manual_seed(stable_seed(seed, start))
         with torch.no_grad(), exact_generation_config(model):
-            output = generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+            output = generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                              **({"synced_gpus": True} if synced else {}))
+        if call >= len(starts):
+            continue  # a repeat that only kept this rank in step
         new = output[:, input_ids.shape[1]:].tolist()
         for row, index in enumerate(indices):
             for tokens in new[row * n:(row + 1) * n]:

@@ -128,6 +128,21 @@ def shared_process_state(accelerator_config: Any) -> dict[str, Any] | None:
     return {**given, "use_configured_state": True}
 
 
+def check_launch_honoured(distributed_type: Any) -> None:
+    """One line when the launch config asked for FSDP but accelerate set up something else: accelerate runs FSDP on
+    GPUs only and otherwise falls back to plain data parallelism without a word (``distributed_type`` is the
+    ``accelerate.DistributedType`` of the Accelerator that was built)."""
+    import os
+
+    wanted = os.environ.get("ACCELERATE_USE_FSDP", "").strip().lower() in ("1", "true", "yes")
+    if wanted and getattr(distributed_type, "value", str(distributed_type)) != "FSDP":
+        from alpacafarm.errors import UserError
+
+        raise UserError("the accelerate launch config asks for FSDP, which accelerate runs on GPUs only (here: "
+                        f"{getattr(distributed_type, 'value', distributed_type)}); on CPU processes use "
+                        "--accelerate-config ddp, zero2 or zero3")
+
+
 #: Files a checkpoint's weights may be in (transformers, peft, our PPO trainer); FSDP and DeepSpeed use subfolders.
 CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                       "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin", "trainable.pt")
@@ -212,7 +227,14 @@ def train_summary(trainer: Any, result: Any) -> dict[str, Any]:
     """Loss and step count of a finished ``trainer.train()`` (plus the last logged loss, which is per-step), and
     how the trainer ran: over how many processes (its accelerator's count, which sets the global batch) and with
     which distribution (``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ``FSDP``, ``DEEPSPEED`` with its ZeRO stage)."""
+    import math
+
+    from alpacafarm.errors import UserError
+
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    if not math.isfinite(float(result.training_loss)) or any(not math.isfinite(float(v)) for v in losses):
+        raise UserError(f"training diverged: the loss is not finite (train loss {float(result.training_loss)}); "
+                        "lower learning_rate (or max_grad_norm) and run the stage again")
     state = trainer.accelerator.state
     plugin = getattr(state, "deepspeed_plugin", None)
     return {
@@ -232,30 +254,41 @@ def limit(records: list[dict[str, Any]], max_examples: int | None) -> list[dict[
     return records if max_examples is None else records[:max_examples]
 
 
-def save_policy(trainer: Any, spec: Any, model_path: str, directory: str | Path, logger: Any = None) -> bool:
-    """Save the trained policy (weights or adapters, and tokenizer) to ``directory``; returns whether it merged.
+def save_trained(model: Any, tokenizer: Any, spec: Any, model_path: str, directory: str | Path, *,
+                 state_dict: dict[str, Any] | None = None, logger: Any = None) -> bool:
+    """The one way every trainer saves what it trained (weights or adapters, and tokenizer) to ``directory``;
+    returns whether adapters were merged. Call it on the main process.
 
-    Call it on every rank: under ZeRO-3 the weights are gathered whole first (a collective, see
-    :func:`trained_state_dict`); only the main process writes.
-    New adapters trained on top of a merged SFT adapter folder describe a model that no folder on disk holds
-    (their ``base_model_name_or_path`` is the pre-SFT base), so they are merged and saved as full weights.
-    ``trainer.model`` may be a causal LM or a sequence classifier (a reward model).
+    Full weights are written in the model block's save dtype (:func:`alpacafarm.modeling.save_dtype`), adapters as
+    they are. New adapters trained on top of an adapter folder (``model_path``) describe a model that no folder on
+    disk holds (their ``base_model_name_or_path`` is the pre-SFT base), so they are merged and saved as full
+    weights, as they are with ``merge_adapters``. ``state_dict``: the full weights gathered from a sharded model
+    (written instead of the model's own; merging needs the model whole in memory, so it is not used then).
     """
-    from alpacafarm import distributed
     from alpacafarm.modeling import is_adapter_folder, save_dtype, save_model
 
     stacked = spec.lora is not None and is_adapter_folder(model_path)
     merge = bool(spec.lora is not None and (spec.merge_adapters or stacked))
+    if stacked and not spec.merge_adapters and logger is not None:
+        logger.info("the starting model is an adapter folder: the new adapters are merged and saved as full weights")
+    full_weights = spec.lora is None or merge
+    save_model(model, tokenizer, directory, merge_adapters=merge, dtype=save_dtype(spec) if full_weights else None,
+               state_dict=None if merge else state_dict)
+    return merge
+
+
+def save_policy(trainer: Any, spec: Any, model_path: str, directory: str | Path, logger: Any = None) -> bool:
+    """:func:`save_trained` for a ``transformers.Trainer`` (its ``model`` and ``processing_class``); returns whether
+    it merged. Call it on every rank: under ZeRO-3 the weights are gathered whole first (a collective, see
+    :func:`trained_state_dict`); only the main process writes."""
+    from alpacafarm import distributed
+    from alpacafarm.modeling import is_adapter_folder
+
     state = trained_state_dict(trainer)
     if not distributed.is_main():
-        return merge
-    if stacked and not spec.merge_adapters and logger is not None:
-        logger.info(
-            "the SFT model is an adapter folder: the new adapters are merged and saved as full weights"
-        )
-    save_model(trainer.model, trainer.processing_class, directory, merge_adapters=merge, dtype=save_dtype(spec),
-               state_dict=state)
-    return merge
+        return bool(spec.lora is not None and (spec.merge_adapters or is_adapter_folder(model_path)))
+    return save_trained(trainer.model, trainer.processing_class, spec, model_path, directory, state_dict=state,
+                        logger=logger)
 
 
 def trained_state_dict(trainer: Any) -> dict[str, Any] | None:

@@ -48,26 +48,61 @@ class SourcedDocument:
         return RecipeError(f"{prefix}{format_path(path)}: {message}")
 
 
-def _build(node: yaml.Node, path: Path_, positions: dict, source: str) -> Any:
+#: At most this many values once aliases are expanded: a recipe has hundreds; nested aliases ("billion laughs")
+#: would expand a few hundred bytes into billions of values.
+MAX_VALUES = 100_000
+
+
+@dataclass
+class _Budget:
+    """What :func:`_build` has expanded so far: a count, and the collections being built (to catch an alias that
+    refers to a collection containing it)."""
+
+    source: str
+    count: int = 0
+    active: set[int] = field(default_factory=set)
+
+    def spend(self, node: yaml.Node, path: Path_) -> None:
+        self.count += 1
+        if self.count > MAX_VALUES:
+            raise RecipeError(f"{self.source}: more than {MAX_VALUES:,} values once YAML aliases are expanded "
+                              "(nested aliases?); write the values out instead")
+        if id(node) in self.active:
+            raise RecipeError(f"{self.source}:{node.start_mark.line + 1}: {format_path(path)}: a YAML alias refers "
+                              "to a collection that contains it (a recursive alias)")
+
+
+def _build(node: yaml.Node, path: Path_, positions: dict, source: str, budget: _Budget | None = None) -> Any:
+    budget = budget or _Budget(source)
+    budget.spend(node, path)
     positions.setdefault(path, (source, node.start_mark.line + 1))
-    if isinstance(node, yaml.MappingNode):
-        out: dict[str, Any] = {}
-        for key_node, value_node in node.value:
-            key = _construct(key_node) if not isinstance(key_node, yaml.ScalarNode) else key_node.value
-            if not isinstance(key, str):
-                raise RecipeError(f"{source}:{key_node.start_mark.line + 1}: mapping keys must be strings, got {key!r}")
-            if key in out:
-                raise RecipeError(f"{source}:{key_node.start_mark.line + 1}: {format_path((*path, key))}: "
-                                  "duplicate key")
-            positions[(*path, key)] = (source, key_node.start_mark.line + 1)
-            out[key] = _build(value_node, (*path, key), positions, source)
-        return out
-    if isinstance(node, yaml.SequenceNode):
-        return [_build(item, (*path, i), positions, source) for i, item in enumerate(node.value)]
+    if isinstance(node, yaml.MappingNode | yaml.SequenceNode):
+        budget.active.add(id(node))
+        try:
+            return _build_collection(node, path, positions, source, budget)
+        finally:
+            budget.active.discard(id(node))
     # Scalars: the safe constructor resolves ints, floats, bools, nulls exactly as safe_load would (an empty
     # value, as in ``config:`` with nothing after it, is null).
     value = _construct(node)
     return _fix_exponent_float(value) if getattr(node, "style", None) is None else value  # quoted stays text
+
+
+def _build_collection(node: yaml.Node, path: Path_, positions: dict, source: str, budget: _Budget) -> Any:
+    if isinstance(node, yaml.SequenceNode):
+        return [_build(item, (*path, i), positions, source, budget) for i, item in enumerate(node.value)]
+    out: dict[str, Any] = {}
+    for key_node, value_node in node.value:
+        if not isinstance(key_node, yaml.ScalarNode):  # never built nor shown: it may be an alias bomb itself
+            kind = "a mapping" if isinstance(key_node, yaml.MappingNode) else "a list"
+            raise RecipeError(f"{source}:{key_node.start_mark.line + 1}: mapping keys must be strings, got {kind}")
+        key = key_node.value
+        if key in out:
+            raise RecipeError(f"{source}:{key_node.start_mark.line + 1}: {format_path((*path, key))}: "
+                              "duplicate key")
+        positions[(*path, key)] = (source, key_node.start_mark.line + 1)
+        out[key] = _build(value_node, (*path, key), positions, source, budget)
+    return out
 
 
 def _construct(node: yaml.Node) -> Any:
@@ -85,15 +120,19 @@ def _fix_exponent_float(value: Any) -> Any:
     return value
 
 
-def parse_yaml(text: str, source: str) -> SourcedDocument:
-    """Parse one YAML document (safe loader) into a :class:`SourcedDocument`."""
+def parse_yaml(text: str, source: str, *, quiet: bool = False) -> SourcedDocument:
+    """Parse one YAML document (safe loader) into a :class:`SourcedDocument`. ``quiet``: errors give the line but
+    not the parser's description (which may quote the text: for files that may not be recipes at all)."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise RecipeError(f"{where}: malformed YAML: {problem}") from None
+        detail = "not YAML (content not shown)" if quiet else f"malformed YAML: {problem}"
+        raise RecipeError(f"{where}: {detail}") from None
+    except RecursionError:  # nesting deeper than Python's stack: never a hand-written recipe
+        raise RecipeError(f"{source}: YAML nested too deeply") from None
     positions: dict[Path_, tuple[str, int]] = {}
     data = {} if node is None else _build(node, (), positions, source)
     return SourcedDocument(data, positions)
@@ -168,9 +207,22 @@ def load_with_includes(path: Path, _stack: tuple[Path, ...] = ()) -> SourcedDocu
     if resolved in _stack:
         chain = " -> ".join(display_path(p) for p in (*_stack, resolved))
         raise RecipeError(f"{shown}: include cycle: {chain}")
-    doc = parse_yaml(read_text(path, "recipe", display=shown), shown)
+    included = bool(_stack)
+    if included and path.suffix.lower() not in (".yaml", ".yml"):
+        raise RecipeError(f"{shown}: an included recipe must be a .yaml or .yml file")
+    # An included file may be anything readable (``include: /etc/shadow``): its errors never quote its text.
+    doc = parse_yaml(read_text(path, "recipe", display=shown), shown, quiet=included)
     if not isinstance(doc.data, dict):
         raise RecipeError(f"{shown}:1: a recipe must be a YAML mapping, got {type(doc.data).__name__}")
+    if included:
+        from alpacafarm.recipe import Recipe
+
+        known = {*Recipe.model_fields, "include"}
+        for key in doc.data:
+            if key not in known:
+                line = doc.positions[(key,)][1]
+                raise RecipeError(f"{shown}:{line}: not a recipe key (not shown; an included file holds recipe "
+                                  f"keys: {', '.join(sorted(known))})")
     includes = doc.data.pop("include", None)
     if includes is None:
         return doc

@@ -135,9 +135,16 @@ def test_an_unreadable_batch_is_asked_pair_by_pair_and_never_poisons_its_neighbo
         assert [a.outcome for a in annotations] == ["labelled"] * 2 + ["unparsed"] + ["labelled"] * 2
         assert len(server.requests) == 2 + 4 + 2  # the batch twice, then each pair alone (the poisoned one twice)
         assert cache.ledger().requests == 8  # every paid completion is booked
+        # a later run asks again for the pair given up as unparsed (reask_unparsed=1: once), alone, and only it
         again = judge(server, cache, monkeypatch).annotate(pairs)
-        assert len(server.requests) == 8  # labels and the pair given up alone are served; nothing is bought again
-        assert [a.preference for a in again] == [a.preference for a in annotations] and all(a.cached for a in again)
+        assert len(server.requests) == 8 + 2
+        assert [a.preference for a in again] == [a.preference for a in annotations]
+        assert [a.cached for a in again] == [True, True, False, True, True]
+        third = judge(server, cache, monkeypatch).annotate(pairs)  # then it is final: nothing is bought again
+        assert len(server.requests) == 10 and all(a.cached for a in third)
+        assert [a.outcome for a in third] == ["labelled"] * 2 + ["unparsed"] + ["labelled"] * 2
+        never = judge(server, cache, monkeypatch, reask_unparsed=0).annotate(pairs)
+        assert len(server.requests) == 10 and never[2].outcome == "unparsed"
 
 
 def test_a_transiently_unreadable_batch_ends_fully_labelled_and_nothing_unparsed_is_cached(tmp_path: Path,

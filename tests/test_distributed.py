@@ -1,5 +1,5 @@
 """Several processes: the collectives of :mod:`alpacafarm.distributed` with 2 real ranks (torchrun, gloo on CPU),
-advantage whitening across ranks, ``alpacafarm run --num-processes`` (accelerate launch), and a tiny recipe (SFT,
+``alpacafarm run --num-processes`` (accelerate launch), and a tiny recipe (SFT,
 reward model, DPO, PPO, best-of-n, generation) run on 2 processes against the same recipe on one.
 
 Run as a script under torchrun (``python -m torch.distributed.run --nproc_per_node 2 tests/test_distributed.py
@@ -50,16 +50,6 @@ def _worker(what: str, out: Path) -> None:
             result["error"] = f"{type(exc).__name__}: {exc}"
         d.barrier()  # every rank is still in step after a failure was reported
         result["after"] = "in step"
-    elif what == "whiten":
-        from alpacafarm_trl import ppo_core
-
-        values, mask = _whiten_batch()
-        part = slice(0, 3) if d.rank() == 0 else slice(3, 5)
-        result["whitened"] = ppo_core.masked_whiten(values[part], mask[part], across_ranks=True).tolist()
-        result["rewards"] = ppo_core.masked_whiten(values[part], mask[part], shift_mean=False,
-                                                   across_ranks=True).tolist()
-    elif what == "ppo":
-        result.update(_ppo_run())
     elif what == "refuse":
         result.update(_refused_run(out))
     elif what == "score":
@@ -70,17 +60,6 @@ def _worker(what: str, out: Path) -> None:
         result["scored"] = calls
     (out / f"rank{d.rank()}.json").write_text(json.dumps(result), encoding="utf-8")
     d.shutdown()
-
-
-def _whiten_batch() -> tuple[Any, Any]:
-    import torch
-
-    generator = torch.Generator().manual_seed(0)
-    values = torch.randn(5, 6, generator=generator) * 3 + 1
-    mask = torch.ones(5, 6)
-    for row, length in enumerate([6, 2, 4, 5, 1]):
-        mask[row, length:] = 0
-    return values, mask
 
 
 SCORED_ROWS = [{"instruction": f"Question {i}?", "input": "", "output": "word " * (i * 7 % 11)} for i in range(10)]
@@ -97,47 +76,6 @@ class _LengthReward:
         self.calls.append(list(completions))
         longest = max(len(c) for c in completions)
         return [len(c) + longest / 1000 for c in completions]
-
-
-PPO_PROMPTS = [{"instruction": f"Tell me something about topic number {i}.", "input": "" if i % 3 else "briefly"}
-               for i in range(12)]
-
-
-def _ppo_run() -> dict[str, Any]:
-    """Two PPO steps of our trainer on tiny random models (as many processes as launched): the logged step
-    statistics, how many completions this rank scored per step, and its trained weights."""
-    import copy
-    import hashlib
-
-    import torch
-
-    from alpacafarm.testing import tiny_causal_lm, tiny_sequence_classifier, tiny_tokenizer
-    from alpacafarm_trl.ppo_config import PPOMethodConfig
-    from alpacafarm_trl.ppo_models import SeparateModels, ValueModel
-    from alpacafarm_trl.ppo_trainer import PPOTrainer
-
-    torch.set_num_threads(1)
-    tokenizer = tiny_tokenizer()
-    policy = tiny_causal_lm(tokenizer)
-    models = SeparateModels(policy, copy.deepcopy(policy),
-                            ValueModel.from_classifier(tiny_sequence_classifier(tokenizer)))
-    scored: list[int] = []
-
-    def reward(records: list[dict[str, Any]], completions: list[str]) -> list[float]:
-        scored.append(len(completions))
-        return [(len(c) % 7) / 7 + (0.5 if r["input"] else 0.0) for r, c in zip(records, completions, strict=True)]
-
-    # Two mini-batches per step, micro-batches of 2: the update's bookkeeping across ranks is exercised.
-    args = PPOMethodConfig(output_dir="unused", max_steps=2, rollout_batch_size=8, mini_batch_size=4,
-                           per_device_train_batch_size=2, generation_batch_size=3, max_new_tokens=6,
-                           learning_rate=1e-2, save_strategy="no", seed=1)
-    trainer = PPOTrainer(args, models, tokenizer, PPO_PROMPTS, reward)
-    trainer.train()
-    steps = [{k: v for k, v in e.items() if not k.endswith("_time")} for e in trainer.state.log_history
-             if "score" in e]
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for _, p in sorted(trainer.params.items())))
-    return {"steps": steps, "scored": scored, "digest": digest.hexdigest(),
-            "weights": {name: float(p.detach().double().sum()) for name, p in trainer.params.items()}}
 
 
 def _refused_run(out: Path) -> dict[str, Any]:
@@ -262,46 +200,6 @@ def test_best_of_n_scoring_is_split_across_ranks_in_the_batches_of_one_process(t
     assert len(one_calls) == 4 and [len(r["scored"]) for r in ranks] == [2, 2]  # each rank scored half the batches
     assert ranks[0]["scored"] + ranks[1]["scored"] != one_calls  # ... batch b on rank b mod 2:
     assert sorted(ranks[0]["scored"] + ranks[1]["scored"]) == sorted(one_calls)  # the same batches as one process
-
-
-def test_two_rank_whitening_equals_one_rank_whitening_of_the_concatenated_batch(tmp_path: Path):
-    import torch
-
-    from alpacafarm_trl import ppo_core
-
-    values, mask = _whiten_batch()
-    ranks = _torchrun("whiten", tmp_path / "out", tmp_path)
-    for key, shift in (("whitened", True), ("rewards", False)):
-        together = torch.tensor(ranks[0][key] + ranks[1][key])
-        whole = ppo_core.masked_whiten(values, mask, shift_mean=shift)  # one process, the whole rollout batch
-        torch.testing.assert_close(together, whole, atol=1e-5, rtol=0)
-        # ... and not what each rank would get by whitening its own half alone
-        alone = torch.cat([ppo_core.masked_whiten(values[:3], mask[:3], shift_mean=shift),
-                           ppo_core.masked_whiten(values[3:], mask[3:], shift_mean=shift)])
-        assert not torch.allclose(alone, whole, atol=1e-3)
-
-
-def test_two_rank_ppo_rolls_out_per_rank_and_steps_as_one_process(tmp_path: Path):
-    import torch
-
-    ranks = _torchrun("ppo", tmp_path / "out", tmp_path)
-    one = _ppo_run()  # this pytest process: no process group, world size 1, the whole rollout batch
-    assert one["scored"] == [8, 8]
-    assert [r["scored"] for r in ranks] == [[4, 4], [4, 4]]  # each rank scored its half of every rollout batch
-    assert ranks[0]["digest"] == ranks[1]["digest"]  # gradients summed across ranks: the same weights
-    assert ranks[0]["steps"] == ranks[1]["steps"]  # statistics reduced across ranks: every rank logs the same
-    two = ranks[0]
-    assert len(two["steps"]) == len(one["steps"]) == 2
-    for step_two, step_one in zip(two["steps"], one["steps"], strict=True):
-        assert set(step_two) == set(step_one)
-        for key, value in step_one.items():  # same responses, whitening over the whole batch, the same update
-            assert step_two[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
-    names = sorted(one["weights"])
-    assert names == sorted(two["weights"])
-    torch.testing.assert_close(torch.tensor([two["weights"][n] for n in names], dtype=torch.float64),
-                               torch.tensor([one["weights"][n] for n in names], dtype=torch.float64),
-                               rtol=1e-4, atol=1e-4)
-    assert one["steps"][1]["kl"] != 0.0  # the first update moved the policy: the comparison covers it
 
 
 # ----------------------------------------------------------------------------------------------- launching
@@ -478,7 +376,8 @@ def tiny_recipe(tmp_path: Path, model: str, *, until: str | None = None) -> Path
           - {{name: sft, method: sft, inputs: {{sft_data: demonstrations}}, config: {{{train}}}}}
           - {{name: rm, method: reward_model, config: {{{train}, eval_fraction: 0.25}}}}
           - {{name: dpo, method: dpo, config: {{{train}}}}}
-          - {{name: ppo, method: ppo, config: {{max_steps: 1, rollout_batch_size: 4, mini_batch_size: 4,
+          - {{name: ppo, method: ppo, config: {{max_steps: 1, warmup_steps: 0, rollout_batch_size: 4,
+              mini_batch_size: 4,
               per_device_train_batch_size: 4, generation_batch_size: 4, max_new_tokens: 4, score_batch_size: 4,
               save_steps: 1}}}}
           - {{name: bon, method: best_of_n, inputs: {{sft_model: base_model}},
@@ -591,7 +490,15 @@ def test_two_process_outputs_equal_the_single_process_run(two_runs: dict[str, An
     for stage in ("sft", "rm", "dpo", "ppo", "ei/round_1", "feedme", "rc", "grpo", "rloo", "quark"):
         assert (two / "stages" / stage / "model" / "config.json").is_file(), stage
     ppo = json.loads((two / "stages/ppo/metrics.json").read_text())
-    assert ppo["world_size"] == 2 and len(set(ppo["weights_sha256_by_rank"])) == 1  # both ranks: the same policy
+    assert ppo["world_size"] == 2
+    import torch
+    from safetensors.torch import load_file
+
+    # PPO on 2 processes trains the 1-process weights (the same global batch; TRL's rule: within a tolerance)
+    a, b = (load_file(str(run / "stages/ppo/model/model.safetensors")) for run in (one, two))
+    assert sorted(a) == sorted(b)
+    for name, tensor in a.items():
+        torch.testing.assert_close(b[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
     assert len(read_records(two / "stages/dpo_outputs/outputs.jsonl")) == 5
 
 

@@ -91,9 +91,11 @@ def test_an_unreadable_batch_is_asked_pair_by_pair_and_only_an_unreadable_pair_i
     assert [a.preference for a in annotations] == [None] * 5 and {a.outcome for a in annotations} == {"unparsed"}
     assert len(server.requests) == 2 + 5 * 2  # the batch, asked once more, then each pair alone, twice
     assert cache.ledger().requests == 12  # every paid completion is in the ledger
-    again = annotator(server, cache, monkeypatch).annotate(pairs)
-    assert len(server.requests) == 12  # each pair's own unreadable answer is cached (paid once), not bought again
-    assert all(a.cached and a.outcome == "unparsed" for a in again)
+    again = annotator(server, cache, monkeypatch).annotate(pairs)  # reask_unparsed=1: asked once more, as before
+    assert len(server.requests) == 12 + 12 and all(a.outcome == "unparsed" for a in again)
+    final = annotator(server, cache, monkeypatch).annotate(pairs)
+    assert len(server.requests) == 24  # then each pair's own unreadable answers are cached for good
+    assert all(a.cached and a.outcome == "unparsed" for a in final)
 
 
 def test_faults_are_retried_and_no_pair_is_lost_or_paid_twice(server, cache, monkeypatch):

@@ -94,7 +94,12 @@ def test_config_defaults_follow_the_paper_and_the_released_run_and_bad_values_ar
     config = QuarkMethodConfig(output_dir=str(tmp_path))
     paper = (0.05, 3e-6, 1.0)
     assert (config.kl_coef, config.learning_rate, config.max_grad_norm) == paper
-    assert config.lr_scheduler_type.value == "linear" and config.warmup_steps == 0
+    assert config.lr_scheduler_type.value == "linear"
+    # Released, where the paper is silent: 5 warm-up steps (examples/scripts/rlhf_quark.sh), AdamW epsilon 1e-5
+    # (quark_utils.TrainingArguments), the stop token never trained (rollouts re-tokenized without it).
+    assert (config.warmup_steps, config.adam_epsilon, config.train_eos) == (5, 1e-5, False)
+    docs = QuarkMethodConfig.__doc__
+    assert "rlhf_quark.sh" in docs and "--warmup_steps 5" in docs and "1e-8" in docs and "train_eos" in docs
     assert (config.rounds, config.prompts_per_round) == (390, 512)
     # Released: the top of 4 reward bins (floor(512 / 4) = 128 kept), one optimizer step of 256 per round.
     assert (config.top_quantile, config.steps_per_round, config.step_batch_size) == (0.25, 1, 256)
@@ -172,7 +177,7 @@ def test_loss_is_logged_parameters_change_and_kl_grows_from_zero(tmp_path: Path)
     prompts = [tokenizer(format_prompt(row["instruction"], row["input"] or None))["input_ids"]
                for row in kept_rows]
     responses = [tokenizer(row["output"])["input_ids"] + [tokenizer.eos_token_id] for row in kept_rows]
-    examples = [training_example(Sample(prompt, response, row["output"], True))
+    examples = [training_example(Sample(prompt, response, row["output"], True), train_eos=trainer.args.train_eos)
                 for prompt, response, row in zip(prompts, responses, kept_rows, strict=True)]
     after = trainer.measure(examples)
     assert after["tokens"] > 0 and after["kl"] > 1e-3
@@ -263,13 +268,24 @@ def test_gradient_accumulation_is_derived_from_the_step_batch(tmp_path: Path):
 def test_learning_rate_decays_to_zero_over_all_rounds(tmp_path: Path):
     from alpacafarm_trl.quark_trainer import run_rounds
 
-    trainer = tiny_trainer(tmp_path, rounds=4, lr_scheduler_type="linear")
+    trainer = tiny_trainer(tmp_path, rounds=4, lr_scheduler_type="linear", warmup_steps=0)
     stats = run_rounds(trainer, INSTRUCTIONS[:8], e_share, out_dir=tmp_path)
     rates = [e["learning_rate"] for s in stats for e in s["log_history"] if "learning_rate" in e]
     # One optimizer step per round, so one scheduler step per round: 5e-3 x (1, 3/4, 1/2, 1/4), then 0.
     assert rates == pytest.approx([5e-3, 3.75e-3, 2.5e-3, 1.25e-3])
     assert all(a > b for a, b in itertools.pairwise(rates))  # one schedule, not restarted each round
     assert stats[-1]["learning_rate"] == 0.0
+
+
+def test_learning_rate_warms_up_over_the_first_five_rounds_by_default(tmp_path: Path):
+    from alpacafarm_trl.quark_trainer import run_rounds
+
+    trainer = tiny_trainer(tmp_path, rounds=7, prompts_per_round=2, rollouts_per_prompt=4, max_new_tokens=4,
+                           step_batch_size=8)
+    stats = run_rounds(trainer, INSTRUCTIONS[:8], e_share, out_dir=tmp_path)
+    rates = [e["learning_rate"] for s in stats for e in s["log_history"] if "learning_rate" in e]
+    # The released script's --warmup_steps 5 (one scheduler step per round): 0, 1/5, ..., 4/5, 1, then 1/2.
+    assert rates == pytest.approx([5e-3 * f for f in (0, 0.2, 0.4, 0.6, 0.8, 1.0, 0.5)])
 
 
 def test_the_pool_is_rebuilt_every_round(tmp_path: Path):

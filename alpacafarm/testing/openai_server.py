@@ -45,9 +45,16 @@ class Fault:
     skipped or invented a pair): the last line of the answer is dropped, or, for a one-line answer, a line
     ``Pair 2: 1`` is added. The answer distorted is ``text`` when given, else the responder's for a scripted
     fault, else :func:`prefer_first_responder`'s (as for ``hang``).
+
+    ``trickle``: a normal 200 completion whose body is sent a few bytes at a time over ``seconds`` (every read
+    gets data, so only a whole-request deadline ends it). ``echo_key``: a 500 whose error message quotes the
+    request's bearer token (a proxy that echoes its input). ``no_choices``: a billed 200 with ``choices: []``.
+    ``null_content``: a billed 200 whose message content is ``null`` (a reasoning model out of ``max_tokens``:
+    ``finish_reason: length``). A ``retry_after`` of ``inf`` or ``nan`` is sent as that text.
     """
 
-    kind: Literal["429", "500", "503", "hang", "garbage", "close", "wrong_count"]
+    kind: Literal["429", "500", "503", "hang", "garbage", "close", "wrong_count", "trickle", "echo_key",
+                  "no_choices", "null_content"]
     retry_after: float | None = None
     seconds: float = 30.0
     text: str | None = None
@@ -178,13 +185,15 @@ class FakeOpenAIServer:
     """
 
     def __init__(self, responder: Responder | None = None, *, latency_s: float = 0.0, model_prefix: str = "",
-                 enforce_max_tokens: bool = False):
+                 enforce_max_tokens: bool = False, usage: bool = True):
         self.responder: Responder = responder or prefer_first_responder
         self.latency_s = latency_s
         self.model_prefix = model_prefix
         #: cut each answer after ``max_tokens`` tokens (words and punctuation) with ``finish_reason: length``,
         #: as a real server does; off by default, so judges with a small ``max_tokens`` keep their whole answer
         self.enforce_max_tokens = enforce_max_tokens
+        #: send ``usage`` (token counts) with every completion; False: omit it, as some servers do
+        self.usage = usage
         self.requests: list[RecordedRequest] = []
         self._lock = threading.Lock()
         self._script: collections.deque[Fault | None] = collections.deque()
@@ -287,6 +296,26 @@ class FakeOpenAIServer:
             kind = {"429": "rate_limit_exceeded", "500": "server_error", "503": "service_unavailable"}[fault.kind]
             extra = {} if fault.retry_after is None else {"Retry-After": f"{fault.retry_after:g}"}
             self._send(h, record, int(fault.kind), _error(f"Fake {fault.kind}", kind, kind), extra)
+        elif fault.kind == "echo_key":
+            token = record.headers.get("authorization", "")[7:].strip()
+            self._send(h, record, 500, _error(f"Internal error while checking key {token}", "server_error"))
+        elif fault.kind == "trickle":
+            text = self._normal_answer(body, scripted)
+            record.completed = True
+            self._trickle(h, record, json.dumps(self._completion(record.path, body, text)).encode(), fault.seconds)
+        elif fault.kind in ("no_choices", "null_content"):
+            record.completed = True
+            payload = self._completion(record.path, body, self._normal_answer(body, scripted))
+            if fault.kind == "no_choices":
+                payload["choices"] = []
+            else:
+                for choice in payload["choices"]:
+                    choice["finish_reason"] = "length"
+                    if "message" in choice:
+                        choice["message"]["content"] = None
+                    else:
+                        choice["text"] = None
+            self._send(h, record, 200, payload)
         elif fault.kind == "garbage":
             self._send(h, record, 200, None, raw=b'{"id": "chatcmpl-garbage", "choices": [{"mess')
         elif fault.kind == "wrong_count":
@@ -328,9 +357,31 @@ class FakeOpenAIServer:
             choices.append(choice)
         usage = {"prompt_tokens": _tokens(prompt_text), "completion_tokens": _tokens(text) * n}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
-                "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": f"{self.model_prefix}{body.get('model', 'fake-model')}", "choices": choices, "usage": usage}
+        payload = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+                   "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                   "model": f"{self.model_prefix}{body.get('model', 'fake-model')}", "choices": choices}
+        if self.usage:
+            payload["usage"] = usage
+        return payload
+
+    def _trickle(self, h: _Handler, record: RecordedRequest, data: bytes, seconds: float) -> None:
+        """Send a 200 with ``data`` spread evenly over ``seconds`` (headers at once, then the body in pieces)."""
+        record.status = 200
+        pieces = max(1, min(len(data), int(seconds * 10)))
+        size = -(-len(data) // pieces)
+        try:
+            h.send_response(200)
+            h.send_header("Content-Type", "application/json")
+            h.send_header("Content-Length", str(len(data)))
+            h.end_headers()
+            h.wfile.flush()
+            for start in range(0, len(data), size):
+                if self._stopping.wait(seconds / pieces):
+                    return self._drop(h, record)
+                h.wfile.write(data[start:start + size])
+                h.wfile.flush()
+        except OSError:  # the client gave up (its deadline) before the end
+            h.close_connection = True
 
     def _send(self, h: _Handler, record: RecordedRequest, status: int, payload: dict | None,
               headers: dict[str, str] | None = None, raw: bytes | None = None) -> None:

@@ -92,8 +92,17 @@ def main(argv: list[str]) -> int:
             spent[0] += cost
             progress.update(task, advance=n, cost=spent[0])
 
+        stopped: UserError | None = None
         for replicate in range(args.replicates):
-            by_replicate.append(annotator.annotate(pairs, advance, replicate=replicate))
+            try:
+                by_replicate.append(annotator.annotate(pairs, advance, replicate=replicate))
+            except UserError as exc:  # a stop (budget, a full cache): write what was paid for, then report it
+                partial = getattr(exc, "partial", None)
+                if partial is None or len(partial) != len(pairs):
+                    raise
+                by_replicate.append(partial)
+                stopped = exc
+                break
     seconds = time.perf_counter() - started
 
     out = []
@@ -121,6 +130,8 @@ def main(argv: list[str]) -> int:
                       "ties": summary.counts["tie"], "unparsed": summary.unparsed, "failed": summary.failed,
                       "endpoint": endpoint, "first_error": summary.first_error, **usage.to_json(),
                       "seconds": round(seconds, 2)}))
+    if stopped is not None:
+        raise stopped
     if summary.failed:
         where = f" at {endpoint}" if endpoint else ""
         raise AnnotationFailed(

@@ -45,11 +45,19 @@ class PromptedAnnotatorConfig(BaseModel):
     price: Price | None = Field(None, description="default: the price table entry for the model")
     max_concurrency: int = Field(8, ge=1)
     requests_per_minute: float | None = Field(None, gt=0)
-    timeout_s: float = Field(60.0, gt=0)
+    timeout_s: float = Field(60.0, gt=0, description="deadline of one request as a whole (not per read)")
     max_retries: int = Field(6, ge=0)
     retry_backoff_s: float = Field(1.0, ge=0, description="first retry delay; doubles each time, with jitter")
+    max_backoff_s: float = Field(30.0, ge=0, description="longest wait before a retry, a server's Retry-After "
+                                 "included")
     connect_retries: int = Field(2, ge=0, description="retries when the endpoint cannot be reached at all "
                                  "(connection refused, unknown host); at most max_retries")
+    timeout_retries: int = Field(1, ge=0, description="retries of a request that ran past timeout_s (a stalled "
+                                 "endpoint); at most max_retries")
+    reask_unparsed: int = Field(1, ge=0, description="how many later runs ask again for a pair whose answers could "
+                                "not be read (each pays again); after that it is served from the cache as unparsed")
+    cache_flush_wait_s: float = Field(30.0, ge=0, description="when the annotation cache cannot be written (a full "
+                                      "disk), how long to keep retrying to store the answers already paid for")
     parse_retries: int = Field(1, ge=0, description="an answer that cannot be read is asked for again this many "
                                "times (the paper: once); a batch's pairs are then asked one by one")
     claim_wait_s: float = Field(900.0, gt=0, description="how long to wait for a pair another live process is "

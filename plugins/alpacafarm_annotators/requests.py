@@ -1,21 +1,29 @@
 """Sending requests to an OpenAI-compatible endpoint: bounded concurrency, a rate limit, retries, a budget.
 
-Retries use exponential backoff with jitter and honour ``Retry-After``; they cover 429, 5xx, timeouts,
-dropped connections and unreadable bodies. Other 4xx errors (bad key, unknown model) fail at once. A connection
-that cannot even be opened (nothing listens at the endpoint: a wrong port, a server that is down) is retried at
-most ``connect_retries`` times, so a wrong ``base_url`` fails in seconds instead of backing off for a minute.
+Retries use exponential backoff with jitter and honour ``Retry-After`` (capped at ``max_backoff_s``; a value that
+is not a finite number of seconds is ignored); they cover 429, 5xx, timeouts, dropped connections and unreadable
+bodies (a 200 without choices too). Other 4xx errors (bad key, unknown model) fail at once. A connection that
+cannot even be opened (nothing listens at the endpoint: a wrong port, a server that is down) is retried at most
+``connect_retries`` times and a request that timed out at most ``timeout_retries`` times, so a wrong ``base_url``
+or a stalled endpoint fails in seconds or minutes instead of backing off for ten. ``timeout_s`` is a deadline
+for the whole request (connect, headers and body), not for each read: a body trickled byte by byte ends too.
+
+Error texts never carry the key: :func:`complete` removes the ``secrets`` it is given from every message (an
+endpoint may echo the key in an error body) before they reach an exception, a log line or an output file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from alpacafarm.errors import UserError
+from alpacafarm.errors import UserError, redact
 
 logger = logging.getLogger("alpacafarm.annotators")
 
@@ -36,6 +44,9 @@ class Completion:
     latency_s: float
     attempts: int
     logprobs: Any = None
+    #: False when the reply carried no ``usage``: the caller counts the tokens itself (see prompted.py)
+    usage_reported: bool = True
+    finish_reason: str | None = None
 
 
 class RateLimiter:
@@ -78,16 +89,19 @@ class Budget:
         self.spent += actual
 
 
-def _retry_after(exc: Exception) -> float | None:
+def _retry_after(exc: Exception, cap_s: float) -> float | None:
+    """The server's ``Retry-After`` in seconds, at most ``cap_s``; None when absent or not a finite number
+    (``inf`` or ``nan`` would otherwise sleep forever)."""
     response = getattr(exc, "response", None)
     headers = getattr(response, "headers", None)
     if not headers:
         return None
     value = headers.get("retry-after")
     try:
-        return max(0.0, float(value)) if value is not None else None
+        seconds = float(value) if value is not None else math.nan
     except ValueError:
         return None
+    return min(cap_s, max(0.0, seconds)) if math.isfinite(seconds) else None
 
 
 def _is_retryable(exc: Exception) -> bool:
@@ -100,6 +114,12 @@ def _is_retryable(exc: Exception) -> bool:
     return isinstance(exc, (ValueError, asyncio.TimeoutError))  # an unreadable 200 body surfaces as ValueError
 
 
+def _timed_out(exc: Exception) -> bool:
+    import openai
+
+    return isinstance(exc, (openai.APITimeoutError, asyncio.TimeoutError, TimeoutError))
+
+
 def _cannot_connect(exc: Exception) -> bool:
     """A connection that was never opened (refused, no route, unknown host), as opposed to one dropped mid-way."""
     cause = exc.__cause__
@@ -108,51 +128,75 @@ def _cannot_connect(exc: Exception) -> bool:
 
 async def complete(client: Any, *, style: str, model: str, prompt: Any, decoding: dict[str, Any], logprobs: bool,
                    max_retries: int, timeout_s: float, limiter: RateLimiter, backoff_s: float = 1.0,
-                   max_backoff_s: float = 60.0, connect_retries: int | None = None) -> Completion:
+                   max_backoff_s: float = 60.0, connect_retries: int | None = None,
+                   timeout_retries: int | None = None, secrets: Sequence[str] = (),
+                   before_send: Callable[[], Awaitable[None]] | None = None,
+                   stop: Callable[[], str | None] | None = None) -> Completion:
     """One completion with retries. Raises :class:`RequestFailed` when retries are exhausted (``connect_retries``
-    bounds the retries of a connection that cannot be opened; default: ``max_retries``)."""
+    bounds the retries of a connection that cannot be opened, ``timeout_retries`` those of a request that ran
+    past ``timeout_s``; default: ``max_retries``).
+
+    ``before_send`` runs (and may raise to cancel) right before every attempt: the caller re-checks there that it
+    may still pay (its claims, its cache). ``stop`` is asked before every retry: a text means "give up now" (the
+    caller's circuit breaker tripped on another request). ``secrets`` never appear in an error message."""
     import openai
 
-    attempts = 0
+    attempts = timeouts = 0
     while True:
         attempts += 1
         await limiter.wait()
+        if before_send is not None:
+            await before_send()
         started = time.perf_counter()
         try:
-            if style == "chat":
-                extra = {"logprobs": True, "top_logprobs": 5} if logprobs else {}
-                response = await client.chat.completions.create(model=model, messages=prompt, timeout=timeout_s,
-                                                                 **decoding, **extra)
-                choice = response.choices[0]
-                text = choice.message.content or ""
-                choice_logprobs = getattr(choice, "logprobs", None)
-            else:
-                extra = {"logprobs": 5} if logprobs else {}
-                response = await client.completions.create(model=model, prompt=prompt, timeout=timeout_s, **decoding,
-                                                           **extra)
-                choice = response.choices[0]
-                text = choice.text or ""
-                choice_logprobs = getattr(choice, "logprobs", None)
-            usage = response.usage
-            return Completion(text, getattr(usage, "prompt_tokens", 0) or 0,
-                              getattr(usage, "completion_tokens", 0) or 0,
-                              time.perf_counter() - started, attempts, choice_logprobs)
+            # The whole request has one deadline: the client's own timeout applies per read, so a body trickled
+            # one byte at a time would never end.
+            response = await asyncio.wait_for(_create(client, style, model, prompt, decoding, logprobs, timeout_s),
+                                              timeout_s)
+            if not response.choices:
+                raise ValueError("the endpoint answered 200 with no choices")
+            choice = response.choices[0]
+            text = (choice.message.content if style == "chat" else choice.text) or ""
+            usage = getattr(response, "usage", None)
+            return Completion(redact(text, secrets), getattr(usage, "prompt_tokens", 0) or 0,
+                              getattr(usage, "completion_tokens", 0) or 0, time.perf_counter() - started, attempts,
+                              getattr(choice, "logprobs", None), usage_reported=usage is not None,
+                              finish_reason=getattr(choice, "finish_reason", None))
         except Exception as exc:
             if isinstance(exc, openai.APIStatusError) and not _is_retryable(exc):
-                raise UserError(f"the endpoint refused the request ({exc.status_code}): {_short(exc)}") from None
+                raise UserError(f"the endpoint refused the request ({exc.status_code}): "
+                                f"{_short(exc, secrets)}") from None
             if not _is_retryable(exc) and not isinstance(exc, openai.OpenAIError):
                 raise
             limit = max_retries
             if connect_retries is not None and _cannot_connect(exc):
-                limit = min(max_retries, connect_retries)
-            if attempts > limit:
-                raise RequestFailed(f"{type(exc).__name__} after {attempts} attempts: {_short(exc)}") from None
-            delay = _retry_after(exc)
+                limit = min(limit, connect_retries)
+            timeouts += _timed_out(exc)
+            name = "Timeout" if isinstance(exc, asyncio.TimeoutError) else type(exc).__name__
+            if attempts > limit or (timeout_retries is not None and timeouts > timeout_retries):
+                detail = _short(exc, secrets) or f"no complete answer within timeout_s={timeout_s:g}s"
+                raise RequestFailed(f"{name} after {attempts} attempts: {detail}") from None
+            halted = stop() if stop is not None else None
+            if halted:
+                raise RequestFailed(f"{name} after {attempts} attempts, not retried ({halted}): "
+                                    f"{_short(exc, secrets)}") from None
+            delay = _retry_after(exc, max_backoff_s)
             if delay is None:
                 delay = min(max_backoff_s, backoff_s * 2 ** (attempts - 1)) * (0.5 + random.random())
-            logger.warning("request failed (%s), retry %d/%d in %.2fs", type(exc).__name__, attempts, limit, delay)
+            logger.warning("request failed (%s), retry %d/%d in %.2fs", name, attempts, limit, delay)
             await asyncio.sleep(delay)
 
 
-def _short(exc: Exception) -> str:
-    return (str(exc).splitlines() or [""])[0][:200]
+async def _create(client: Any, style: str, model: str, prompt: Any, decoding: dict[str, Any], logprobs: bool,
+                  timeout_s: float) -> Any:
+    if style == "chat":
+        extra = {"logprobs": True, "top_logprobs": 5} if logprobs else {}
+        return await client.chat.completions.create(model=model, messages=prompt, timeout=timeout_s, **decoding,
+                                                    **extra)
+    extra = {"logprobs": 5} if logprobs else {}
+    return await client.completions.create(model=model, prompt=prompt, timeout=timeout_s, **decoding, **extra)
+
+
+def _short(exc: Exception, secrets: Sequence[str] = ()) -> str:
+    text = redact(str(exc), secrets)  # before cutting: a cut key would no longer match
+    return (text.splitlines() or [""])[0][:200]

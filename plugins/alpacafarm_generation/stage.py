@@ -12,11 +12,21 @@ from alpacafarm.method import OUTPUTS_FILE, Artifact, Method, StageContext
 
 
 class GenerateOutputsConfig(BaseModel):
+    """Which instructions and how to sample them.
+
+    Sampling defaults to the evaluation decoding: temperature 0.7 (the paper, Section 4.1: every system but
+    best-of-n) and top_p 0.9 (the released decoding, ``HFDecodingArguments`` in ``alpaca_farm/inference/decode.py``;
+    the paper states no top_p for its own models, 1.0 for the API baselines).
+    """
+
     model_config = ConfigDict(extra="forbid")
 
     split: str = Field("eval", description="which file of the instructions input (train/eval)")
     max_instructions: int | None = Field(None, ge=1)
-    sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=0.7, max_new_tokens=128))
+    sampling: SamplingConfig = Field(
+        default_factory=lambda: SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=128),
+        description="omitted: the evaluation decoding; a sampling block given replaces it (unset fields take "
+                    "SamplingConfig's own defaults, top_p 1.0)")
     backend: str = "transformers"
     backend_config: dict[str, Any] = Field(default_factory=dict, description="the backend's own options")
 

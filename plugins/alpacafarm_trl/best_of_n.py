@@ -39,7 +39,12 @@ def powers_of_two(n_max: int) -> list[int]:
 
 
 class BestOfNConfig(BaseModel):
-    """Which instructions, how many samples, how to sample and score them."""
+    """Which instructions, how many samples, how to sample and score them.
+
+    Sampling defaults: temperature 1.0 (the paper, Section 4.1: best-of-n reranks samples at 1.0 for diversity)
+    and top_p 0.9 (the released decoding, ``HFDecodingArguments`` in ``alpaca_farm/inference/decode.py``; the
+    paper states no top_p for its own models, 1.0 for the API baselines).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -47,8 +52,10 @@ class BestOfNConfig(BaseModel):
     max_instructions: int | None = Field(None, ge=1)
     n: int = Field(16, ge=1, description="the largest n: samples drawn per instruction (the paper sweeps up to 1024)")
     n_values: list[int] | None = Field(None, description="the n evaluated on prefixes; default 1, 2, 4, ..., n")
-    sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=1.0, max_new_tokens=256),
-                                     description="n is taken from the field above")
+    sampling: SamplingConfig = Field(
+        default_factory=lambda: SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=256),
+        description="n is taken from the field above; a sampling block given replaces the default (unset fields "
+                    "take SamplingConfig's own defaults, top_p 1.0)")
     score_batch_size: int = Field(8, ge=1)
     backend: str = "transformers"
     backend_config: dict[str, Any] = Field(default_factory=dict)

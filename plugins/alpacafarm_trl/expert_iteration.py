@@ -55,7 +55,8 @@ class ExpertIterationConfig(SFTMethodConfig):
     split: str = field(default="train", metadata={"help": "file of the instruction splits to sample on"})
     max_instructions: int | None = field(default=None, metadata={"help": "use the first N instructions only"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (paper: 1.0 for reranking)"})
-    top_p: float = 1.0
+    top_p: float = field(default=0.9, metadata={
+        "help": "nucleus sampling threshold (released decoding: 0.9; the paper states none for its models)"})
     max_new_tokens: int = 300
     generation_batch_size: int = field(default=4, metadata={"help": "instructions per generation batch (x n samples)"})
     score_batch_size: int = 8

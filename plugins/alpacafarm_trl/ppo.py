@@ -27,32 +27,15 @@ from alpacafarm_trl.ppo_trainer import build_ppo_trainer
 
 
 def save_trained_policy(trainer: Any, spec: Any, sft_path: str, directory: str | Path,
-                        state_dict: dict[str, Any] | None = None) -> bool:
-    """Save the trained policy to ``directory``; returns whether LoRA adapters were merged into full weights.
+                        state_dict: dict[str, Any] | None) -> bool:
+    """Save the trained policy through :func:`alpacafarm.training.save_trained`; returns whether adapters were
+    merged. ``state_dict``: the policy's full weights (:meth:`~alpacafarm_trl.ppo_trainer.PPOTrainer.policy_state_dict`,
+    gathered whole whatever the launch config)."""
+    from alpacafarm.training import save_trained
 
-    Full weights are written in the model block's save dtype (:func:`alpacafarm.modeling.save_dtype`; the
-    float32 master weights in memory are not touched), adapters as they are (float32). New adapters on an SFT
-    model that was itself adapters cannot name their base: they are saved merged. ``state_dict``: the full weights
-    of a sharded policy, gathered by every rank (:meth:`alpacafarm_trl.ppo_sharding.Sharding.full_state_dict`).
-    """
-    from alpacafarm.modeling import is_adapter_folder, save_dtype, save_model
-
-    merge = bool(spec.lora and (spec.merge_adapters or is_adapter_folder(sft_path)))
-    full_weights = spec.lora is None or merge
-    save_model(trainer.models.policy_export(), trainer.tokenizer, directory, merge_adapters=merge,
-               dtype=save_dtype(spec) if full_weights else None, state_dict=state_dict)
-    return merge
-
-
-def weights_digest(trainer: Any) -> str:
-    """SHA-256 of the trained tensors (by name): equal on every rank when the ranks stepped alike."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for name, param in sorted(trainer.params.items()):
-        digest.update(name.encode())
-        digest.update(param.detach().float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+    policy = trainer.accelerator.unwrap_model(trainer.model).policy
+    return save_trained(trainer.models.policy_export(policy), trainer.tokenizer, spec, sft_path, directory,
+                        state_dict=state_dict)
 
 
 class PPO(Method):
@@ -63,16 +46,14 @@ class PPO(Method):
     provides = "policy_model"
     description = ("PPO against the surrogate reward model with a per-token KL penalty to the SFT model "
                    "(our trainer)")
-    #: Under several processes every rank rolls out its share of each rollout batch and gradients are summed
-    #: across ranks (see :mod:`alpacafarm_trl.ppo_trainer`); the main process saves.
+    #: Under several processes every rank rolls out its share of each rollout batch and the policy and critic train
+    #: through one accelerate Accelerator (see :mod:`alpacafarm_trl.ppo_trainer`); the main process saves.
     all_ranks = True
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm import distributed
         from alpacafarm.data import write_json
-        from alpacafarm_trl.ppo_sharding import requested_sharding
 
-        requested_sharding()  # a launch config PPO cannot honour (FSDP 1, ZeRO-1) fails before any model loads
         spec = context.recipe.model
         args = stage_training_args(self.config, context)
         sft_path = context.input("sft_model").path
@@ -85,13 +66,7 @@ class PPO(Method):
         with training_progress(trainer, context, "PPO steps"):
             result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
-        # Sharded (FSDP2, ZeRO): gathered whole on every rank to be saved (ZeRO-2's copies are the engine's to keep
-        # in step). Data parallel: every rank holds its own copy, and they must agree.
-        full_state = trainer.sharding.full_state_dict(trainer.models.policy_export())
-        digests = distributed.all_gather_object(weights_digest(trainer), context.stage) \
-            if distributed.world_size() > 1 and not trainer.sharding.active else []
-        if len(set(digests)) > 1:  # a bug of ours, never a user's: the ranks' weights drifted apart
-            raise RuntimeError(f"stage {context.stage}: the ranks ended PPO with different weights ({digests})")
+        full_state = trainer.policy_state_dict()  # every rank: gathered whole where the weights are sharded
         if not context.is_main:
             return Artifact("model", str(model_dir))
         merge = save_trained_policy(trainer, spec, sft_path, model_dir, state_dict=full_state)
@@ -107,8 +82,6 @@ class PPO(Method):
             "final_kl": steps[-1]["kl"] if steps else None, "lora": spec.lora is not None, "merged": merge,
             "world_size": distributed.world_size(),
         }
-        if digests:
-            metrics["weights_sha256_by_rank"] = digests
         write_json(Path(context.stage_dir) / "metrics.json",
                    {**metrics, "log_history": trainer.state.log_history})
         return Artifact("model", str(model_dir), metrics)

@@ -8,6 +8,7 @@ from transformers import TrainingArguments
 
 from alpacafarm.training import TrainingDefaults
 from alpacafarm_trl.ppo_core import KL_PENALTIES
+from alpacafarm_trl.ppo_models import VALUE_HEAD_INITS
 
 
 @dataclass
@@ -18,14 +19,18 @@ class PPOMethodConfig(TrainingDefaults, TrainingArguments):
 
     * **the paper** (Appendix B.1): 512 rollouts per PPO step in 2 epochs of mini-batches of 256, learning rate
       1e-5 decaying linearly to 0, gradient clipping at norm 1, 10 passes over the prompts,
-      ``gamma = lambda = 1``, a fixed KL coefficient of 0.002 (simulated feedback; 0.02 for human feedback),
+      ``gamma = lambda = 1``, a fixed KL coefficient of 0.002 (simulated feedback; 0.02 for human feedback; the
+      released script ``examples/scripts/rlhf_ppo.sh`` defaults to 0.0067, which the paper does not report),
       advantages whitened over the whole rollout batch, the value model initialised from the reward model;
     * **the released AlpacaFarm implementation**, where the paper is silent (its KL coefficients were tuned with
       it): the per-token KL penalty is charged on ``max(log p - log p_ref, 0)`` (``kl_penalty: clamped``; ``k1``
       charges the plain sampled estimate, negative terms included); the KL-shaped per-token rewards are
       whitened over the rollout batch before GAE, their mean kept (``whiten_rewards: true``); ``vf_coef`` 0.1,
       ``cliprange`` 0.2, ``cliprange_value`` 0.2; AdamW epsilon 1e-5 (``adam_epsilon``; transformers'
-      default is 1e-8);
+      default is 1e-8); 5 warm-up PPO steps (the script's ``--warmup_steps 5``; the paper only says the rate decays
+      to 0): as released, the learning-rate schedule steps once per PPO step, so ``warmup_steps`` counts PPO
+      steps (a fraction below 1 is of ``max_steps``); prompts longer than 192 tokens
+      skipped (``max_prompt_length``: the released ``query_len``);
     * **our assumptions**: ``max_new_tokens`` 300 (the paper's models answer in under 300 tokens), sampling at
       temperature 1, the reward-model score as it is (``reward_scale`` 1, no ``reward_clip``, no
       ``missing_eos_penalty``).
@@ -68,13 +73,19 @@ class PPOMethodConfig(TrainingDefaults, TrainingArguments):
                                               metadata={"help": "subtract from responses without EOS"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the rollouts"})
     max_new_tokens: int = field(default=300, metadata={"help": "longest response"})
-    max_prompt_length: int | None = field(default=None, metadata={"help": "skip prompts with more tokens"})
+    max_prompt_length: int | None = field(default=192, metadata={
+        "help": "skip prompts with more tokens (released: query_len 192); None: keep every prompt"})
     score_batch_size: int = field(default=8, metadata={"help": "batch size of reward-model scoring"})
+    value_head_init: str = field(default="zero", metadata={
+        "help": "how the critic's head on the reward model's backbone starts: 'zero' = a new head with weight and "
+                "bias 0 (the released AlpacaFarm implementation: values start at 0, in the whitened units of the "
+                "returns), 'reward_head' = a copy of the reward model's score head (values start as raw scores)"})
 
     learning_rate: float = 1e-5
     adam_epsilon: float = 1e-5  # the released implementation's (OpenAI's PPO code's); transformers' is 1e-8
     num_train_epochs: float = 10.0
     lr_scheduler_type: str = "linear"
+    warmup_steps: float = 5  # PPO steps: the released script's --warmup_steps 5 (its schedule steps once per PPO step)
     logging_steps: float = 1
     save_steps: float = 20
 
@@ -89,6 +100,9 @@ class PPOMethodConfig(TrainingDefaults, TrainingArguments):
                              f"mini_batch_size ({self.mini_batch_size})")
         if self.temperature <= 0:
             raise ValueError("temperature must be positive: PPO samples from the policy")
+        if self.value_head_init not in VALUE_HEAD_INITS:
+            raise ValueError(f"value_head_init must be one of {', '.join(VALUE_HEAD_INITS)}, "
+                             f"not {self.value_head_init!r}")
         if self.kl_penalty not in KL_PENALTIES:
             raise ValueError(f"kl_penalty must be one of {', '.join(KL_PENALTIES)}, not {self.kl_penalty!r}")
         if self.kl_coef < 0 or self.cliprange <= 0 or self.cliprange_value <= 0 or self.vf_coef < 0:

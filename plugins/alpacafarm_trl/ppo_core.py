@@ -124,80 +124,75 @@ def sum_across_ranks(sums: dict[str, float]) -> dict[str, float]:
 
 def rollout_means(rollouts: Rollouts, kl_coef: float) -> dict[str, float]:
     """A PPO step's logged rollout statistics: means over the whole rollout batch (per rollout, or per response
-    token), every rank's rows together (sums and counts added across ranks)."""
-    mask = rollouts.mask
+    token). Every rank holds the whole batch (:meth:`PPOTrainer.rollout` gathers it), so no reduction is needed."""
+    mask = rollouts.mask.double()
     kl, penalized = rollouts.kl.sum(-1), rollouts.penalized_kl.sum(-1)
     non_score = -kl_coef * penalized
     per_rollout = {"score": rollouts.scores, "kl": kl, "penalized_kl": penalized, "non_score_reward": non_score,
-                   "reward": rollouts.scores + non_score, "response_length": mask.sum(-1),
+                   "reward": rollouts.scores + non_score, "response_length": rollouts.mask.sum(-1),
                    "eos_fraction": torch.tensor(rollouts.ended, dtype=torch.float32)}
     per_token = {"entropy": rollouts.entropy, "value_mean": rollouts.values, "return_mean": rollouts.returns}
-    sums = {k: float(v.double().sum()) for k, v in per_rollout.items()}
-    sums.update({k: float(masked_sum(v.double(), mask.double())) for k, v in per_token.items()})
-    sums.update(n_rollouts=float(len(rollouts.scores)), n_tokens=float(mask.sum()))
-    sums = sum_across_ranks(sums)
-    n_rollouts, n_tokens = max(sums.pop("n_rollouts"), 1.0), max(sums.pop("n_tokens"), 1.0)
-    return {k: v / (n_tokens if k in per_token else n_rollouts) for k, v in sums.items()}
+    n_rollouts, n_tokens = max(len(rollouts.scores), 1), max(float(mask.sum()), 1.0)
+    means = {k: float(v.double().sum()) / n_rollouts for k, v in per_rollout.items()}
+    means.update({k: float(masked_sum(v.double(), mask)) / n_tokens for k, v in per_token.items()})
+    return means
 
 
-def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
-    """Sum the gradients of ``params`` over ranks (in place, tensor by tensor: no second copy of them all), so
-    every rank steps alike.
+def whiten(values: torch.Tensor, *, shift_mean: bool = True) -> torch.Tensor:
+    """Standardise every entry of ``values`` to variance 1 (and mean 0 unless ``shift_mean=False``).
 
-    A parameter no rank computed a gradient for keeps ``grad = None`` (the optimizer skips it, as one process
-    would); one that only some ranks reached gets zeros on the others. No-op for one process and for sharded
-    (DTensor) parameters.
+    Statistics over the whole tensor, padding included: ``(x - mean) / (std + eps)`` with the population
+    standard deviation, as the released AlpacaFarm implementation whitens (``torch_ops.whiten``).
     """
-    from torch.distributed.tensor import DTensor
-
-    from alpacafarm import distributed
-
-    # Sharded (FSDP2) parameters are left alone: their gradients were already summed by FSDP2's reduce-scatter.
-    params = [p for p in params if not isinstance(p, DTensor)]
-    if distributed.world_size() == 1 or not params:
-        return
-    present = torch.tensor([p.grad is not None for p in params], dtype=torch.float64)
-    distributed.all_reduce_sum(present)
-    for param, seen in zip(params, present.tolist(), strict=True):
-        if not seen:
-            continue
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        distributed.all_reduce_sum(param.grad)
+    mean, std = values.mean(), values.std(unbiased=False)
+    whitened = (values - mean) / (std + WHITEN_EPS)
+    return whitened + mean if not shift_mean else whitened
 
 
-def global_masked_mean_var(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked mean and population variance over every rank's ``values`` together (this rank's alone for one
-    process): counts and sums are all-reduced in float64, then the variance is taken about the global mean in a
-    second reduction (no cancellation from ``E[x²] - E[x]²``)."""
-    from alpacafarm import distributed
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True) -> torch.Tensor:
+    """:func:`whiten` over the entries where ``mask`` is 1 only; padding is 0.
 
-    totals = torch.stack([masked_sum(values.double(), mask.double()), mask.double().sum()])
-    distributed.all_reduce_sum(totals)
-    mean = totals[0] / totals[1].clamp(min=1)
-    squares = masked_sum((values.double() - mean) ** 2, mask.double()).reshape(1)
-    distributed.all_reduce_sum(squares)
-    var = squares[0] / totals[1].clamp(min=1)
-    return mean.to(values.dtype), var.to(values.dtype)
-
-
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True,
-                  across_ranks: bool = False) -> torch.Tensor:
-    """Standardise the masked entries to variance 1 (and mean 0 unless ``shift_mean=False``); padding is 0.
-
-    Statistics are taken over every masked entry of the whole tensor: called on a full rollout batch, this is
-    the paper's "normalize the advantage across the entire batch of rollouts" (Appendix B.1). With
-    ``across_ranks`` each rank holds part of the rollout batch and the statistics are those of the whole batch
-    (all ranks' entries together), so N ranks whiten exactly as one process holding the concatenated batch.
+    Called on a full rollout batch this is the paper's "normalize the advantage across the entire batch of
+    rollouts" (Appendix B.1). The released code whitens the advantages of padding positions too; ours are
+    masked out of every loss, so they are kept out of the statistics as well (see :func:`advantages_and_returns`).
     """
-    if across_ranks:
-        mean, var = global_masked_mean_var(values, mask)
-    else:
-        mean, var = masked_mean(values, mask), masked_var(values, mask)
-    whitened = (values - mean) * torch.rsqrt(var + WHITEN_EPS)
+    mean = masked_mean(values, mask)
+    std = masked_var(values, mask).sqrt()
+    whitened = (values - mean) / (std + WHITEN_EPS)
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask
+
+
+def advantages_and_returns(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *,
+                           response_length: int, gamma: float = 1.0, lam: float = 1.0,
+                           whiten_rewards: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE advantages (not yet whitened) and returns of a whole rollout batch, as the released code computes them.
+
+    The released trainer holds every response padded to ``response_length`` columns (its ``max_new_tokens``),
+    whitens the KL-shaped rewards over that whole ``[batch, response_length]`` tensor, padding included, keeping
+    their mean, and runs GAE over every column. Whitening with the mean kept adds the same constant to every
+    column, so a response's first-token return sums it over all ``response_length`` columns whatever the
+    response's length: returns stay length-invariant. (Whitening over real tokens only, as this trainer once did,
+    gave longer responses more of that constant: a length bonus or penalty whose sign was the reward model's
+    arbitrary offset.)
+
+    ``rewards``, ``values`` and ``mask`` are ``[batch, width]`` with ``width <= response_length``, zero after each
+    row's last real token; the values of padding positions count as 0 (the released critic predicts them too, but
+    our losses never read them). Returns ``(advantages, returns)`` on real tokens only (zero on padding).
+    """
+    batch, width = rewards.shape
+    if width > response_length:
+        raise ValueError(f"responses of {width} tokens are longer than response_length {response_length}")
+    full_rewards = rewards.new_zeros(batch, response_length)
+    full_values = values.new_zeros(batch, response_length)
+    full_rewards[:, :width] = rewards * mask
+    full_values[:, :width] = values * mask
+    if whiten_rewards:
+        full_rewards = whiten(full_rewards, shift_mean=False)
+    full_mask = torch.ones_like(full_rewards)
+    advantages, returns = compute_gae(full_rewards, full_values, full_mask, gamma=gamma, lam=lam)
+    return advantages[:, :width] * mask, returns[:, :width] * mask
 
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

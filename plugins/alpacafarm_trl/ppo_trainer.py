@@ -1,62 +1,63 @@
 """The PPO trainer: Proximal Policy Optimization against a reward function, TRL-style, of our own.
 
 TRL no longer ships a PPO trainer, so this module implements the AlpacaFarm variant (paper Section 3.4,
-Appendices A.2 and B.1) from the algorithm:
+Appendices A.2 and B.1) from the algorithm, checked against the released implementation
+(``tests/test_ppo_oracle.py``):
 
 * each PPO step samples a rollout batch of responses from the policy on the unlabeled instructions with the
-  one core sampler (:func:`alpacafarm.sampling.sample`: temperature sampling, left-padded prompts), the
-  prompts written by :class:`alpacafarm.prompts.PromptFormat` for the SFT model folder (so a folder trained
-  behind a control token, such as reward conditioning's ``<good>``, is sampled behind it);
-* the reward of a response is the reward function's score (the reward model's, an
-  :class:`alpacafarm.rewards.RewardScorer`) on its last token minus a per-token KL penalty
-  ``kl_coef * max(log p_policy - log p_SFT, 0)`` (a fixed coefficient: 0.002 for simulated feedback, 0.02 for
-  human feedback; clamped at zero as in the released implementation, ``kl_penalty: k1`` for the plain
+  one core sampler (:func:`alpacafarm.sampling.sample`), the prompts written by
+  :class:`alpacafarm.prompts.PromptFormat` for the SFT model folder (so a folder trained behind a control token,
+  such as reward conditioning's ``<good>``, is sampled behind it);
+* the reward of a response is the reward function's score on its last token minus a per-token KL penalty
+  ``kl_coef * max(log p_policy - log p_SFT, 0)`` (clamped at zero as released; ``kl_penalty: k1`` for the plain
   estimate);
-* the shaped per-token rewards are whitened over the rollout batch, their mean kept (``whiten_rewards``, the
-  released implementation); advantages come from GAE with ``gamma = lambda = 1`` and are whitened over the
-  whole rollout batch (not per mini-batch, the paper's first modification); the value model starts as the
-  reward model in every model layout (its second);
-* the policy and the value model then take ``ppo_epochs`` passes of clipped-loss updates over mini-batches.
+* the shaped rewards are whitened over the whole rollout batch padded to ``max_new_tokens`` columns, their mean
+  kept, and GAE (``gamma = lambda = 1``) runs over every column, as released: returns do not depend on a
+  response's length (:func:`~alpacafarm_trl.ppo_core.advantages_and_returns`); advantages are whitened over the
+  whole rollout batch (the paper's first modification); the critic is the reward model's backbone with a new
+  zero-initialised value head (its second, as released: :mod:`alpacafarm_trl.ppo_models`);
+* the policy and the critic then take ``ppo_epochs`` passes of clipped-loss updates over mini-batches, one
+  loss and one backward for both.
 
-Under several processes (``--num-processes N``) every rank holds the whole models, samples its generation batches
-(the responses one process samples), and scores and evaluates its share of the rollouts; whitening and logged
-means are over the whole batch, gradients are summed across ranks: one process's step. The main process saves.
-Launched with an FSDP2 accelerate config the policy and value model are sharded across the ranks instead of copied
-(:mod:`alpacafarm_trl.ppo_sharding`: the same step, its gradients reduce-scattered as sums); with a DeepSpeed
-ZeRO-2/3 config they train through one DeepSpeed engine (:mod:`alpacafarm_trl.ppo_zero`, the same step again).
+**Several processes.** The policy and critic are one :class:`~alpacafarm_trl.ppo_models.ActorCritic` module
+prepared once by an ``accelerate.Accelerator`` with the optimizer: the launch config alone picks DDP, FSDP2 or
+DeepSpeed ZeRO-2/3, and this file names none of them. Every rank samples a share of each rollout batch's
+generation batches (the batches one process forms, so the responses are one process's), scores and evaluates an
+equal share of the rows, and the rows are gathered so every rank holds the whole rollout batch: whitening is over
+the whole batch, as in one process. In the update every rank takes an equal share of each mini-batch; the loss
+is scaled so that accelerate's gradient averaging over ranks and micro-batches gives the gradient of the
+mini-batch's token mean: one process's step. With the same global batch, 1 and N processes give the same
+weights up to floating-point summation order (``tests/test_ppo_distributed.py``).
 
-The models come in two layouts (:mod:`alpacafarm_trl.ppo_models`, built by :mod:`alpacafarm_trl.ppo_build`):
-separate policy, reference and value models, or with ``lora:`` (and optionally ``quantization: 4bit``) ONE base
-carrying the ``policy`` adapter (and the critic's, when the reward model is LoRA adapters on that base). The
-trainer follows ``transformers.Trainer``'s conventions: a ``TrainingArguments`` subclass for its config
-(:mod:`alpacafarm_trl.ppo_config`), ``TrainerState``/``log_history``, ``TrainerCallback`` events
-(``on_step_end``, ``on_log``, ``on_save``, ...), ``checkpoint-N`` folders every ``save_steps`` and
-``train(resume_from_checkpoint=...)``.
+The trainer follows ``transformers.Trainer``'s conventions: a ``TrainingArguments`` subclass for its config
+(:mod:`alpacafarm_trl.ppo_config`), ``TrainerState``/``log_history``, ``TrainerCallback`` events, per-step
+metrics through ``accelerator.log`` to the ``report_to`` trackers, ``checkpoint-N`` folders written with
+``accelerator.save_state`` every ``save_steps`` and ``train(resume_from_checkpoint=...)``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
+import shutil
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from alpacafarm.errors import UserError
+from alpacafarm.errors import MissingPackageError, UserError
 from alpacafarm.modeling import loading_whole
 from alpacafarm.prompts import PromptFormat
 from alpacafarm.rewards import RewardFunction
-from alpacafarm.sampling import Sample, sample, stop_token_ids, tokenize_prompts
+from alpacafarm.sampling import Sample, sample, sharded_across_ranks, stop_token_ids, tokenize_prompts
 from alpacafarm.seeding import stable_seed
-from alpacafarm_trl import ppo_checkpoint, ppo_core, ppo_sharding
+from alpacafarm_trl import ppo_core
 from alpacafarm_trl.ppo_build import build_models
 from alpacafarm_trl.ppo_config import PPOMethodConfig
 from alpacafarm_trl.ppo_core import Rollouts, collate
 from alpacafarm_trl.ppo_models import PolicyAndValue
-from alpacafarm_trl.ppo_zero import zero_sharding
 
 #: Keys of every per-step log entry (besides ``step``), in the order they are documented. ``kl`` is the sampled
 #: KL of a response from the reference (sum of ``log p - log p_ref`` over its tokens), ``penalized_kl`` the
@@ -69,6 +70,26 @@ LOG_KEYS = (
     "value_mean", "return_mean", "grad_norm", "rollout_time", "update_time",
     "learning_rate", "epoch",
 )
+
+
+def trackers(report_to: Sequence[str] | None) -> list[str]:
+    """The ``accelerate`` trackers ``report_to`` names; one line for a name accelerate does not know or a tracker
+    whose package is missing (accelerate itself would drop it silently)."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+
+    names = [name for name in (report_to or []) if name not in ("none", "all")]
+    if "all" in (report_to or []):
+        return [str(t) for t in get_available_trackers()]
+    available = {str(t) for t in get_available_trackers()}
+    for name in names:
+        if name not in LOGGER_TYPE_TO_CLASS:
+            raise UserError(f"report_to: {name!r} is not a tracker accelerate can log to "
+                            f"({', '.join(sorted(LOGGER_TYPE_TO_CLASS))})")
+        if name not in available:
+            package = "tensorboardX" if name == "tensorboard" else name
+            raise MissingPackageError(f"report_to: {name} needs its package, which is not installed: "
+                                      f"pip install {package}")
+    return names
 
 
 class PPOTrainer:
@@ -85,7 +106,6 @@ class PPOTrainer:
                  prompt_format: PromptFormat | str = "alpaca",
                  callbacks: Sequence[Any] | None = None) -> None:
         from transformers import get_scheduler
-        from transformers.integrations import get_reporting_integration_callbacks
         from transformers.trainer_callback import (
             CallbackHandler,
             DefaultFlowCallback,
@@ -100,39 +120,72 @@ class PPOTrainer:
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.pad_id = tokenizer.pad_token_id
-        self.eos_ids = stop_token_ids(models.policy_module, tokenizer)
+        policy = models.actor_critic.policy
+        self.eos_ids = stop_token_ids(policy, tokenizer)
         if isinstance(prompt_format, str):
             prompt_format = PromptFormat(prompt_format, tokenizer)
         self.prompt_format = prompt_format
         self.records, self.queries, self.n_skipped = self._tokenize_prompts(records)
-
         self.max_steps = self._max_steps()
+
+        self.accelerator = self._accelerator()
+        self.world = self.accelerator.num_processes
         self._check_processes()
-        # An FSDP2 or ZeRO-2/3 launch config: the policy and value model sharded
-        self.sharding = zero_sharding(models) or ppo_sharding.shard_models(models)
-        self.updates_per_step = args.ppo_epochs * (args.rollout_batch_size // args.mini_batch_size)
+        device = self.accelerator.device
+        for module in models.frozen_modules():
+            if next(module.parameters()).device != device:
+                module.to(device)
         self.params = models.trainable_parameters()
-        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=args.learning_rate,
-                                           betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                                           weight_decay=args.weight_decay)
-        self.sharding.prepare(self.optimizer, args)  # DeepSpeed: one engine over the policy and value model
-        total_updates = self.max_steps * self.updates_per_step
-        self.lr_scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer,
-                                          num_warmup_steps=args.get_warmup_steps(total_updates),
-                                          num_training_steps=total_updates,
+        optimizer = torch.optim.AdamW(list(self.params.values()), lr=args.learning_rate,
+                                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                                      weight_decay=args.weight_decay)
+        # Stepped once per PPO step, as released (every update of a step uses one rate), by us: accelerate's
+        # scheduler wrapper would step it once per process
+        self.lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer,
+                                          num_warmup_steps=args.get_warmup_steps(self.max_steps),
+                                          num_training_steps=self.max_steps,
                                           scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
+        self.model, self.optimizer = self.accelerator.prepare(models.actor_critic, optimizer)
+        self.accelerator.register_save_state_pre_hook(self._keep_trained_tensors)
         self.state = TrainerState(max_steps=self.max_steps, logging_steps=self._interval(args.logging_steps),
                                   save_steps=self._interval(args.save_steps),
                                   num_train_epochs=math.ceil(self._passes()),
                                   train_batch_size=args.rollout_batch_size)
         self.control = TrainerControl()
-        reporting = get_reporting_integration_callbacks(args.report_to)
-        handlers = [DefaultFlowCallback, *reporting, *(callbacks or [])]
-        self.callback_handler = CallbackHandler(handlers, models.policy_module, tokenizer, self.optimizer,
-                                                self.lr_scheduler)
+        self.callback_handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], policy, tokenizer,
+                                                self.optimizer, self.lr_scheduler)
         self.control = self.callback_handler.on_init_end(args, self.state, self.control)
 
     # ---------------------------------------------------------------- setup helpers
+
+    def _accelerator(self) -> Any:
+        """The one Accelerator: the launch config's distribution, micro-batches accumulated over a mini-batch."""
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
+
+        from alpacafarm import distributed
+        from alpacafarm.training import check_launch_honoured, shared_process_state
+
+        args = self.args
+        world = distributed.world_size()
+        shared_process_state(args.accelerator_config)  # every launched process, also on CPUs
+        log_with = trackers(args.report_to)
+        accelerator = Accelerator(
+            mixed_precision="bf16" if args.bf16 else "no",
+            gradient_accumulation_steps=self._micro_steps(world), log_with=log_with or None,
+            project_dir=getattr(args, "logging_dir", None) or args.output_dir)
+        check_launch_honoured(accelerator.distributed_type)
+        plugin = AcceleratorState().deepspeed_plugin
+        if plugin is not None:  # DeepSpeed's "auto" values: what transformers' Trainer fills in for its engine
+            plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+            plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
+        if log_with:
+            accelerator.init_trackers("tensorboard" if log_with == ["tensorboard"] else "ppo")
+        return accelerator
+
+    def _micro_steps(self, world: int) -> int:
+        """Micro-batches per rank per mini-batch: the gradient accumulation of one optimizer step."""
+        return max(1, math.ceil(self.args.mini_batch_size // max(world, 1) / self.args.per_device_train_batch_size))
 
     def add_callback(self, callback: Any) -> None:
         self.callback_handler.add_callback(callback)
@@ -156,11 +209,11 @@ class PPOTrainer:
         return kept, queries, skipped
 
     def _check_processes(self) -> None:
-        from alpacafarm.distributed import world_size
-
-        if self.args.rollout_batch_size < world_size():
-            raise UserError(f"ppo: rollout_batch_size {self.args.rollout_batch_size} is smaller than the "
-                            f"{world_size()} processes (each rolls out a share of it)")
+        args, world = self.args, self.world
+        for name in ("rollout_batch_size", "mini_batch_size"):
+            if getattr(args, name) % world:
+                raise UserError(f"ppo: {name} {getattr(args, name)} is not a multiple of the {world} processes "
+                                "(each takes an equal share of it)")
 
     def _passes(self) -> float:
         return self.max_steps * self.args.rollout_batch_size / len(self.queries)
@@ -174,11 +227,6 @@ class PPOTrainer:
 
     def _interval(self, value: float) -> int:
         return max(1, math.ceil(self.max_steps * value)) if value < 1 else int(value)
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.args.bf16 and self.models.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     def prompt_indices(self, step: int) -> list[int]:
         """The prompts of PPO step ``step`` (0-based): seeded shuffles of the prompt set, one per pass.
@@ -204,67 +252,74 @@ class PPOTrainer:
         for start in range(0, len(ordered), size):
             yield ordered[start:start + size]
 
-    def sample_step(self, step: int) -> tuple[list[dict[str, Any]], list[Sample], list[int]]:
-        """This rank's records of step ``step``, one response to each sampled from the policy as it is now,
-        and their positions in the step's whole rollout batch (all of it, in order, for one process).
+    def _share(self, n: int) -> list[int]:
+        """This rank's contiguous, equal share of ``n`` rows (``n`` is a multiple of the process count)."""
+        size = n // self.world
+        start = self.accelerator.process_index * size
+        return list(range(start, start + size))
+
+    def sample_step(self, step: int) -> tuple[list[dict[str, Any]], list[Sample]]:
+        """The records of step ``step`` and one response to each, sampled from the policy as it is now.
 
         Seeded by the step (and, inside the sampler, by the batch), so a resumed run samples the same. The
-        generation batches are split across ranks and gathered (:func:`~alpacafarm.sampling.sharded_across_ranks`:
-        the responses one process samples); each rank keeps a contiguous share of the rollout batch.
+        generation batches are those one process forms, split across ranks and gathered: every rank gets every
+        sample, the same as one process's (:func:`~alpacafarm.sampling.sharded_across_ranks`).
         """
-        from alpacafarm import distributed
-        from alpacafarm.sampling import sharded_across_ranks
-
         args = self.args
         indices = self.prompt_indices(step)
-        with self._autocast(), sharded_across_ranks():
-            samples = sample(self.models.policy_module, self.tokenizer, [self.queries[i] for i in indices],
-                             n=1, temperature=args.temperature, top_p=1.0, max_new_tokens=args.max_new_tokens,
-                             batch_size=args.generation_batch_size,
-                             seed=stable_seed(args.seed, "ppo-rollout", step), stop_ids=self.eos_ids,
-                             generate=self.models.generate)
-        positions = distributed.shard_indices(len(indices))
-        return [self.records[indices[p]] for p in positions], [samples[p][0] for p in positions], positions
+        policy = self.accelerator.unwrap_model(self.model).policy
+        with self.accelerator.autocast(), sharded_across_ranks():
+            samples = sample(policy, self.tokenizer, [self.queries[i] for i in indices], n=1,
+                             temperature=args.temperature, top_p=1.0, max_new_tokens=args.max_new_tokens,
+                             batch_size=args.generation_batch_size, seed=stable_seed(args.seed, "ppo-rollout", step),
+                             stop_ids=self.eos_ids, synced=True)
+        return [self.records[i] for i in indices], [s[0] for s in samples]
 
     @torch.no_grad()
     def rollout(self, step: int) -> Rollouts:
-        """Sample, score and evaluate one rollout batch (no gradients)."""
-        args = self.args
-        self.models.set_training(False)
-        records, samples, positions = self.sample_step(step)
-        texts = [s.text for s in samples]
-        scores = torch.tensor([float(s) for s in self.reward_fn(records, texts)], dtype=torch.float32)
-        if len(scores) != len(texts):
-            raise ValueError(f"the reward function returned {len(scores)} scores for {len(texts)} "
-                             "completions")
+        """Sample, score and evaluate one rollout batch (no gradients); every rank ends with all of it."""
+        from alpacafarm import distributed
 
+        args = self.args
+        self.model.eval()
+        records, samples = self.sample_step(step)
+        mine = self._share(len(samples))
+        texts = [samples[i].text for i in mine]
+        scores = [float(s) for s in self.reward_fn([records[i] for i in mine], texts)]
+        if len(scores) != len(texts):
+            raise ValueError(f"the reward function returned {len(scores)} scores for {len(texts)} completions")
         queries, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
-        n, width = len(responses), max(len(r) for r in responses)
-        mask = torch.zeros(n, width)
-        logprobs, ref_logprobs, values, entropy = (torch.zeros(n, width) for _ in range(4))
         lengths = [len(q) + len(r) for q, r in zip(queries, responses, strict=True)]
-        with self._autocast():
-            for chunk in self._micro_batches(range(n), lengths):
-                batch = collate([queries[i] for i in chunk], [responses[i] for i in chunk], self.pad_id,
-                                self.models.device)
-                tokens = batch.response_ids
-                logits = self.models.policy_logits(batch).float() / args.temperature
-                policy_lp = ppo_core.logprobs_of(logits, tokens)
-                chunk_entropy = ppo_core.entropy_of(logits)
-                del logits
+        rows: dict[int, dict[str, torch.Tensor]] = {}
+        for chunk in self._micro_batches(mine, lengths):
+            batch = collate([queries[i] for i in chunk], [responses[i] for i in chunk], self.pad_id,
+                            self.accelerator.device)
+            logits, values = self.model(**vars(batch))
+            logits = logits.float() / args.temperature
+            with self.accelerator.autocast():
                 ref_logits = self.models.reference_logits(batch).float() / args.temperature
-                ref_lp = ppo_core.logprobs_of(ref_logits, tokens)
-                del ref_logits
-                chunk_values = self.models.values(batch)
-                r = tokens.shape[1]
-                for j, i in enumerate(chunk):
-                    mask[i, :r] = batch.response_mask[j].cpu()
-                    logprobs[i, :r] = policy_lp[j].cpu()
-                    ref_logprobs[i, :r] = ref_lp[j].cpu()
-                    values[i, :r] = chunk_values[j].cpu()
-                    entropy[i, :r] = chunk_entropy[j].cpu()
-        return Rollouts(records, samples, scores, mask, logprobs * mask, ref_logprobs * mask, values * mask,
-                        entropy * mask, positions=positions)
+            terms = {"logprobs": ppo_core.logprobs_of(logits, batch.response_ids),
+                     "entropy": ppo_core.entropy_of(logits),
+                     "ref_logprobs": ppo_core.logprobs_of(ref_logits, batch.response_ids), "values": values.float()}
+            del logits, ref_logits
+            for j, i in enumerate(chunk):
+                width = len(responses[i])
+                rows[i] = {k: v[j, :width].cpu() for k, v in terms.items()}
+        for i, score in zip(mine, scores, strict=True):
+            rows[i]["score"] = torch.tensor(score)
+        if self.world > 1:  # a small gather: every rank holds the whole rollout batch
+            for part in distributed.all_gather_object(rows, "ppo rollout"):
+                rows.update(part)
+        n, width = len(samples), max(len(r) for r in responses)
+        mask = torch.zeros(n, width)
+        tensors = {k: torch.zeros(n, width) for k in ("logprobs", "ref_logprobs", "values", "entropy")}
+        for i in range(n):
+            mask[i, :len(responses[i])] = 1.0
+            for key, tensor in tensors.items():
+                tensor[i, :len(responses[i])] = rows[i][key]
+        scores_all = torch.stack([rows[i]["score"] for i in range(n)]).float()
+        return Rollouts(records, samples, scores_all, mask, tensors["logprobs"], tensors["ref_logprobs"],
+                        tensors["values"], tensors["entropy"], positions=list(range(n)))
 
     def compute_advantages(self, rollouts: Rollouts) -> Rollouts:
         """Scores → shaped per-token rewards → GAE advantages (whitened over the batch) and returns."""
@@ -277,80 +332,75 @@ class PPOTrainer:
             scores = scores.clamp(-args.reward_clip, args.reward_clip)
         rewards, kl, penalized_kl = ppo_core.kl_penalized_rewards(
             scores, rollouts.logprobs, rollouts.ref_logprobs, rollouts.mask, args.kl_coef, penalty=args.kl_penalty)
-        if args.whiten_rewards:
-            rewards = ppo_core.masked_whiten(rewards, rollouts.mask, shift_mean=False, across_ranks=True)
-        advantages, returns = ppo_core.compute_gae(rewards, rollouts.values, rollouts.mask, gamma=args.gamma,
-                                                   lam=args.lam)
+        advantages, returns = ppo_core.advantages_and_returns(
+            rewards, rollouts.values, rollouts.mask, response_length=args.max_new_tokens, gamma=args.gamma,
+            lam=args.lam, whiten_rewards=args.whiten_rewards)
         rollouts.rewards, rollouts.kl, rollouts.penalized_kl, rollouts.returns = rewards, kl, penalized_kl, returns
-        rollouts.advantages = ppo_core.masked_whiten(advantages, rollouts.mask, across_ranks=True)
+        rollouts.advantages = ppo_core.masked_whiten(advantages, rollouts.mask)
         return rollouts
 
     # ---------------------------------------------------------------- update
 
     def update(self, rollouts: Rollouts, step: int) -> dict[str, float]:
         """``ppo_epochs`` passes of clipped policy and value updates over shuffled mini-batches of the whole
-        rollout batch (one permutation; each rank backpropagates the rows it holds, over the mini-batch's token
-        count on all ranks, and gradients are summed across ranks before clipping: one process's update)."""
-        args = self.args
-        self.models.set_training(True)
-        device = self.models.device
+        rollout batch (one permutation per pass, the same on every rank). Each rank takes an equal, strided share
+        of each mini-batch; its loss is the sum over its tokens divided by the mini-batch's token count on all
+        ranks, times the process count and the accumulation steps that accelerate averages over: the gradient
+        is the mini-batch's token mean, as in one process."""
+        args, accelerator = self.args, self.accelerator
+        self.model.train()
+        device = accelerator.device
         queries, responses = rollouts.queries, rollouts.responses
-        local_of = {p: i for i, p in enumerate(rollouts.positions or range(len(responses)))}
-        n = int(ppo_core.sum_across_ranks({"n": float(len(responses))})["n"])
+        n = len(responses)
         lengths = [len(q) + len(r) for q, r in zip(queries, responses, strict=True)]
         generator = torch.Generator().manual_seed(stable_seed(args.seed, "ppo-minibatches", step))
         sums = dict.fromkeys(("policy_loss", "value_loss", "clip_fraction", "value_clip_fraction",
                               "approx_kl", "tokens_seen"), 0.0)
         grad_norms = []
-        params = list(self.params.values())
+        scale = self.world * accelerator.gradient_accumulation_steps
         for _ in range(args.ppo_epochs):
             order = torch.randperm(n, generator=generator).tolist()
             for start in range(0, n, args.mini_batch_size):
-                mini = [local_of[p] for p in order[start:start + args.mini_batch_size] if p in local_of]
-                n_tokens = torch.tensor(ppo_core.sum_across_ranks({"tokens": float(rollouts.mask[mini].sum())})[
-                    "tokens"], dtype=torch.float32).clamp(min=1).to(device)
-                self.sharding.zero_grad(self.optimizer)
-                for chunk in self.sharding.even(self._micro_batches(mini, lengths), mini[0] if mini else 0):
-                    batch = collate([queries[i] for i in chunk], [responses[i] for i in chunk], self.pad_id,
-                                    device)
-                    if isinstance(chunk, ppo_sharding.Padding):  # keeps sharded collectives in step: no tokens
-                        batch.response_mask.zero_()
-                    r = batch.response_ids.shape[1]
-                    pick = (lambda t, c=chunk, width=r: t[c, :width].to(device))  # noqa: E731
-                    mask = batch.response_mask
-                    with self._autocast():
-                        logits = self.models.policy_logits(batch)
-                    new_logprobs = ppo_core.logprobs_of(logits.float() / args.temperature, batch.response_ids)
-                    del logits
-                    old_logprobs = pick(rollouts.logprobs)
-                    advantages = pick(rollouts.advantages)
-                    policy = ppo_core.clipped_policy_loss(new_logprobs, old_logprobs, advantages, mask,
-                                                          args.cliprange, denominator=n_tokens)
-                    self.sharding.backward(policy.loss, last=False)
-                    # The backward recomputes checkpointed layers: it must run with the same adapter active.
-                    with self.models.value_scope():
-                        with self._autocast():
-                            new_values = self.models.values(batch)
-                        old_values, returns = pick(rollouts.values), pick(rollouts.returns)
-                        value = ppo_core.clipped_value_loss(new_values, old_values, returns, mask,
-                                                            args.cliprange_value, denominator=n_tokens)
-                        self.sharding.backward(args.vf_coef * value.loss)
+                mini = order[start:start + args.mini_batch_size]
+                n_tokens = float(rollouts.mask[mini].sum()) or 1.0
+                mine = mini[accelerator.process_index::self.world]
+                for chunk in self._micro_batches(mine, lengths):
+                    with accelerator.accumulate(self.model):
+                        batch = collate([queries[i] for i in chunk], [responses[i] for i in chunk], self.pad_id,
+                                        device)
+                        r = batch.response_ids.shape[1]
+                        pick = (lambda t, c=chunk, width=r: t[c, :width].to(device))  # noqa: E731
+                        mask = batch.response_mask
+                        logits, new_values = self.model(**vars(batch))
+                        new_logprobs = ppo_core.logprobs_of(logits.float() / args.temperature, batch.response_ids)
+                        del logits
+                        old_logprobs = pick(rollouts.logprobs)
+                        policy = ppo_core.clipped_policy_loss(new_logprobs, old_logprobs, pick(rollouts.advantages),
+                                                              mask, args.cliprange, denominator=n_tokens)
+                        value = ppo_core.clipped_value_loss(new_values.float(), pick(rollouts.values),
+                                                            pick(rollouts.returns), mask, args.cliprange_value,
+                                                            denominator=n_tokens)
+                        accelerator.backward(scale * (policy.loss + args.vf_coef * value.loss))
+                        if accelerator.sync_gradients:
+                            norm = accelerator.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+                            grad_norms.append(float(norm) if norm is not None else float("nan"))
+                        self.optimizer.step()
+                        self.optimizer.zero_grad()
                     count = float(mask.sum())
                     sums["tokens_seen"] += count
-                    sums["policy_loss"] += float(policy.loss.detach()) * float(n_tokens)
-                    sums["value_loss"] += float(value.loss.detach()) * float(n_tokens)
+                    sums["policy_loss"] += float(policy.loss.detach()) * n_tokens
+                    sums["value_loss"] += float(value.loss.detach()) * n_tokens
                     sums["clip_fraction"] += float(policy.clip_fraction) * count
                     sums["value_clip_fraction"] += float(value.clip_fraction) * count
                     approx_kl = ppo_core.approx_policy_kl(new_logprobs.detach(), old_logprobs, mask)
                     sums["approx_kl"] += float(approx_kl) * count
-                # summed across ranks, clipped together, stepped (DeepSpeed: by its engine)
-                grad_norms.append(self.sharding.step(self.optimizer, params, args.max_grad_norm))
-                self.lr_scheduler.step()
         sums = ppo_core.sum_across_ranks(sums)
         tokens_seen = sums.pop("tokens_seen")
         stats = {k: v / max(tokens_seen, 1.0) for k, v in sums.items()}
         stats["loss"] = stats["policy_loss"] + args.vf_coef * stats["value_loss"]
-        stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        stats["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        stats["learning_rate"] = float(self.lr_scheduler.get_last_lr()[0])  # the rate this step's updates used
+        self.lr_scheduler.step()
         return stats
 
     def rollout_stats(self, rollouts: Rollouts) -> dict[str, float]:
@@ -359,8 +409,7 @@ class PPOTrainer:
     def step(self, step: int) -> dict[str, float]:
         """One PPO step: rollouts, advantages, updates. Returns its statistics."""
         started = time.perf_counter()
-        with self.sharding.gathered():  # sharded policy and value whole for the rollout (no-op unsharded)
-            rollouts = self.compute_advantages(self.rollout(step))
+        rollouts = self.compute_advantages(self.rollout(step))
         rolled = time.perf_counter()
         stats = {**self.rollout_stats(rollouts), **self.update(rollouts, step)}
         stats["rollout_time"] = rolled - started
@@ -395,7 +444,7 @@ class PPOTrainer:
                 self.log({k: sum(s[k] for s in window) / len(window) for k in window[0]})
                 window.clear()
             if control.should_save:
-                self._save_checkpoint()  # every rank (sharded weights are gathered); the main process writes
+                self._save_checkpoint()
                 control = handler.on_save(self.args, state, control)
                 control.should_save = False
             if not all(math.isfinite(v) for v in stats.values()):
@@ -408,22 +457,85 @@ class PPOTrainer:
                    "train_loss": train_loss, "epoch": state.epoch}
         state.log_history.append({**metrics, "step": state.global_step})
         self.control = handler.on_train_end(self.args, state, control)
+        for tracker in self.accelerator.trackers:  # not end_training(): it ends the pipeline's process group too
+            tracker.finish()
         return TrainOutput(state.global_step, train_loss, metrics)
 
     def log(self, logs: dict[str, float]) -> None:
-        """Append a log entry (with learning rate, epoch and step) and fire ``on_log``."""
-        logs = {**logs, "learning_rate": float(self.lr_scheduler.get_last_lr()[0]),
-                "epoch": round(float(self.state.epoch), 4)}
+        """Append a log entry (with learning rate, epoch and step), send it to the trackers, fire ``on_log``."""
+        logs = {**logs, "epoch": round(float(self.state.epoch), 4)}
         self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.accelerator.log({f"ppo/{k}": v for k, v in logs.items()}, step=self.state.global_step)
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
         self.control.should_log = False
 
-    def _save_checkpoint(self) -> Path | None:
-        """``checkpoint-N/`` (:mod:`alpacafarm_trl.ppo_checkpoint`): every rank calls it, the main one writes."""
-        return ppo_checkpoint.save_checkpoint(self)
+    def policy_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The trained policy's full weights (call on every rank: sharded ones are gathered); None off the main
+        process where the launch config gathers to it only."""
+        state = self.accelerator.get_state_dict(self.model)
+        if state is None:
+            return None
+        return {k.removeprefix("policy."): v for k, v in state.items() if k.startswith("policy.")}
+
+    def _keep_trained_tensors(self, models: list[Any], weights: list[dict[str, Any]], output_dir: str) -> None:
+        """``save_state`` hook: a checkpoint holds the trained tensors only (not a LoRA layout's frozen base)."""
+        for state in weights:
+            for name in [k for k in state if k not in self.params]:
+                del state[name]
+
+    def _save_checkpoint(self) -> Path:
+        """``checkpoint-N/``: ``accelerator.save_state`` (trained weights, optimizer, RNG) and the trainer state;
+        written under a temporary name and renamed when whole, so a crash never leaves a half checkpoint."""
+        output_dir = Path(self.args.output_dir)
+        final = output_dir / f"checkpoint-{self.state.global_step}"
+        partial = output_dir / f"{final.name}.partial"
+        if self.accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(str(partial))
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            self.state.save_to_json(str(partial / "trainer_state.json"))
+            shutil.rmtree(final, ignore_errors=True)
+            partial.rename(final)
+            self._rotate_checkpoints(output_dir)
+        self.accelerator.wait_for_everyone()
+        return final
+
+    def _rotate_checkpoints(self, output_dir: Path) -> None:
+        limit = self.args.save_total_limit
+        if not limit or limit < 1:
+            return
+        checkpoints = sorted((p for p in output_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+                             key=lambda p: int(p.name.split("-")[-1]))
+        for old in checkpoints[:-limit]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def _load_checkpoint(self, path: Path) -> None:
-        ppo_checkpoint.load_checkpoint(self, path)
+        """Restore weights, optimizer and step count from ``checkpoint-N/`` (written by :meth:`_save_checkpoint`
+        under the same launch config); the learning-rate schedule is replayed to its step (it is a function of
+        the step alone, and replaying it unpickles nothing)."""
+        from transformers.trainer_callback import TrainerState
+
+        weights = path / "model.safetensors"
+        kwargs: dict[str, Any] = {}
+        if weights.is_file():  # trained tensors only: the rest of the module is as loaded
+            from safetensors import safe_open
+
+            with safe_open(str(weights), framework="pt") as handle:
+                missing = sorted(set(self.params) - set(handle.keys()))
+            if missing:
+                raise UserError(f"checkpoint {path} does not match this model ({len(missing)} tensors missing, "
+                                f"e.g. {missing[0]})")
+            kwargs["strict"] = False
+        self.accelerator.load_state(str(path), **kwargs)
+        self.state = TrainerState.load_from_json(str(path / "trainer_state.json"))
+        self.state.max_steps = self.max_steps
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": a replay, on purpose
+            warnings.simplefilter("ignore")
+            for _ in range(self.state.global_step):
+                self.lr_scheduler.step()
+
 
 
 def build_ppo_trainer(config: PPOMethodConfig, spec: Any, sft_path: str, reward_path: str,
@@ -435,7 +547,7 @@ def build_ppo_trainer(config: PPOMethodConfig, spec: Any, sft_path: str, reward_
     Prompts are written for the SFT folder (its ``prompt_format`` and conditioning file, see
     :meth:`alpacafarm.prompts.PromptFormat.for_model`). Without ``reward_fn`` the reward is the reward model's
     score (an :class:`~alpacafarm.rewards.RewardScorer`), run by the reward model the layout already holds when it
-    holds one (the ``reward`` adapter on the shared base, or the critic's backbone with its adapter off).
+    holds one (the critic's backbone with its adapter off), else loaded frozen on every rank.
     """
     from transformers import set_seed
 
@@ -444,9 +556,10 @@ def build_ppo_trainer(config: PPOMethodConfig, spec: Any, sft_path: str, reward_
 
     set_seed(config.seed)  # new adapters are randomly initialised: same seed, same run
     tokenizer = load_tokenizer(spec, sft_path)
-    with loading_whole():  # under ZeRO-3 too: the engine partitions what it trains, the frozen models stay whole
+    with loading_whole():  # whole on every rank: accelerate partitions what trains when it prepares it
         models = build_models(spec, sft_path, reward_path, logger=logger,
-                              gradient_checkpointing=bool(config.gradient_checkpointing))
+                              gradient_checkpointing=bool(config.gradient_checkpointing),
+                              value_head_init=config.value_head_init)
         if reward_fn is None:
             reward_classifier = models.reward_model()  # scored by what the layout holds, when it holds the RM
             if reward_classifier is None:

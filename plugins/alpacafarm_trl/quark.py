@@ -97,7 +97,8 @@ class Quark(Method):
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json
-        from alpacafarm.modeling import load_tokenizer, save_dtype, save_model
+        from alpacafarm.modeling import load_tokenizer
+        from alpacafarm.training import save_policy
 
         spec = context.recipe.model
         save_strategy = getattr(self.config.save_strategy, "value", self.config.save_strategy)
@@ -111,7 +112,7 @@ class Quark(Method):
         sft_path = context.input("sft_model").path
         tokenizer = load_tokenizer(spec, sft_path)
         prompt_format = PromptFormat.for_model(spec.prompt_format, sft_path, tokenizer)
-        policy, reference, from_adapters = load_policy_and_reference(spec, sft_path, args)
+        policy, reference, _ = load_policy_and_reference(spec, sft_path, args)
         reward = context.reward_function(batch_size=args.score_batch_size)
 
         trainer = build_quark_trainer(args, policy, tokenizer, reference)
@@ -124,16 +125,11 @@ class Quark(Method):
                                 prompt_format=prompt_format, seed=context.seed, logger=context.logger,
                                 progress=advance)
 
-        # New adapters on an SFT model that was itself adapters cannot name their base: save merged weights.
-        merge = bool(spec.lora) and (spec.merge_adapters or from_adapters)
-        if merge and from_adapters and not spec.merge_adapters:
-            context.logger.info("stage %s: the SFT model was LoRA adapters; saving merged weights",
-                                context.stage)
         tokenizer.padding_side = "right"
         model_dir = Path(context.stage_dir) / "model"
-        if not context.is_main:  # every rank holds the same weights (DDP); the main process saves them
+        merge = save_policy(trainer, spec, sft_path, model_dir, context.logger)  # every rank; the main one writes
+        if not context.is_main:
             return Artifact("model", str(model_dir))
-        save_model(trainer.model, tokenizer, model_dir, merge_adapters=merge, dtype=save_dtype(spec))
         if prompt_format.conditioning != PromptConditioning():  # trained behind it: sample behind it
             prompt_format.conditioning.save(model_dir)
         first, last = rounds[0], rounds[-1]

@@ -17,15 +17,19 @@ class QuarkMethodConfig(TrainingDefaults, TrainingArguments):
     run, 512 rollouts per round, gradient clipping at norm 1, 390 rounds (10 passes over the 20k unlabeled
     instructions), no entropy term.
 
-    From the released implementation (``alpaca_farm/rl/quark_trainer.py``), where the paper says less: the pool
-    is sorted by reward and cut into 4 bins of ``pool // 4`` samples, the top bin trained on (``top_quantile``
-    0.25, rounded *down*: 128 of 512); each round takes one optimizer step (``steps_per_round``) on a batch of
-    256 examples (``step_batch_size``) drawn by cycling through the kept samples in a freshly shuffled order
-    (128 kept, 256 drawn: the paper's "2 epochs of gradient updates with batch size 256"); the schedule is
-    linear with no warmup. ``per_device_train_batch_size`` is the micro-batch: ``gradient_accumulation_steps``
-    is derived (``step_batch_size / (per_device_train_batch_size x processes)``; set it only to that value or
-    leave it at 1). ``num_train_epochs`` and ``max_steps`` do not apply (leave them unset). The learning rate
-    steps once per optimizer step, so with one step per round it steps once per round, as released.
+    From the released implementation (``alpaca_farm/rl/quark_trainer.py``), where the paper says less: the pool is
+    sorted by reward and cut into 4 bins of ``pool // 4`` samples, the top bin trained on (``top_quantile`` 0.25,
+    rounded *down*: 128 of 512); each round takes one optimizer step (``steps_per_round``) on a batch of 256
+    examples (``step_batch_size``) drawn by cycling through the kept samples in a freshly shuffled order (128 kept,
+    256 drawn: the paper's "2 epochs of gradient updates with batch size 256"); the schedule is linear after 5
+    warm-up rounds (``examples/scripts/rlhf_quark.sh``: ``--warmup_steps 5``; the paper only says the rate decays to
+    0); AdamW epsilon 1e-5 (``adam_epsilon``, the released ``quark_utils`` default, "the UW Quark code's";
+    transformers' is 1e-8); a kept sample's stop token is never trained (``train_eos: false``: the released trainer
+    decodes rollouts without special tokens and re-tokenizes them; ``true`` trains it, so the policy also learns
+    when the kept answers stop). ``per_device_train_batch_size`` is the micro-batch: ``gradient_accumulation_steps``
+    is derived (``step_batch_size / (per_device_train_batch_size x processes)``; set it only to that value or leave
+    it at 1). ``num_train_epochs`` and ``max_steps`` do not apply (leave them unset). The learning rate steps once
+    per optimizer step, so with one step per round it steps once per round, as released.
 
     Ours (the paper states neither): sampling temperature 1.0 and ``max_new_tokens`` 300 (the paper's decoding
     cap). ``output_dir`` is always the stage folder; checkpoints are off (a round's trainer state cannot
@@ -52,6 +56,9 @@ class QuarkMethodConfig(TrainingDefaults, TrainingArguments):
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the rollouts"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling threshold of the rollouts"})
     max_new_tokens: int = field(default=300, metadata={"help": "longest rollout, in tokens"})
+    train_eos: bool = field(default=False, metadata={
+        "help": "train the stop token of the kept samples that finished; false (released): never trained, as the "
+                "released trainer re-tokenizes decoded text without EOS"})
     generation_batch_size: int = field(default=16, metadata={"help": "prompts per generate() call"})
     score_batch_size: int = field(default=16, metadata={"help": "texts per reward-model forward pass"})
     split: str = field(default="train",
@@ -60,6 +67,8 @@ class QuarkMethodConfig(TrainingDefaults, TrainingArguments):
 
     learning_rate: float = 3e-6
     lr_scheduler_type: str = "linear"
+    warmup_steps: float = 5  # optimizer steps = rounds (one step per round): the released script's 5
+    adam_epsilon: float = 1e-5  # the released implementation's; transformers' is 1e-8
     num_train_epochs: float = 1.0
     max_grad_norm: float = 1.0
     logging_steps: float = 1

@@ -60,10 +60,16 @@ def draw_order(n_kept: int, n_draws: int, seed: int) -> list[int]:
     return order[:n_draws]
 
 
-def training_example(sample: Sample) -> dict[str, list[int]]:
-    """Prompt + response ids; only the response is a target (the prompt's labels are ignored)."""
-    return {"input_ids": sample.prompt_ids + sample.response_ids,
-            "labels": [IGNORE_INDEX] * len(sample.prompt_ids) + sample.response_ids}
+def training_example(sample: Sample, *, train_eos: bool) -> dict[str, list[int]]:
+    """Prompt + response ids; only the response is a target (the prompt's labels are ignored).
+
+    With ``train_eos`` false (``QuarkMethodConfig.train_eos``'s default, as released) a finished sample's stop
+    token is left out, so Quark never trains it: the released trainer decodes its rollouts without special
+    tokens and re-tokenizes the text, so its kept samples carry no EOS.
+    """
+    response = sample.response_ids[:-1] if sample.finished and not train_eos else sample.response_ids
+    return {"input_ids": sample.prompt_ids + response,
+            "labels": [IGNORE_INDEX] * len(sample.prompt_ids) + response}
 
 
 class PadCollator:
@@ -335,7 +341,7 @@ def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: 
                  "kept": k in kept_set, "finished": s.finished, "n_tokens": len(s.response_ids)}
                 for k, ((i, j, s), reward) in enumerate(zip(pool, rewards, strict=True))])
 
-        examples = [training_example(pool[k][2]) for k in kept]
+        examples = [training_example(pool[k][2], train_eos=args.train_eos) for k in kept]
         draws = draw_order(len(examples), args.steps_per_round * args.step_batch_size,
                            stable_seed(seed, "quark-order", r))
         trainer.train_dataset = [examples[k] for k in draws]

@@ -25,6 +25,7 @@ from alpacafarm.training import (
     limit,
     resume_checkpoint,
     save_policy,
+    save_trained,
     stage_training_args,
     train_summary,
 )
@@ -35,8 +36,11 @@ from alpacafarm_trl.pairs import preference_rows, split_pairs
 class RewardModelConfig(TrainingDefaults, RewardConfig):
     """Every ``trl.RewardConfig`` / ``TrainingArguments`` field, plus the held-out split.
 
-    Defaults follow the paper's reward model (learning rate 3e-6, one epoch); ``bf16`` and gradient
-    checkpointing are automatic (see ``alpacafarm.training``); ``output_dir`` is always the stage folder.
+    Defaults follow the released script (``examples/scripts/reward_modeling.sh``; the paper states no reward-model
+    settings): learning rate 3e-6, one epoch; its batch of 16 (1 per GPU x 2 accumulation x 8 GPUs) and cosine
+    schedule with 3% warm-up are set in ``recipes/reward_model.yaml`` (a batch is per process here).
+    ``bf16`` and gradient checkpointing are automatic (see ``alpacafarm.training``); ``output_dir`` is always the
+    stage folder.
     """
 
     eval_fraction: float = field(default=0.1, metadata={"help": "share of the pairs held out for accuracy"})
@@ -172,7 +176,6 @@ class RewardModel(Method):
         """``trainable_layers: 0``: features once per distinct text, then the head (see ``reward_head``).
         No trainer: it runs on the main process alone."""
         from alpacafarm.data import write_json
-        from alpacafarm.modeling import save_dtype, save_model
         from alpacafarm_trl.reward_head import train_head_only
 
         spec = context.recipe.model
@@ -187,7 +190,7 @@ class RewardModel(Method):
             model, tokenizer, fitted = train_head_only(args, spec, model_path, train_rows, seed=context.seed,
                                                        progress=advance)
         model_dir = Path(context.stage_dir) / "model"
-        save_model(model, tokenizer, model_dir, dtype=save_dtype(spec))
+        save_trained(model, tokenizer, spec, model_path, model_dir)
         history = fitted.pop("log_history")
         metrics: dict[str, Any] = {**fitted, "head_only": True, "n_pairs": len(rows), "n_train": len(train_rows),
                                    "n_eval": len(eval_rows), "n_dropped_no_preference": dropped}

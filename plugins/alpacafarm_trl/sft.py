@@ -24,9 +24,9 @@ from alpacafarm.training import (
     TrainingDefaults,
     limit,
     resume_checkpoint,
+    save_policy,
     stage_training_args,
     train_summary,
-    trained_state_dict,
 )
 
 
@@ -83,8 +83,6 @@ class SFT(Method):
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json
-        from alpacafarm.modeling import save_dtype, save_model
-
         spec = context.recipe.model
         args = stage_training_args(self.config, context)
         records = context.records("sft_data", args.train_split)
@@ -93,12 +91,10 @@ class SFT(Method):
         with training_progress(trainer, context, "training (SFT)"):
             result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
+        merged = save_policy(trainer, spec, context.input("base_model").path, model_dir, context.logger)  # all ranks
         metrics = {**train_summary(trainer, result), "n_examples": len(trainer.train_dataset),
-                   "lora": spec.lora is not None, "merged": bool(spec.merge_adapters and spec.lora)}
-        state = trained_state_dict(trainer)  # on every rank: ZeRO-3 gathers its partitioned weights (a collective)
-        if not context.is_main:  # every rank holds the same weights; the main process saves them
+                   "lora": spec.lora is not None, "merged": merged}
+        if not context.is_main:  # the main process wrote it
             return Artifact("model", str(model_dir), metrics)
-        save_model(trainer.model, trainer.processing_class, model_dir, merge_adapters=spec.merge_adapters,
-                   dtype=save_dtype(spec), state_dict=state)
         write_json(Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": trainer.state.log_history})
         return Artifact("model", str(model_dir), metrics)
