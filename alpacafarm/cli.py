@@ -1,6 +1,6 @@
 """The ``alpacafarm`` command line.
 
-Core commands: ``run``, ``plugins``, ``recipe check``. Plugins add more through ``register_commands``.
+Core commands: ``run``, ``plugins``, ``recipe check``, ``plugin new``. Plugins add more through ``register_commands``.
 User errors (bad recipe, unknown name, missing file or package) print one line and exit 2; ``--debug`` adds
 the traceback. Importing this module must stay cheap: no torch, trl or pydantic before a command needs them.
 """
@@ -53,6 +53,14 @@ def build_parser(plugin_commands: dict[str, str]) -> argparse.ArgumentParser:
     recipe_commands = recipe.add_subparsers(dest="recipe_command", metavar="SUBCOMMAND", required=True)
     recipe_check = recipe_commands.add_parser("check", help="validate a recipe without running it")
     _add_recipe_args(recipe_check)
+
+    plugin = commands.add_parser("plugin", help="write a new plugin repository")
+    plugin_commands_parser = plugin.add_subparsers(dest="plugin_command", metavar="SUBCOMMAND", required=True)
+    plugin_new = plugin_commands_parser.add_parser(
+        "new", help="scaffold a plugin: a method built from alpacafarm.kit, its test, a benchmark recipe and the "
+                    "CI gate workflow")
+    plugin_new.add_argument("name", help="the plugin's distribution name, e.g. my-rerank (package my_rerank)")
+    plugin_new.add_argument("--dir", default=".", help="where to create the folder NAME (default: here)")
 
     for name, description in sorted(plugin_commands.items()):
         # listed for --help only: main() hands a plugin command its arguments before argparse sees them
@@ -139,10 +147,19 @@ def cmd_recipe_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_plugins(args: argparse.Namespace) -> int:
-    from alpacafarm.plugins import get_plugins
+def cmd_plugin_new(args: argparse.Namespace) -> int:
+    from alpacafarm.scaffold import new_plugin
 
-    loaded = get_plugins()
+    root = new_plugin(args.name, args.dir)
+    print(f"plugin written: {root} (cd {root} && pip install -e '.[test]' && pytest; README.md says what is next)")
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from alpacafarm.plugins import load_plugins, report_failures
+
+    loaded = load_plugins()  # not get_plugins: the listing shows a clash before the command stops on it
+    report_failures(loaded)
     registers = loaded.registry.by_plugin()
     descriptions: dict[str, dict[str, dict[str, str]]] = {}
     for kind in loaded.registry.kinds():
@@ -150,22 +167,31 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             descriptions.setdefault(entry.plugin, {}).setdefault(kind, {})[entry.name] = entry.description
     rows = [
         {"name": p.name, "distribution": p.distribution, "version": p.version, "module": p.module,
-         "builtin": p.builtin, "error": p.error, "disabled": p.disabled, "registers": registers.get(p.name, {}),
+         "builtin": p.builtin, "error": p.error, "clash": p.clash, "registers": registers.get(p.name, {}),
          "descriptions": descriptions.get(p.name, {})}
         for p in loaded.plugins
     ]
     if args.json:
         print(json.dumps({"plugins": rows}, indent=2))
-        return 0
+        return _stop_on_clash(loaded)
     from alpacafarm.console import print_table
 
     table_rows = []
     for row in rows:
         what = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in sorted(row["registers"].items()))
-        failed = f"{'DISABLED' if row['disabled'] else 'FAILED'}: {row['error']}"
+        failed = f"{'CLASH' if row['clash'] else 'FAILED'}: {row['error']}"
         status = failed if row["error"] else ("built-in" if row["builtin"] else "")
         table_rows.append([row["name"], row["distribution"], row["version"], what or "-", status])
     print_table("alpacafarm plugins", ["plugin", "distribution", "version", "registers", "status"], table_rows)
+    return _stop_on_clash(loaded)
+
+
+def _stop_on_clash(loaded: object) -> int:
+    from alpacafarm.plugins import clash_error
+
+    clash = clash_error(loaded)
+    if clash is not None:
+        raise clash
     return 0
 
 
@@ -195,10 +221,12 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         from alpacafarm.plugins import get_registry
 
-        registry = get_registry()
-        plugin_commands = {e.name: e.description for e in registry.entries("command")}
         rest = [a for a in argv if a != "--debug"]
-        if rest and rest[0] in plugin_commands:  # plugin commands parse their own arguments, --help included
+        # ``plugins`` lists what is installed even when two plugins clash (it then stops on the clash itself)
+        registry = get_registry() if rest[:1] != ["plugins"] else None
+        plugin_commands = {e.name: e.description for e in registry.entries("command")} if registry else {}
+        # plugin commands parse their own arguments, --help included
+        if registry is not None and rest and rest[0] in plugin_commands:
             own = rest[1:]
             if own[:1] == ["--"]:  # ``alpacafarm compare -- --agreement ...``: the separator is not theirs
                 own = own[1:]
@@ -213,6 +241,8 @@ def _main(argv: Sequence[str] | None) -> int:
             return cmd_run(args)
         if args.command == "plugins":
             return cmd_plugins(args)
+        if args.command == "plugin":
+            return cmd_plugin_new(args)
         return cmd_recipe_check(args)
     except UserError as exc:
         return _report_error(exc, exc, debug)

@@ -2,9 +2,9 @@
 
 Every hook receives a ``register`` callback (:class:`Register`); plugins never touch a global registry.
 ``target`` is the object itself or a lazy ``"package.module:attribute"`` string imported when the name is
-first used (so ``alpacafarm --help`` never imports torch or trl). A name is taken by the first plugin that
-registers it (built-ins load first); a later plugin claiming it is disabled as a whole, with one warning naming
-both, and the other commands keep working. Hooks are called once per process, when the registry is first
+first used (so ``alpacafarm --help`` never imports torch or trl). Duplicate names are an error naming both
+plugins: a plugin registering a name another plugin registered stops every command with one line saying which
+two clash (prefix your names: ``myorg_dpo``). Hooks are called once per process, when the registry is first
 needed, with keyword arguments only; an implementation may accept fewer arguments than its spec, so specs only
 ever grow (CONTRIBUTING.md).
 

@@ -2,8 +2,9 @@
 
 The run directory's layout and checks are in :mod:`alpacafarm.run_directory`.
 
-A stage is skipped when its manifest says ``complete``, its fingerprint (method, plugin version, config,
-seed, model block, annotator, and the identities of its inputs) is unchanged and its recorded output files are
+A stage is skipped when its manifest says ``complete``, its fingerprint (method, plugin version, the source code of
+the plugin packages it runs (:mod:`alpacafarm.code_identity`), config, seed, model block, annotator, and the
+identities of its inputs) is unchanged and its recorded output files are
 intact (see :mod:`alpacafarm.manifest`: missing or changed files re-run the stage). Each completed stage gets a
 fresh ``output_id``; downstream fingerprints include it, so re-running a stage (``--force``, changed config,
 lost outputs) re-runs what depends on it. A stage interrupted mid-way is re-run with ``context.resuming = True``
@@ -26,6 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from alpacafarm.code_identity import stage_code_identity
 from alpacafarm.data import source_fingerprint, write_json
 from alpacafarm.errors import UserError, did_you_mean
 from alpacafarm.manifest import MANIFEST_FORMAT, check_outputs, record_outputs
@@ -230,6 +232,7 @@ class Pipeline:
             "plugin_version": self.registry.plugin_versions.get(stage.plugin),
             "model": self.recipe.model.model_dump(mode="json") if self.recipe.model else None,
             "inputs": identities, "annotator": self._annotator_identity(stage),
+            "code": stage_code_identity(stage.method_cls, self.recipe, self.registry),
         }
 
     def _read_manifest(self, stage: PlannedStage) -> dict[str, Any] | None:

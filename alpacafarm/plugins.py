@@ -5,9 +5,11 @@
 - ``ALPACAFARM_DISABLE_PLUGIN_AUTOLOAD=1`` skips third-party entry points (the built-ins still load).
 - ``ALPACAFARM_PLUGINS=a,b`` is an allow-list of third-party entry-point names.
 - A plugin that fails to import (or whose hook raises) is recorded with its error and skipped; the rest load.
-- Built-ins register first, then third-party plugins by entry-point name. A plugin that registers a name another
-  plugin already registered is disabled as a whole (none of its names are registered) with a message naming
-  both: the first registration wins, and every command, ``plugins`` and ``--help`` included, keeps working.
+- Built-ins register first, then third-party plugins by entry-point name. Duplicate names are an error naming both
+  plugins (ARCHITECTURE.md): a plugin that registers a name another plugin registered (or one name twice, or an
+  entry-point name another distribution declared) makes every command stop with one line saying which two
+  plugins clash and how to resolve it (uninstall one, or leave it out of ``ALPACAFARM_PLUGINS``); never a silent
+  choice of one of them. ``alpacafarm plugins`` still lists what is installed before it stops.
 - Nothing happens at import time: the registry is built on the first :func:`get_registry` call.
 """
 
@@ -41,9 +43,9 @@ class PluginInfo:
     module: str
     builtin: bool
     error: str | None = None
-    #: set (with ``error`` holding the reason) when the plugin loaded but was switched off: it claimed a name
-    #: another plugin had registered first
-    disabled: bool = False
+    #: set (with ``error`` holding the reason) when the plugin claims a name another plugin registered: an error
+    #: for every command (:func:`get_plugins`); none of its names are registered
+    clash: bool = False
 
 
 @dataclass
@@ -95,8 +97,8 @@ def load_plugins() -> LoadedPlugins:
         infos.append(info)
         if manager.has_plugin(ep.name):
             first = next(i.distribution for i in infos if i.name == ep.name)
-            info.error = f"declares entry-point name {ep.name!r}, which distribution {first!r} declared first"
-            info.disabled = True
+            info.error = f"declares entry-point name {ep.name!r}, which distribution {first!r} declares too"
+            info.clash = True
             continue
         try:
             _register(manager, ep.load(), ep.name)
@@ -143,7 +145,7 @@ def _fill(registry: Registry, manager: pluggy.PluginManager, info: PluginInfo) -
                     raise _HookFailed(f"hook {spec.hook} raised {_describe_error(exc)}") from exc
     except _RegisteredTwice as exc:
         info.error = str(exc)
-        info.disabled = True
+        info.clash = True
         return
     except _HookFailed as exc:
         info.error = str(exc)
@@ -152,10 +154,8 @@ def _fill(registry: Registry, manager: pluggy.PluginManager, info: PluginInfo) -
         for entry in staged.entries(kind):
             if (kind, entry.name) in registry:
                 first = registry.entry(kind, entry.name).plugin
-                info.error = (f"registers {kind} {entry.name!r}, which plugin {first!r} registered first (the "
-                              f"first registration wins; uninstall one of them, or leave {info.name!r} out of "
-                              f"{ALLOW_LIST_ENV})")
-                info.disabled = True
+                info.error = f"registers {kind} {entry.name!r}, which plugin {first!r} registers too"
+                info.clash = True
                 return
     for kind in staged.kinds():
         for entry in staged.entries(kind):
@@ -180,15 +180,36 @@ def _register(manager: pluggy.PluginManager, plugin: Any, name: str) -> None:
         raise PluginError(f"{exc}; valid hooks: {', '.join(k.hook for k in KINDS.values())}") from exc
 
 
+def clash_error(loaded: LoadedPlugins) -> PluginError | None:
+    """The error of the first name clash among the plugins (None: no clash): one line naming both plugins."""
+    for info in loaded.plugins:
+        if info.clash:
+            return PluginError(f"plugin name clash: plugin {info.name!r} ({info.distribution}) {info.error}; "
+                               f"duplicate names are an error: uninstall one of the two plugins, or leave "
+                               f"{info.name!r} out of {ALLOW_LIST_ENV}")
+    return None
+
+
 def get_plugins() -> LoadedPlugins:
-    """The process-wide plugins, loaded on first use; failures are reported once on stderr."""
+    """The process-wide plugins, loaded on first use; import failures are reported once on stderr (the other
+    plugins work), a name clash raises :class:`PluginError` (:func:`clash_error`)."""
     global _loaded
     if _loaded is None:
-        _loaded = load_plugins()
-        for info in _loaded.failures:
-            what = "is disabled: it" if info.disabled else "failed to load:"
-            print(f"warning: plugin {info.name!r} ({info.distribution}) {what} {info.error}", file=sys.stderr)
+        loaded = load_plugins()
+        clash = clash_error(loaded)
+        if clash is not None:
+            raise clash
+        _loaded = loaded
+        report_failures(loaded)
     return _loaded
+
+
+def report_failures(loaded: LoadedPlugins) -> None:
+    """One warning line on stderr per plugin that failed to load (the others work)."""
+    for info in loaded.failures:
+        if not info.clash:
+            print(f"warning: plugin {info.name!r} ({info.distribution}) failed to load: {info.error}",
+                  file=sys.stderr)
 
 
 def get_registry() -> Registry:

@@ -220,7 +220,7 @@ def _failed_plugins_hint() -> str:
     if not failures:
         return ""
     return " — note: plugin(s) not loaded: " + "; ".join(
-        f"{f.name} ({'disabled: ' if f.disabled else ''}{f.error})" for f in failures)
+        f"{f.name} ({f.error})" for f in failures)
 
 
 def _check_backend(registry: Registry, config: Any, doc: SourcedDocument, path: Path_) -> None:

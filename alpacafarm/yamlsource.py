@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from alpacafarm.errors import REDACTED, RecipeError, looks_like_secret, shown_value
+from alpacafarm.errors import REDACTED, RecipeError, did_you_mean, looks_like_secret, shown_value
 from alpacafarm.paths import read_text
 
 Path_ = tuple[str | int, ...]
@@ -176,10 +176,29 @@ def display_path(path: Path) -> str:
         return str(path)
 
 
+#: ``include: alpacafarm:NAME`` names ``NAME.yaml`` in this folder of the installed package.
+RECIPE_PARTS_DIR = Path(__file__).parent / "recipe_parts"
+PACKAGE_INCLUDE_PREFIX = "alpacafarm:"
+
+
+def recipe_parts() -> list[str]:
+    """The shared recipe pieces that ship with the package (``include: alpacafarm:<name>``)."""
+    return sorted(p.stem for p in RECIPE_PARTS_DIR.glob("*.yaml"))
+
+
+def include_target(including: Path, name: str) -> Path:
+    """The file an ``include:`` entry names: ``alpacafarm:NAME`` (a piece shipped in the package, so a recipe
+    copied into another repository still finds it) or a path relative to the including file."""
+    if name.startswith(PACKAGE_INCLUDE_PREFIX):
+        return RECIPE_PARTS_DIR / f"{name[len(PACKAGE_INCLUDE_PREFIX):]}.yaml"
+    return including.parent / name
+
+
 def load_with_includes(path: Path, _stack: tuple[Path, ...] = (), *,
                        known_keys: frozenset[str] | None = None) -> SourcedDocument:
-    """Load ``path``; its ``include:`` (a file or list of files, relative to it) are merged underneath it. An
-    included file may only hold ``known_keys`` (the recipe schema's, given by the caller) when they are given."""
+    """Load ``path``; its ``include:`` (a file or list of files, relative to it, or ``alpacafarm:NAME`` for a piece
+    shipped in the package: :func:`recipe_parts`) are merged underneath it. An included file may only hold
+    ``known_keys`` (the recipe schema's, given by the caller) when they are given."""
     path = Path(path)
     shown = display_path(path)
     if path.is_dir():
@@ -213,10 +232,14 @@ def load_with_includes(path: Path, _stack: tuple[Path, ...] = (), *,
         raise doc.error(("include",), "must be a file name or a list of file names")
     merged = SourcedDocument({}, {})
     for i, name in enumerate(includes):
-        target = path.parent / name
+        target = include_target(path, name)
         if not target.is_file():
             where = doc.positions.get(("include", i)) or doc.positions.get(("include",))
             loc = f"{where[0]}:{where[1]}: " if where else f"{shown}: "
+            if name.startswith(PACKAGE_INCLUDE_PREFIX):
+                piece = name[len(PACKAGE_INCLUDE_PREFIX):]
+                raise RecipeError(f"{loc}include: {name!r}: alpacafarm ships no recipe piece {piece!r}"
+                                  f"{did_you_mean(piece, recipe_parts())} (pieces: {', '.join(recipe_parts())})")
             raise RecipeError(f"{loc}include: file not found: {display_path(target)}")
         merged = deep_merge(merged, load_with_includes(target, (*_stack, resolved), known_keys=known_keys))
     doc.positions = {k: v for k, v in doc.positions.items() if k[:1] != ("include",)}

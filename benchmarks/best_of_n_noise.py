@@ -27,6 +27,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from alpacafarm.data import read_records
+    from alpacafarm.kit import select
     from alpacafarm.modeling import load_classifier, load_tokenizer
     from alpacafarm.plugins import get_registry
     from alpacafarm.recipe import load_recipe
@@ -35,7 +36,6 @@ def main() -> None:
     from alpacafarm_evaluation.evaluator import instruction_scores
     from alpacafarm_evaluation.pairing import annotate_and_score, load_references, pair_outputs
     from alpacafarm_evaluation.results import paired_difference
-    from alpacafarm_trl.best_of_n import select
     from alpacafarm_trl.reward_head import fit_head, last_token_features
     from alpacafarm_trl.reward_model import preference_rows
 

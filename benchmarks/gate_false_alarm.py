@@ -106,8 +106,10 @@ def best(samples: list[tuple[float, float]], lowest: bool = False) -> float:
 
 
 def trial(pool: list[list[tuple[float, float]]], k: int, rng: random.Random, regressed: bool,
-          margin: float, alpha: float, power: float) -> tuple[str, list[float]]:
-    from alpacafarm_evaluation.gate_stats import family_alpha, non_inferiority, worst
+          margin: float, alpha: float, power: float) -> tuple[str, list[float], list[float]]:
+    """One trial: the gate's verdict, each system's MDE, and the MDE ``--update-baseline`` estimates from the
+    baseline half alone (before any candidate exists)."""
+    from alpacafarm_evaluation.gate_stats import baseline_power, family_alpha, non_inferiority, worst
 
     systems: dict[str, tuple[list[float], list[float]]] = {"best_of_1": ([], []), f"best_of_{k}": ([], [])}
     for samples in pool:
@@ -120,7 +122,9 @@ def trial(pool: list[list[tuple[float, float]]], k: int, rng: random.Random, reg
     level = family_alpha(alpha, len(systems))
     tests = [non_inferiority([100 * (c - b) for b, c in zip(base, cand, strict=True)], margin, level, power)
              for base, cand in systems.values()]
-    return worst([t.verdict for t in tests]), [t.mde for t in tests]
+    estimates = baseline_power({name: {str(i): v for i, v in enumerate(base)} for name, (base, _) in systems.items()},
+                               margin, alpha, power)
+    return worst([t.verdict for t in tests]), [t.mde for t in tests], [e.mde for e in estimates]
 
 
 def main() -> None:
@@ -148,10 +152,12 @@ def main() -> None:
         rng = random.Random(args.seed)
         counts = {"PASS": 0, "FAIL": 0, "INCONCLUSIVE": 0}
         mdes: list[float] = []
+        estimated: list[float] = []
         for _ in range(args.trials):
-            verdict, trial_mdes = trial(pool, k, rng, regressed, args.margin, args.alpha, args.power)
+            verdict, trial_mdes, trial_estimates = trial(pool, k, rng, regressed, args.margin, args.alpha, args.power)
             counts[verdict] += 1
             mdes.extend(trial_mdes)
+            estimated.extend(trial_estimates)
         rates = {v: c / args.trials for v, c in counts.items()}
         se = (rates["FAIL"] * (1 - rates["FAIL"]) / args.trials) ** 0.5
         what = (f"regressed candidate (worst-of-{k}): power (FAIL rate)" if regressed
@@ -160,6 +166,9 @@ def main() -> None:
               + ("" if regressed else f" (alpha = {args.alpha:g}: {'OK' if rates['FAIL'] <= args.alpha else 'ABOVE'})"))
         print(f"  PASS {rates['PASS']:.3f}  INCONCLUSIVE {rates['INCONCLUSIVE']:.3f}  FAIL {rates['FAIL']:.3f};"
               f"  mean MDE {sum(mdes) / len(mdes):.1f} points (at {args.power:.0%} power)")
+        if not regressed:
+            print(f"  --update-baseline's estimate from the baseline alone: mean MDE "
+                  f"{sum(estimated) / len(estimated):.1f} points")
 
 
 if __name__ == "__main__":

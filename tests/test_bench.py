@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,28 @@ def test_verdicts_follow_the_documented_rules():
     assert EXIT_CODES == {PASS: 0, FAIL: 1, INCONCLUSIVE: 3, STALE: 4}
     assert family_alpha(0.05, 2) == 0.025 and family_alpha(0.05, 0) == 0.05
     assert paired_differences({"a": 1.0, "b": 0.5, "c": 0.0}, {"b": 1.0, "a": 1.0, "x": 0.0}) == [-50.0, 0.0]
+
+
+def test_the_baseline_power_estimate_follows_the_formula_and_finds_the_instructions_needed():
+    from scipy import stats
+
+    from alpacafarm_evaluation.gate_stats import baseline_power
+
+    a = {f"i{k}": [1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.0, 0.25][k % 8] for k in range(64)}
+    b = {k: min(1.0, v + (0.25 if int(k[1:]) % 3 == 0 else 0.0)) for k, v in a.items()}
+    rho = stats.pearsonr([a[k] for k in a], [b[k] for k in a]).statistic
+    first, second = baseline_power({"a": a, "b": b}, margin=5.0, alpha=0.05, power=0.8)
+    assert first.system == "a" and math.isclose(first.correlation, rho, rel_tol=1e-9)
+    sd = math.sqrt(2 * (1 - rho)) * stats.tstd([100 * v for v in a.values()])
+    expected = (stats.t.ppf(1 - 0.025, 63) + stats.norm.ppf(0.8)) * sd / 8  # alpha shared by two systems
+    assert math.isclose(first.mde, expected, rel_tol=1e-9)
+    n = first.needed
+    mde_at = lambda m: (stats.t.ppf(1 - 0.025, m - 1) + stats.norm.ppf(0.8)) * sd / math.sqrt(m)  # noqa: E731
+    assert first.underpowered == (first.mde > 5.0) and mde_at(n) <= 5.0 < mde_at(n - 1)
+    # one system: no other system to estimate the correlation from, so the upper bound rho = 0
+    (alone,) = baseline_power({"a": a}, margin=5.0)
+    assert alone.correlation == 0.0 and alone.mde > first.mde and alone.needed > n
+    assert second.system == "b"
 
 
 @pytest.mark.parametrize("kwargs,message", [({"margin": 0.0}, "margin must be positive"),
@@ -359,12 +382,25 @@ def test_the_command_exits_4_on_a_stale_baseline_and_update_baseline_writes_a_ne
     assert stale.returncode == 4, stale.stderr
     assert "stale: judge changed" in stale.stderr and "STALE" in stale.stderr
     baseline = tmp_path / "baselines" / "tiny.json"  # a new file in a new folder
+    # The tiny benchmark cannot see a 7.5-point regression (its MDE is ~17): refused, one line, nothing written
+    refused = run_cli("bench", tiny_bench["recipe"], "--baseline", str(baseline), "--update-baseline",
+                      "--output-dir", run_dir, "--margin", "7.5", *sets, env=env)
+    assert refused.returncode == 2, refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: bench: baseline not written: best_of_") and "above the margin 7.5" in last, last
+    assert re.search(r"\(96 instructions; about \d+ instructions would do\)", last), last
+    assert re.search(r"best_of_4: estimated MDE \d+\.\d points on 96 instructions \(margin 7.5; about \d+ needed",
+                     refused.stderr), refused.stderr
+    assert not baseline.exists()
     result = run_cli("bench", tiny_bench["recipe"], "--baseline", str(baseline), "--update-baseline",
-                     "--output-dir", run_dir, "--margin", "7.5", *sets, env=env)
+                     "--output-dir", run_dir, "--margin", "7.5", "--allow-underpowered", *sets, env=env)
     assert result.returncode == 0, result.stderr
     assert f"baseline written: {baseline}" in result.stderr
     written = json.loads(baseline.read_text(encoding="utf-8"))
     assert written["gate"]["margin"] == 7.5 and set(written["systems"]) == {"best_of_1", "best_of_4"}
+    estimate = {e["system"]: e for e in written["power_estimate"]}
+    assert estimate["best_of_4"]["underpowered"] and estimate["best_of_4"]["needed"] > 96
+    assert estimate["best_of_4"]["mde"] > 7.5
     assert written["judge"]["annotator"]["config"]["model"] == tiny_bench["reward_dirs"][1]
     assert written["fingerprints"]["data"] == tiny_bench["baseline"]["fingerprints"]["data"]
     # a crash is no verdict: exit 5 with the traceback, never 1 (FAIL)
@@ -390,3 +426,39 @@ def test_a_missing_or_bad_baseline_is_a_one_line_user_error(tmp_path: Path):
     assert result.returncode == 2 and "is not an alpacafarm bench baseline" in result.stderr
     result = run_cli("bench", "recipes/bench/best_of_n.yaml", "--baseline", str(bad), "--margin", "0")
     assert result.returncode == 2 and "--margin must be positive" in result.stderr
+
+
+def test_a_method_whose_code_changed_under_the_same_version_re_runs_and_fails(tiny_bench: dict, tmp_path: Path):
+    """The plugin's version is not bumped: only its source changes. The gate must not reuse the old outputs."""
+    import shutil
+
+    site = tmp_path / "site"
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                             "--no-index", "--target", str(site), str(BENCHTEST_PLUGIN)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_bench["root"] / "baseline-run", run_dir)
+    command = ["bench", tiny_bench["recipe"], "--baseline", str(tiny_bench["baseline_file"]), "--output-dir",
+               str(run_dir), "--set", "stages.best_of_n.method=best_of_n_refactored", "--json"]
+    env = {"PYTHONPATH": str(site)}
+    first = run_cli(*command, env=env)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["verdict"] == PASS
+    # The author changes the method to keep the lowest-reward sample, same name, same version 0.1.0.
+    methods = site / "alpacafarm_benchtest" / "methods.py"
+    source = methods.read_text(encoding="utf-8")
+    assert "class RefactoredBestOfN(BestOfN):" in source
+    methods.write_text(source.replace("class RefactoredBestOfN(BestOfN):", "class RefactoredBestOfN(WorstOfN):"),
+                       encoding="utf-8")
+    second = run_cli(*command, env=env)
+    assert second.returncode == 1, second.stderr
+    assert "best_of_n (best_of_n_refactored) — fingerprint changed: code" in second.stderr
+    assert "split: unchanged, skipped" in second.stderr  # the stages whose code did not change are reused
+    report = json.loads(second.stdout)
+    assert report["verdict"] == FAIL and by_system(report)["best_of_4"]["verdict"] == FAIL
+    # --force re-runs every stage, the unchanged ones too
+    forced = run_cli(*command, "--force", env=env)
+    assert forced.returncode == 1, forced.stderr
+    assert "split (split_instructions) — forced (--force)" in forced.stderr
+    assert "unchanged, skipped" not in forced.stderr

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from alpacafarm.data import read_records
+from alpacafarm.kit import best_index, select
 from alpacafarm.recipe import load_recipe
-from alpacafarm_trl.best_of_n import BestOfNConfig, best_index, powers_of_two, select
+from alpacafarm_trl.best_of_n import BestOfNConfig, powers_of_two
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

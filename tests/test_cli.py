@@ -97,20 +97,21 @@ def test_unknown_method_from_a_broken_plugin_exits_2_and_names_it(broken_plugin_
     assert not out.exists()
 
 
-def test_a_plugin_registering_a_taken_name_is_disabled_and_the_first_wins(tmp_path: Path):
-    """A clash is no longer fatal: the plugin that registers first (built-ins before third-party plugins) keeps
-    the name, the other is disabled as a whole (tests/test_user_errors.py checks every command's output)."""
+def test_a_plugin_registering_a_taken_name_is_an_error_naming_both(tmp_path: Path):
+    """Duplicate names are an error naming both plugins (tests/test_user_errors.py checks every command's output)."""
     site = tmp_path / "site"
     source = ("from alpacafarm import hookimpl\n\n@hookimpl\ndef register_methods(register):\n"
               "    register('split_instructions', 'alpacafarm.method:Method')\n")
     fake_distribution(site, "alpacafarm-clash", {"clash": "alpacafarm_clash"}, {"alpacafarm_clash": source})
     result = run_cli("recipe", "check", "recipes/quickstart.yaml", env={"PYTHONPATH": str(site)})
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == (
-        "warning: plugin 'clash' (alpacafarm-clash) is disabled: it registers method 'split_instructions', which "
-        "plugin 'data' registered first (the first registration wins; uninstall one of them, or leave 'clash' out "
-        "of ALPACAFARM_PLUGINS)")
-    assert "split_instructions (data)" in result.stdout
+        "error: plugin name clash: plugin 'clash' (alpacafarm-clash) registers method 'split_instructions', which "
+        "plugin 'data' registers too; duplicate names are an error: uninstall one of the two plugins, or leave "
+        "'clash' out of ALPACAFARM_PLUGINS")
+    allowed = run_cli("recipe", "check", "recipes/quickstart.yaml",
+                      env={"PYTHONPATH": str(site), "ALPACAFARM_PLUGINS": "someone_else"})
+    assert allowed.returncode == 0 and "split_instructions (data)" in allowed.stdout, allowed.stderr
 
 
 def test_autoload_switch_and_allow_list(broken_plugin_site: Path):

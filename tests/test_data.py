@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from alpacafarm.data import builtin_datasets, load_source, read_records, source_fingerprint, write_jsonl
+from alpacafarm.data import BUILTIN_DIR, builtin_datasets, load_source, read_records, source_fingerprint, write_jsonl
 from alpacafarm.errors import UserError
 from alpacafarm.recipe import DataSource
 
@@ -105,6 +105,23 @@ def test_builtin_alpaca_eval_sample():
         assert {"instruction", "input", "dataset", "reference"} <= set(record)
         assert record["instruction"].strip() and record["reference"].strip()
     assert len(load_source(DataSource(builtin="alpaca_eval_sample", limit=10))) == 10
+
+
+def test_the_whole_alpacafarm_evaluation_set_ships_with_davinci003_references():
+    records = load_source(DataSource(builtin="alpaca_eval"))
+    assert len(records) == 805
+    assert len({(r["instruction"], r["input"]) for r in records}) == 805
+    counts = {}
+    for record in records:
+        assert record["instruction"].strip() and record["reference"].strip()
+        assert record["reference_generator"] == "text_davinci_003"
+        counts[record["dataset"]] = counts.get(record["dataset"], 0) + 1
+    # the paper's five sources (AlpacaFarm Table: 252 self-instruct, 188 OASST, 156 Koala, 129 Anthropic HH, 80 Vicuna)
+    assert counts == {"selfinstruct": 252, "oasst": 188, "koala": 156, "helpful_base": 129, "vicuna": 80}
+    assert sum(bool(r["input"]) for r in records) == 208
+    sample = load_source(DataSource(builtin="alpaca_eval_sample"))
+    assert all(r in records for r in sample)  # the sample is a subset, record for record
+    assert "CC BY-NC 4.0" in (BUILTIN_DIR / "SOURCES.md").read_text(encoding="utf-8")
 
 
 def test_unknown_builtin_suggests_the_closest():

@@ -53,7 +53,7 @@ def _worker(what: str, out: Path) -> None:
     elif what == "refuse":
         result.update(_refused_run(out))
     elif what == "score":
-        from alpacafarm_trl.best_of_n import score_rows
+        from alpacafarm.kit import score_rows
 
         calls: list[list[str]] = []
         result["scores"] = score_rows(_LengthReward(calls), SCORED_ROWS, 3, "scoring")
@@ -191,7 +191,7 @@ def test_a_failure_on_one_rank_stops_every_rank_with_one_message_naming_it(tmp_p
 
 
 def test_best_of_n_scoring_is_split_across_ranks_in_the_batches_of_one_process(tmp_path: Path):
-    from alpacafarm_trl.best_of_n import score_rows
+    from alpacafarm.kit import score_rows
 
     one_calls: list[list[str]] = []
     one = score_rows(_LengthReward(one_calls), SCORED_ROWS, 3)

@@ -255,3 +255,54 @@ def test_command_prints_its_greeting_and_is_listed(env: dict[str, str]):
     hello = run_cli("example-hello", "tester", env=env)
     assert hello.returncode == 0 and hello.stdout.strip() == "hello tester from alpacafarm-example"
     assert "say hello from the example plugin" in " ".join(run_cli("--help", env=env).stdout.split())
+
+
+# ------------------------------------------------------------------------------------------------ public names
+
+
+def imported_names(source: str) -> list[tuple[str, str]]:
+    """``(module, name)`` for every import in ``source`` (name "" for ``import module``)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, "") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found += [(node.module or "", alias.name) for alias in node.names]
+    return found
+
+
+def private_imports(source: str, own_package: str) -> list[str]:
+    """What a third-party plugin must not import: a built-in plugin's modules (``alpacafarm_*``), or a private
+    (``_``-prefixed) module or name of alpacafarm."""
+    bad = []
+    for module, name in imported_names(source):
+        top = module.split(".")[0]
+        if top.startswith("alpacafarm_") and top != own_package:
+            bad.append(f"{module} (a built-in plugin)")
+        elif top == "alpacafarm" and (any(part.startswith("_") for part in module.split(".")) or
+                                      name.startswith("_")):
+            bad.append(f"{module}:{name} (private)")
+    return bad
+
+
+def test_the_example_plugin_and_the_scaffold_import_only_public_alpacafarm_names(tmp_path: Path):
+    from alpacafarm.scaffold import new_plugin
+
+    sources = {path: "alpacafarm_example" for path in (EXAMPLE_PLUGIN / "alpacafarm_example").glob("*.py")}
+    scaffold = new_plugin("kit-user", tmp_path)
+    sources.update({path: "kit_user" for path in scaffold.rglob("*.py")})
+    assert len(sources) >= 7
+    offending = {str(path): private_imports(path.read_text(encoding="utf-8"), own)
+                 for path, own in sources.items()}
+    assert {path: bad for path, bad in offending.items() if bad} == {}
+    # the scaffold's method is built from the public kit, which the built-ins use too
+    method = (scaffold / "kit_user" / "method.py").read_text(encoding="utf-8")
+    assert ("alpacafarm.kit", "score_groups") in imported_names(method)
+    builtin = (REPO_ROOT / "plugins" / "alpacafarm_trl" / "best_of_n.py").read_text(encoding="utf-8")
+    assert ("alpacafarm.kit", "score_groups") in imported_names(builtin)
+    # the check itself sees what it must refuse
+    assert private_imports("from alpacafarm_trl.best_of_n import BestOfN\nfrom alpacafarm.x import _y\n"
+                           "import alpacafarm._z\n", "mine") == [
+        "alpacafarm_trl.best_of_n (a built-in plugin)", "alpacafarm.x:_y (private)", "alpacafarm._z: (private)"]

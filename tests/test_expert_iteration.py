@@ -31,8 +31,8 @@ def targets(row: dict[str, list[int]]) -> list[int]:
 
 
 def test_a_finished_winner_ends_with_eos_and_a_cut_one_does_not():
+    from alpacafarm.kit import training_rows
     from alpacafarm.prompts import format_prompt
-    from alpacafarm_trl.expert_iteration import training_rows
 
     tokenizer = tiny_tokenizer()
     eos = tokenizer.eos_token_id
@@ -51,7 +51,7 @@ def test_a_finished_winner_ends_with_eos_and_a_cut_one_does_not():
 
 def test_cut_samples_are_what_the_backend_reports_and_a_backend_that_cannot_tell_is_an_error():
     from alpacafarm.errors import UserError
-    from alpacafarm_trl.expert_iteration import mark_finished
+    from alpacafarm.kit import mark_finished
 
     class Reporting:
         last_finished = [[True, False], [False, True]]
@@ -92,17 +92,17 @@ def server() -> Iterator[FakeOpenAIServer]:
 
 @pytest.fixture
 def built_trainers(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Every SFT trainer expert iteration builds (through :func:`alpacafarm_trl.policy.build_sft_trainer_on_rows`)."""
-    import alpacafarm_trl.policy as policy
+    """Every SFT trainer expert iteration builds (through :func:`alpacafarm.kit.build_sft_trainer_on_rows`)."""
+    import alpacafarm_trl.expert_iteration as expert_iteration
 
     built: list[Any] = []
-    real = policy.build_sft_trainer_on_rows
+    real = expert_iteration.build_sft_trainer_on_rows
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         built.append(real(*args, **kwargs))
         return built[-1]
 
-    monkeypatch.setattr(policy, "build_sft_trainer_on_rows", spy)
+    monkeypatch.setattr(expert_iteration, "build_sft_trainer_on_rows", spy)
     return built
 
 

@@ -131,7 +131,7 @@ def test_first_run_writes_artifacts_and_manifests(recipe_file: Path, tmp_path: P
     assert manifest["artifact"]["path"] == "stages/numbers/numbers.jsonl"  # relative: a run dir can move
     assert manifest["format"] == 2 and list(manifest["outputs"]) == ["stages/numbers/numbers.jsonl"]
     assert set(manifest["fingerprint_parts"]) == {"method", "plugin", "plugin_version", "config", "seed", "model",
-                                                  "annotator"}
+                                                  "annotator", "code"}
     assert (manifest["inputs"]["instructions"]["from"] == "instructions"
             and len(manifest["inputs"]["instructions"]["id"]) == 64)
     assert manifest["versions"]["alpacafarm"] == alpacafarm.__version__ and "pluggy" in manifest["versions"]
@@ -328,3 +328,31 @@ def test_evaluated_stages_must_exist_and_not_all_be_disabled(recipe_file: Path, 
         run(several_policies_recipe(tmp_path, "[numbers, nubmers]"), tmp_path / "out")
     with pytest.raises(RecipeError, match="every evaluated stage is disabled"):
         run(several_policies_recipe(tmp_path, "[total]"), tmp_path / "out")
+
+
+def test_the_code_identity_follows_the_source_of_the_plugin_packages(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch):
+    from alpacafarm.code_identity import code_identity, code_packages
+    from alpacafarm.method import Method
+
+    package = tmp_path / "codeid_plugin"
+    package.mkdir()
+    (package / "__init__.py").write_text("", encoding="utf-8")
+    (package / "method.py").write_text("from alpacafarm.method import Method\n\nclass Mine(Method):\n"
+                                       "    pass\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from codeid_plugin.method import Mine
+
+    from alpacafarm_trl.best_of_n import BestOfN
+
+    assert code_packages(Mine) == ["codeid_plugin"] and code_identity(Method) == {}  # the core is versioned
+    assert code_packages(BestOfN) == ["alpacafarm_trl"]
+    before = code_identity(Mine)
+    (package / "helpers.py").write_text("KEEP = 'lowest'\n", encoding="utf-8")  # any file of the package counts
+    after = code_identity(Mine)
+    assert before != after and code_identity(Mine) == after  # stable while nothing changes
+
+    class Sub(BestOfN, Mine):  # a subclass of a built-in: both packages' code (and this test module's)
+        pass
+
+    assert set(code_identity(Sub)) == {"alpacafarm_trl", "codeid_plugin", __name__}

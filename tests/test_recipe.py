@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 from pydantic import BaseModel, ConfigDict
 
 import alpacafarm
@@ -83,12 +84,30 @@ def test_missing_include_names_the_file(tmp_path):
     assert "r.yaml:2" in message and "nothere.yaml" in message and "not found" in message
 
 
+def test_shared_pieces_are_included_from_the_installed_package_wherever_the_recipe_is(tmp_path):
+    # A benchmark recipe copied into a plugin's repository (no recipes/ folder there) still loads and checks.
+    plugin_repo = tmp_path / "my-plugin"
+    copied = write(plugin_repo / "benchmarks" / "bench.yaml",
+                   (REPO_ROOT / "recipes" / "bench" / "best_of_n.yaml").read_text(encoding="utf-8"))
+    assert "include: alpacafarm:offline" in copied.read_text(encoding="utf-8")
+    loaded = load_recipe(copied)
+    assert loaded.recipe.model.name == "smollm2-135m-instruct" and loaded.recipe.seed == 42
+    result = run_cli("recipe", "check", str(copied), cwd=plugin_repo)
+    assert result.returncode == 0, result.stderr
+
+
+def test_an_unknown_package_piece_is_a_one_line_error_listing_the_pieces(tmp_path):
+    message = error_of(write(tmp_path / "r.yaml", "name: t\ninclude: alpacafarm:ofline\n" + SPLIT_STAGE))
+    assert message.startswith(f"{tmp_path / 'r.yaml'}:2: include: 'alpacafarm:ofline': alpacafarm ships no recipe "
+                              "piece 'ofline'; did you mean 'offline'?"), message
+    assert "(pieces: " in message and "offline" in message
+
+
 # ------------------------------------------------------------------------------------------------- --set
 
 
 @pytest.fixture
 def quickstart_copy(tmp_path):
-    write(tmp_path / "_base" / "offline.yaml", (REPO_ROOT / "recipes" / "_base" / "offline.yaml").read_text())
     return write(tmp_path / "q.yaml", (REPO_ROOT / "recipes" / "quickstart.yaml").read_text())
 
 

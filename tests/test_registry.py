@@ -8,7 +8,7 @@ import pytest
 
 import alpacafarm
 from alpacafarm.errors import PluginError, UnknownNameError
-from alpacafarm.plugins import get_plugins, get_registry
+from alpacafarm.plugins import get_plugins, get_registry, load_plugins
 from alpacafarm.registry import Registry, import_target
 
 
@@ -59,18 +59,22 @@ def test_lazy_targets_are_not_imported_until_used(register_test_plugin):
     assert registry.get("evaluator", "ev") is alpacafarm.method.Method
 
 
-def test_a_plugin_claiming_a_taken_name_is_disabled_and_the_first_registration_wins(register_test_plugin, capsys):
+def test_a_plugin_claiming_a_taken_name_is_an_error_naming_both_plugins(register_test_plugin):
     register_test_plugin(ClashingPlugin(), "clasher")
-    loaded = get_plugins()
+    with pytest.raises(PluginError) as info:
+        get_plugins()
+    assert str(info.value) == (
+        "plugin name clash: plugin 'clasher' ((registered in-process)) registers method 'split_instructions', which "
+        "plugin 'data' registers too; duplicate names are an error: uninstall one of the two plugins, or leave "
+        "'clasher' out of ALPACAFARM_PLUGINS")
+    with pytest.raises(PluginError):  # every time: a clash is never forgotten after the first report
+        get_registry()
+    loaded = load_plugins()  # what ``alpacafarm plugins`` lists before it stops
     (clasher,) = [p for p in loaded.plugins if p.name == "clasher"]
-    assert clasher.disabled and "method 'split_instructions'" in clasher.error and "'data'" in clasher.error
-    assert loaded.registry.entry("method", "split_instructions").plugin == "data"
-    assert "own_name" not in loaded.registry.names("method")  # a disabled plugin registers nothing at all
-    (warning,) = capsys.readouterr().err.splitlines()
-    assert warning.startswith("warning: plugin 'clasher'") and "is disabled" in warning and "'data'" in warning
+    assert clasher.clash and "own_name" not in loaded.registry.names("method")
 
 
-def test_a_plugin_registering_one_name_twice_is_disabled(register_test_plugin):
+def test_a_plugin_registering_one_name_twice_is_an_error(register_test_plugin):
     class Twice:
         @alpacafarm.hookimpl
         def register_annotators(self, register):
@@ -78,9 +82,8 @@ def test_a_plugin_registering_one_name_twice_is_disabled(register_test_plugin):
             register("twice", "alpacafarm.annotation:Annotator")
 
     register_test_plugin(Twice(), "twice")
-    (info,) = [p for p in get_plugins().plugins if p.name == "twice"]
-    assert info.disabled and info.error == "registers annotator 'twice' twice"
-    assert "twice" not in get_registry().names("annotator")
+    with pytest.raises(PluginError, match=r"plugin 'twice' .* registers annotator 'twice' twice; duplicate names"):
+        get_plugins()
 
 
 def test_a_bad_registration_fails_only_its_plugin(register_test_plugin):
@@ -92,7 +95,7 @@ def test_a_bad_registration_fails_only_its_plugin(register_test_plugin):
 
     register_test_plugin(Bad(), "bad")
     (info,) = [p for p in get_plugins().plugins if p.name == "bad"]
-    assert not info.disabled and "non-empty string" in info.error
+    assert not info.clash and "non-empty string" in info.error
     assert "fine_name" not in get_registry().names("method") and "split_instructions" in get_registry().names("method")
 
 

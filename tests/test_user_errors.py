@@ -1,7 +1,7 @@
 """Every error a user can cause is one line naming the culprit, exit status 2, no traceback; secrets never echo.
 
 Each test runs the real CLI in a fresh, offline process. The one-line form is checked strictly: the whole of
-stderr is a single ``error: ...`` line (or, for a disabled plugin, a single ``warning: ...`` line).
+stderr is a single ``error: ...`` line.
 """
 
 from __future__ import annotations
@@ -268,31 +268,23 @@ def clashing_site(tmp_path: Path) -> Path:
     return site
 
 
-def test_a_plugin_claiming_a_taken_name_is_disabled_not_fatal(clashing_site: Path, cli):
+def test_a_plugin_claiming_a_taken_name_stops_every_command_with_one_line_naming_both(clashing_site: Path, cli):
     env = {"PYTHONPATH": str(clashing_site)}
-    warning = ("warning: plugin 'aaa_clash' (aaa-clash) is disabled: it registers method 'split_instructions', "
-               "which plugin 'data' registered first")
-    for args in (["--help"], ["plugins"], ["recipe", "check", "recipes/quickstart.yaml"]):
+    error = ("error: plugin name clash: plugin 'aaa_clash' (aaa-clash) registers method 'split_instructions', which "
+             "plugin 'data' registers too; duplicate names are an error: uninstall one of the two plugins, or leave "
+             "'aaa_clash' out of ALPACAFARM_PLUGINS")
+    for args in (["--help"], ["recipe", "check", "recipes/quickstart.yaml"], ["run", "recipes/quickstart.yaml"]):
         result = cli(*args, env=env)
-        assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
-        lines = result.stderr.splitlines()
-        if args != ["plugins"]:  # (``plugins`` draws its table on stderr, after the warning)
-            assert len(lines) == 1, result.stderr
-        assert lines[0].startswith(warning) and not [line for line in lines[1:] if "warning" in line], result.stderr
-    listed = {p["name"]: p for p in json.loads(cli("plugins", "--json", env=env).stdout)["plugins"]}
-    clash = listed["aaa_clash"]
-    assert clash["disabled"] and "'data' registered first" in clash["error"] and clash["registers"] == {}
-    assert listed["data"]["registers"]["method"] == ["preference_data", "split_instructions"]
-    assert "DISABLED: registers method 'split_instructions'" in cli("plugins", env=env).stderr
-
-
-def test_a_method_of_a_disabled_plugin_is_unknown_and_says_why(clashing_site: Path, cli, tmp_path: Path):
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text("name: r\nstages:\n  - name: s\n    method: clash_only\n")
-    result = cli("recipe", "check", str(recipe), env={"PYTHONPATH": str(clashing_site)})
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "unknown method 'clash_only'" in errors[0] and "aaa_clash (disabled: " in errors[0]
+        assert result.returncode == 2 and result.stderr.strip() == error, result.stderr
+    # ``plugins`` lists what is installed, the clash marked, and then stops on it
+    listed = cli("plugins", "--json", env=env)
+    assert listed.returncode == 2 and listed.stderr.strip() == error
+    rows = {p["name"]: p for p in json.loads(listed.stdout)["plugins"]}
+    assert rows["aaa_clash"]["clash"] and rows["aaa_clash"]["registers"] == {}
+    assert rows["data"]["registers"]["method"] == ["preference_data", "split_instructions"]
+    table = cli("plugins", env=env)
+    assert table.returncode == 2 and "CLASH: registers method 'split_instructions'" in table.stderr
+    assert table.stderr.strip().splitlines()[-1] == error
 
 
 # ------------------------------------------------------------------------------------------------- leaderboard

@@ -1,10 +1,11 @@
 """``alpacafarm bench RECIPE --baseline FILE``: the CI gate that blocks a change whose win-rate regresses.
 
 It runs a benchmark recipe through the normal pipeline (fixed seeds, data and judge; finished stages are skipped,
-as with ``alpacafarm run``), reads every evaluated system's per-instruction outcomes, and compares each system with
-the committed baseline file on the same instructions (:mod:`alpacafarm_evaluation.gate_stats`: a one-sided paired
-non-inferiority test of the win-rate against the reference). Identical outputs (same hashes on every instruction)
-pass at once.
+as with ``alpacafarm run``: a stage re-runs when its method's or judge's code changed, even under the same plugin
+version; ``--force`` re-runs them all), reads every evaluated system's per-instruction outcomes, and compares
+each system with the committed baseline file on the same instructions (:mod:`alpacafarm_evaluation.gate_stats`:
+a one-sided paired non-inferiority test of the win-rate against the reference). Identical outputs (same hashes
+on every instruction) pass at once.
 
 What a baseline holds and how the benchmark is fingerprinted (judge, data, recipe) is
 :mod:`alpacafarm_evaluation.bench_baseline`.
@@ -46,6 +47,8 @@ from alpacafarm_evaluation.gate_stats import (
     INCONCLUSIVE,
     PASS,
     STALE,
+    BaselinePower,
+    baseline_power,
     family_alpha,
     non_inferiority,
     paired_differences,
@@ -79,9 +82,9 @@ def judged_records(run_dir: Path, artifact: Any) -> dict[str, list[dict[str, Any
 
 
 def run_benchmark(recipe: str, overrides: list[str], output_dir: str | None,
-                  probe: list[dict[str, Any]] | None = None) -> BenchRun:
+                  probe: list[dict[str, Any]] | None = None, force: bool = False) -> BenchRun:
     """Run the recipe's pipeline, then read outcomes and fingerprints. ``probe``: the baseline's judge probe
-    (re-judged now); None picks a new one from this run's judged pairs."""
+    (re-judged now); None picks a new one from this run's judged pairs. ``force`` re-runs every stage."""
     from alpacafarm.pipeline import Pipeline, package_versions
     from alpacafarm.plugins import get_registry
     from alpacafarm.recipe import load_recipe
@@ -94,7 +97,7 @@ def run_benchmark(recipe: str, overrides: list[str], output_dir: str | None,
     run_dir = Path(output_dir) if output_dir else Path("runs") / "bench" / loaded.recipe.name
     started = time.perf_counter()
     pipeline = Pipeline(loaded, registry, run_dir)
-    outcomes = {o.name: o for o in pipeline.run()}
+    outcomes = {o.name: o for o in pipeline.run(force=("all",) if force else ())}
     records = judged_records(pipeline.run_dir, outcomes[EVALUATION_STAGE].artifact)
     probe = pick_probe(records) if probe is None else probe
     judge = {**judge, "probe_labels": judge_probe(loaded, registry, probe)}
@@ -220,6 +223,30 @@ def show(report: dict[str, Any]) -> None:
     console().print(summary_line(report), highlight=False, soft_wrap=True)
 
 
+def show_power(estimates: list[BaselinePower]) -> None:
+    """One line per system: the new baseline's estimated minimum detectable effect against the margin."""
+    from alpacafarm.console import console
+
+    for e in estimates:
+        enough = "enough" if not e.underpowered else f"about {e.needed} needed"
+        console().print(f"{e.system}: estimated MDE {e.mde:.1f} points on {e.n} instructions (margin "
+                        f"{e.margin:g}; {enough}; re-run correlation {e.correlation:.2f})", highlight=False,
+                        soft_wrap=True)
+
+
+def check_power(estimates: list[BaselinePower], allowed: bool) -> None:
+    """Refuse a baseline that cannot see a regression of the margin, unless ``--allow-underpowered``."""
+    weak = [e for e in estimates if e.underpowered]
+    if not weak or allowed:
+        return
+    e = max(weak, key=lambda x: x.mde)
+    needed = f"about {e.needed} instructions" if e.needed else "more instructions"
+    raise UserError(f"bench: baseline not written: {e.system}'s estimated minimum detectable effect is {e.mde:.1f} "
+                    f"points, above the margin {e.margin:g} ({e.n} instructions; {needed} would do): the gate would "
+                    "answer INCONCLUSIVE to real regressions; evaluate more instructions, raise --margin, or pass "
+                    "--allow-underpowered")
+
+
 # ------------------------------------------------------------------------------------------------ command
 
 
@@ -233,9 +260,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--baseline", required=True, metavar="FILE", help="the committed baseline JSON")
     parser.add_argument("--update-baseline", action="store_true",
                         help="write FILE from this run (after showing the comparison, if FILE exists); exit 0")
+    parser.add_argument("--allow-underpowered", action="store_true",
+                        help="with --update-baseline: write the baseline even when its estimated minimum detectable "
+                             "effect exceeds the margin (the gate will then answer INCONCLUSIVE to real regressions)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a recipe value, e.g. --set stages.best_of_n.method=my_best_of_n")
     parser.add_argument("--output-dir", help="run directory (default: runs/bench/<recipe name>)")
+    parser.add_argument("--force", action="store_true",
+                        help="re-run every stage (finished stages are otherwise reused when their fingerprint, "
+                             "which covers the plugins' source code, is unchanged)")
     parser.add_argument("--margin", type=float, help=f"non-inferiority margin in win-rate points (default: the "
                         f"baseline's, else {DEFAULT_MARGIN:g})")
     parser.add_argument("--alpha", type=float, help=f"the gate's level (default: the baseline's, else "
@@ -284,7 +317,7 @@ def main(argv: list[str]) -> int:
     route_library_output(verbose=args.verbose)
     try:
         run = run_benchmark(args.recipe, args.overrides, args.output_dir,
-                            probe=None if baseline is None else baseline["judge_probe"])
+                            probe=None if baseline is None else baseline["judge_probe"], force=args.force)
     except (UserError, OSError, KeyboardInterrupt):
         raise  # one line, exit 2 (or 130), as for every command
     except Exception as exc:  # a crash is no verdict: loud, and never mistaken for FAIL (exit 1)
@@ -296,14 +329,19 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return EXIT_CRASH
     report = compare(run, baseline, margin, alpha, power) if baseline is not None else None
+    estimates: list[BaselinePower] = []
     if args.update_baseline:
         from alpacafarm.data import write_json
         from alpacafarm.paths import make_dir
 
+        estimates = baseline_power({n: s.scores for n, s in run.systems.items()}, margin, alpha, power)
+        show_power(estimates)
+        check_power(estimates, args.allow_underpowered)
         if baseline is not None:
             run.reprobe()  # the new baseline's probe comes from its own judged pairs
         make_dir(baseline_path.parent, "baseline folder")
-        write_json(baseline_path, baseline_json(run, margin, alpha, power))
+        write_json(baseline_path, {**baseline_json(run, margin, alpha, power),
+                                   "power_estimate": [e.to_json() for e in estimates]})
     if report is not None:
         if args.report:
             Path(args.report).write_text(markdown(report), encoding="utf-8")
@@ -313,7 +351,8 @@ def main(argv: list[str]) -> int:
             show(report)
     elif args.json:
         print(json.dumps({"verdict": None, "baseline_updated": True, "systems": {
-            n: {"win_rate": s.win_rate, "n": len(s.scores)} for n, s in run.systems.items()}}, sort_keys=True))
+            n: {"win_rate": s.win_rate, "n": len(s.scores)} for n, s in run.systems.items()},
+            "power_estimate": [e.to_json() for e in estimates]}, sort_keys=True))
     if args.update_baseline:
         from alpacafarm.console import console
 

@@ -19,15 +19,14 @@ policy when only one system is evaluated.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from alpacafarm.data import write_jsonl
-from alpacafarm.generation import Generator, SamplingConfig, generate_records
+from alpacafarm.generation import SamplingConfig
+from alpacafarm.kit import mean, score_groups, select
 from alpacafarm.method import Artifact, Method, StageContext
-from alpacafarm.rewards import RewardFunction
 
 
 def powers_of_two(n_max: int) -> list[int]:
@@ -71,76 +70,6 @@ class BestOfNConfig(BaseModel):
 
     def resolved_n_values(self) -> list[int]:
         return sorted(set(self.n_values)) if self.n_values else powers_of_two(self.n)
-
-
-def best_index(rewards: Sequence[float], n: int) -> int:
-    """Index of the highest reward among the first ``n`` samples; the earliest wins a tie (deterministic)."""
-    window = list(rewards[:n])
-    if not window:
-        raise ValueError("no samples to choose from")
-    return max(range(len(window)), key=lambda i: (window[i], -i))
-
-
-def sample_and_score(generator: Generator, reward: RewardFunction, records: Sequence[dict[str, Any]],
-                     sampling: SamplingConfig, *, progress: Callable[[int], None] | None = None
-                     ) -> list[list[dict[str, Any]]]:
-    """``sampling.n`` samples per record, each with its ``reward``; one list of samples per record, in order."""
-    rows = generate_records(generator, list(records), sampling, progress=progress)
-    return score_groups(reward, records, rows, sampling.n)
-
-
-def score_batches(reward: RewardFunction, rows: Sequence[dict[str, Any]], batch_size: int) -> list[list[int]]:
-    """The scoring batches of ``rows`` (lists of row indices): longest text first, ``batch_size`` a batch.
-
-    The same batches whatever the number of processes, so that a batch's scores do not depend on it (the reward
-    model pads a batch to its longest text). With a reward model's scorer the order is the one it sorts by itself
-    (its full text), so one process scores exactly as it would all rows at once."""
-    full_text = getattr(reward, "full_text", None)
-    lengths = [len(full_text(row, row["output"])) if full_text is not None
-               else len(row["instruction"]) + len(row.get("input") or "") + len(row["output"]) for row in rows]
-    order = sorted(range(len(rows)), key=lambda i: -lengths[i])
-    return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
-
-
-def score_rows(reward: RewardFunction, rows: Sequence[dict[str, Any]], batch_size: int, where: str = "") -> list[float]:
-    """The reward of every row, its :func:`score_batches` split across ranks (batch ``b`` on rank ``b mod world``)
-    and gathered on every rank: the same scores as one process."""
-    from alpacafarm import distributed
-
-    batches, world = score_batches(reward, rows, batch_size), distributed.world_size()
-    mine = batches[distributed.rank()::world]
-    scored = [reward([rows[i] for i in batch], [rows[i]["output"] for i in batch]) for batch in mine]
-    scores: list[float] = [0.0] * len(rows)
-    for rank_, values in enumerate(distributed.all_gather_object(scored, where)):
-        for batch, batch_scores in zip(batches[rank_::world], values, strict=True):
-            for i, value in zip(batch, batch_scores, strict=True):
-                scores[i] = float(value)
-    return scores
-
-
-def score_groups(reward: RewardFunction, records: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]],
-                 n: int, batch_size: int | None = None, where: str = "") -> list[list[dict[str, Any]]]:
-    """``rows`` (``n`` samples per record, in order) scored and grouped per record; with ``batch_size``, in the
-    batches of :func:`score_rows` across ranks (every rank gets every score)."""
-    rewards = (reward(list(rows), [row["output"] for row in rows]) if batch_size is None
-               else score_rows(reward, rows, batch_size, where))
-    grouped: list[list[dict[str, Any]]] = [[] for _ in records]
-    for i, (row, value) in enumerate(zip(rows, rewards, strict=True)):
-        grouped[i // n].append({**row, "reward": float(value)})
-    return grouped
-
-
-def select(samples: Sequence[Sequence[dict[str, Any]]], n: int) -> list[dict[str, Any]]:
-    """The best of the first ``n`` samples of every instruction (a copy carrying ``n``)."""
-    chosen = []
-    for group in samples:
-        best = group[best_index([s["reward"] for s in group], n)]
-        chosen.append({**best, "n": n})
-    return chosen
-
-
-def mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
 
 
 class BestOfN(Method):

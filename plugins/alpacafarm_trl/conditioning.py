@@ -26,11 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from alpacafarm.kit import build_sft_trainer_on_rows, train_and_save_policy
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.prompts import PromptConditioning
 from alpacafarm.training import limit, stage_training_args
 from alpacafarm_trl.pairs import preference_rows
-from alpacafarm_trl.policy import build_sft_trainer_on_rows, train_and_save_policy
 from alpacafarm_trl.sft import SFTMethodConfig
 
 GOOD_TOKEN = "<good>"

@@ -36,15 +36,13 @@ from typing import Any
 
 from alpacafarm.errors import UserError
 from alpacafarm.generation import SamplingConfig
+from alpacafarm.kit import build_sft_trainer_on_rows, mark_finished, mean, score_groups, select, training_rows
 from alpacafarm.method import Artifact, Method, StageContext
-from alpacafarm.prompts import format_prompt
 from alpacafarm.train_progress import training_progress
 from alpacafarm.training import save_policy, stage_training_args, train_summary
-from alpacafarm_trl.best_of_n import mean, select
 from alpacafarm_trl.sft import SFTMethodConfig
 
 ROUND_DONE = "round_complete.json"
-IGNORE_INDEX = -100
 TRUNCATED_WINNERS = ("keep", "drop")
 
 
@@ -83,55 +81,10 @@ class ExpertIterationConfig(SFTMethodConfig):
                               max_new_tokens=self.max_new_tokens, batch_size=self.generation_batch_size, seed=seed)
 
 
-def mark_finished(samples: list[list[dict[str, Any]]], generator: Any, backend: str) -> None:
-    """Set ``finished`` on every sample: False when it was cut at ``max_new_tokens``.
-
-    ``samples`` are grouped per instruction as :func:`~alpacafarm_trl.best_of_n.sample_and_score` returns them,
-    right after the one ``generate`` call that made them, whose :attr:`~alpacafarm.generation.Generator.last_finished`
-    they match (a stop token for transformers, ``finish_reason`` for OpenAI-compatible servers and vLLM).
-    """
-    finished = getattr(generator, "last_finished", None) or ()
-    if len(finished) != len(samples) or any(len(f) != len(g) for f, g in zip(finished, samples, strict=True)):
-        raise UserError(f"expert_iteration: the generation backend {backend!r} does not report which completions "
-                        "were cut at max_new_tokens (Generator.last_finished); a cut winner must not be trained "
-                        "to stop there")
-    for flags, group in zip(finished, samples, strict=True):
-        for flag, sample in zip(flags, group, strict=True):
-            sample["finished"] = bool(flag)
-
-
 def winners_as_demonstrations(winners: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The SFT records of a round: instruction, input, the winning sample as ``output``, and ``finished``."""
     return [{"instruction": w["instruction"], "input": w.get("input") or "", "output": w["output"],
              "reward": w["reward"], "finished": bool(w.get("finished", True))} for w in winners]
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def training_rows(demonstrations: list[dict[str, Any]], tokenizer: Any, style: str) -> list[dict[str, list[int]]]:
-    """Tokenized SFT rows (``input_ids``, ``labels`` with the prompt ignored) of the demonstrations.
-
-    Tokenized as TRL tokenizes a prompt/completion row (prompt + completion as one text; the completion starts
-    where the tokenized prompt stops being a prefix), but the completion ends with EOS only when the demonstration
-    ``finished``: a response cut at the token limit is trained on as it is, without an end.
-    """
-    eos = tokenizer.eos_token or ""
-    rows = []
-    for d in demonstrations:
-        prompt = format_prompt(d["instruction"], d.get("input") or None, style=style, tokenizer=tokenizer)
-        finished = bool(d.get("finished", True))
-        prompt_ids = list(tokenizer(text=prompt)["input_ids"])
-        ids = list(tokenizer(text=prompt + d["output"] + (eos if finished else ""))["input_ids"])
-        if not finished and ids and ids[-1] == tokenizer.eos_token_id:  # a tokenizer that appends EOS itself
-            ids = ids[:-1]
-        start = _common_prefix(prompt_ids, ids)
-        rows.append({"input_ids": ids, "labels": [IGNORE_INDEX] * start + ids[start:]})
-    return rows
 
 
 def sample_round(context: StageContext, config: Any, policy_path: str, records: list[dict[str, Any]],
@@ -168,8 +121,6 @@ class ExpertIteration(Method):
         from alpacafarm import distributed
         from alpacafarm.data import write_json, write_jsonl
         from alpacafarm.modeling import load_tokenizer
-        from alpacafarm_trl.best_of_n import score_groups
-        from alpacafarm_trl.policy import build_sft_trainer_on_rows
 
         config: ExpertIterationConfig = self.config
         spec = context.recipe.model

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from alpacafarm.kit import build_sft_trainer_on_rows, prompt_completion_rows, train_and_save_policy
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.training import limit, stage_training_args
 from alpacafarm_trl.pairs import preferred_demonstrations
-from alpacafarm_trl.policy import build_sft_trainer_on_rows, train_and_save_policy
-from alpacafarm_trl.sft import SFTMethodConfig, prompt_completion_rows
+from alpacafarm_trl.sft import SFTMethodConfig
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 This is the paper's "SFT 10k" step (Section 3.4): LLaMA-7B fine-tuned on the 10k ``sft`` split of the Alpaca
 data, the starting point of every pairwise-feedback method. Examples are given to TRL in prompt/completion form
-(the prompt from :func:`alpacafarm.prompts.format_prompt`), so the loss covers the response tokens only.
+(:func:`alpacafarm.kit.prompt_completion_rows`), so the loss covers the response tokens only.
 
 This module imports TRL at import time (its config subclasses ``trl.SFTConfig``); the plugin registers it as a
 lazy target, so only a recipe that names ``sft`` pays for the import.
@@ -17,8 +17,8 @@ from typing import Any
 from trl import SFTConfig
 
 from alpacafarm.errors import UserError
+from alpacafarm.kit import build_sft_trainer_on_rows, prompt_completion_rows
 from alpacafarm.method import Artifact, Method, StageContext
-from alpacafarm.prompts import format_prompt
 from alpacafarm.train_progress import training_progress
 from alpacafarm.training import (
     TrainingDefaults,
@@ -28,9 +28,6 @@ from alpacafarm.training import (
     stage_training_args,
     train_summary,
 )
-
-#: Where an answer may live in a demonstration record, in order of preference after ``response_field``.
-FALLBACK_RESPONSE_FIELDS = ("output", "reference")
 
 
 @dataclass
@@ -58,40 +55,15 @@ class SFTMethodConfig(TrainingDefaults, SFTConfig):
         super().__post_init__()
 
 
-def response_of(record: dict[str, Any], response_field: str) -> str:
-    """The answer of a demonstration: ``response_field``, else ``output``, else ``reference``."""
-    for name in (response_field, *FALLBACK_RESPONSE_FIELDS):
-        value = record.get(name)
-        if isinstance(value, str):
-            return value
-    raise UserError(f"an SFT record has no {response_field!r} field (fields: {', '.join(sorted(record))}); "
-                    f"set stages.<name>.config.response_field")
-
-
-def prompt_completion_rows(records: list[dict[str, Any]], *, response_field: str, style: str,
-                           tokenizer: Any) -> list[dict[str, str]]:
-    """Records → ``{"prompt", "completion"}`` rows; the completion ends with EOS so the model learns to stop."""
-    eos = tokenizer.eos_token or ""
-    rows = []
-    for record in records:
-        if not record.get("instruction"):
-            raise UserError(f"an SFT record has no 'instruction' (fields: {', '.join(sorted(record))})")
-        prompt = format_prompt(record["instruction"], record.get("input") or None, style=style, tokenizer=tokenizer)
-        response = response_of(record, response_field)
-        rows.append({"prompt": prompt, "completion": response if response.endswith(eos) else response + eos})
-    return rows
-
-
 def build_sft_trainer(config: SFTMethodConfig, spec: Any, model_path: str, records: list[dict[str, Any]],
                       *, callbacks: list[Any] | None = None) -> Any:
     """A ready ``SFTTrainer`` for ``records`` with the model block's loading, LoRA and quantization.
 
     ``config`` must already carry its final ``output_dir`` (see :func:`stage_training_args`). The model in
     ``model_path`` may be an adapter folder (a LoRA SFT stage): its adapters are merged first, so training
-    continues from it (see :mod:`alpacafarm_trl.policy`). Shared by the methods and the overhead benchmark.
+    continues from it (see :mod:`alpacafarm.kit`). Shared by the methods and the overhead benchmark.
     """
     from alpacafarm.modeling import load_tokenizer
-    from alpacafarm_trl.policy import build_sft_trainer_on_rows
 
     tokenizer = load_tokenizer(spec, model_path)
     rows = prompt_completion_rows(limit(records, config.max_examples), response_field=config.response_field,

@@ -1,0 +1,69 @@
+"""``alpacafarm plugin new NAME``: a plugin repository that works at once.
+
+It writes, from the templates in ``alpacafarm/plugin_template/`` (shipped in the package):
+
+* ``pyproject.toml`` — the distribution ``NAME`` and its entry point of group ``alpacafarm``;
+* ``<package>/__init__.py`` and ``<package>/method.py`` — the hooks and a method built from :mod:`alpacafarm.kit`
+  (best-of-n reranking with the reward model, registered as ``<package>``), with its config class;
+* ``tests/test_method.py`` — its test on tiny random-init models (:mod:`alpacafarm.testing`);
+* ``benchmarks/bench.yaml`` — a benchmark recipe for ``alpacafarm bench`` (``include: alpacafarm:offline``);
+* ``.github/workflows/benchmark.yml`` — the CI gate; ``README.md``; ``.gitignore``.
+
+``<package>`` is ``NAME`` with dashes as underscores. The folder must not exist yet (or be empty): nothing is
+ever overwritten.
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+from pathlib import Path
+
+from alpacafarm import __version__
+from alpacafarm.errors import UserError
+from alpacafarm.paths import make_dir, user_path
+
+TEMPLATE_DIR = Path(__file__).parent / "plugin_template"
+NAME_PATTERN = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
+
+#: template file → where it goes in the new repository (``{package}`` is the package name)
+FILES = {
+    "pyproject.toml.tmpl": "pyproject.toml",
+    "README.md.tmpl": "README.md",
+    "gitignore.tmpl": ".gitignore",
+    "__init__.py.tmpl": "{package}/__init__.py",
+    "method.py.tmpl": "{package}/method.py",
+    "test_method.py.tmpl": "tests/test_method.py",
+    "bench.yaml.tmpl": "benchmarks/bench.yaml",
+    "benchmark-workflow.yml": ".github/workflows/benchmark.yml",
+}
+
+
+def package_name(name: str) -> str:
+    """The importable package of plugin ``name`` (dashes become underscores); a bad name is a one-line error."""
+    if not NAME_PATTERN.match(name):
+        raise UserError(f"plugin name {name!r}: use lower-case letters, digits and single dashes or underscores, "
+                        "starting with a letter (e.g. my-rerank)")
+    package = name.replace("-", "_")
+    if keyword.iskeyword(package) or package == "alpacafarm":
+        raise UserError(f"plugin name {name!r}: {package!r} cannot be a package name; pick another")
+    return package
+
+
+def new_plugin(name: str, parent: str | Path = ".") -> Path:
+    """Write the plugin repository ``parent/name`` and return its folder."""
+    package = package_name(name)
+    root = Path(parent) / name
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise UserError(f"plugin new: {root} already exists and is not an empty folder; nothing was written")
+    values = {"__PACKAGE__": package, "__DIST__": name, "__ALPACAFARM_VERSION__": __version__}
+    for template, target in FILES.items():
+        text = (TEMPLATE_DIR / template).read_text(encoding="utf-8")
+        if template.endswith(".tmpl"):  # the workflow is copied as it is: its ${{ }} are GitHub's
+            for key, value in values.items():
+                text = text.replace(key, value)
+        path = root / target.format(package=package)
+        make_dir(path.parent, "plugin folder")
+        with user_path(path, "write plugin file"):
+            path.write_text(text, encoding="utf-8")
+    return root
