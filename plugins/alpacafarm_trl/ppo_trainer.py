@@ -451,8 +451,9 @@ class PPOTrainer:
         output_dir = Path(self.args.output_dir)
         final = output_dir / f"checkpoint-{self.state.global_step}"
         partial = output_dir / f"{final.name}.partial"
-        if self.accelerator.is_main_process:
+        if self.accelerator.is_main_process:  # created here: only the main process writes in the run directory
             shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
         self.accelerator.save_state(str(partial))
         self.accelerator.wait_for_everyone()
