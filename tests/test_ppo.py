@@ -688,28 +688,6 @@ def test_bfloat16_models_train_float32_master_weights_that_move_at_the_paper_lea
 # ------------------------------------------------------------------------------------------------ logging
 
 
-def _tensorboard_tags(folder: Path) -> dict[str, list[float]]:
-    """Scalar tags and values of every TensorBoard event file under ``folder`` (TFRecord framing: length, crc,
-    an Event protobuf, crc), read with the protobuf definitions tensorboardX ships."""
-    import struct
-
-    from tensorboardX.proto.event_pb2 import Event
-
-    tags: dict[str, list[float]] = {}
-    files = sorted(folder.rglob("events.out.tfevents.*"))
-    assert files, f"no event file under {folder}"
-    for file in files:
-        data = file.read_bytes()
-        offset = 0
-        while offset < len(data):
-            (length,) = struct.unpack("<Q", data[offset:offset + 8])
-            event = Event.FromString(data[offset + 12:offset + 12 + length])
-            offset += 12 + length + 4
-            for value in event.summary.value:
-                tags.setdefault(value.tag, []).append(value.simple_value)
-    return tags
-
-
 def test_step_metrics_go_to_the_report_to_trackers(tmp_path: Path):
     """``report_to: tensorboard``: every logged step reaches TensorBoard through ``accelerator.log``; a tracker
     accelerate does not know, or whose package is missing, is one line naming it (accelerate would drop it)."""
@@ -731,7 +709,9 @@ def test_step_metrics_go_to_the_report_to_trackers(tmp_path: Path):
         return PPOTrainer(args, models, tokenizer, PROMPTS[:4], lambda r, c: [float(len(x)) for x in c])
 
     build(["tensorboard"]).train()
-    tags = _tensorboard_tags(tmp_path / "ppo")
+    from alpacafarm.testing import tensorboard_scalars
+
+    tags = tensorboard_scalars(tmp_path / "ppo")
     for key in ("score", "kl", "policy_loss", "value_loss", "learning_rate"):
         assert len(tags[f"ppo/{key}"]) == 2, (key, sorted(tags))
     with pytest.raises(UserError, match="report_to: 'nosuchtracker' is not a tracker accelerate can log to"):

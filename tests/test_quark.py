@@ -574,9 +574,7 @@ def test_resume_refuses_where_the_launch_config_shards_the_optimizer(tmp_path: P
 def test_step_metrics_go_to_the_report_to_trackers(tmp_path: Path):
     """``report_to: tensorboard``: the Trainer's integration callback writes every round's logged steps to event
     files (in the pipeline ``output_dir`` is the stage folder)."""
-    import struct
 
-    from tensorboardX.proto.event_pb2 import Event
 
     from alpacafarm_trl.quark_trainer import run_rounds
 
@@ -589,19 +587,11 @@ def test_step_metrics_go_to_the_report_to_trackers(tmp_path: Path):
 
     trainer.train = one_second_apart
     run_rounds(trainer, INSTRUCTIONS, e_share, out_dir=tmp_path / "run")
-    tags: dict[str, list[float]] = {}
-    steps: dict[str, list[int]] = {}
-    files = sorted((tmp_path / "trainer").rglob("events.out.tfevents.*"))  # under output_dir/runs/
-    assert files
-    for file in files:  # TFRecord framing: length, crc, an Event protobuf, crc
-        data, offset = file.read_bytes(), 0
-        while offset < len(data):
-            (length,) = struct.unpack("<Q", data[offset:offset + 8])
-            event = Event.FromString(data[offset + 12:offset + 12 + length])
-            offset += 12 + length + 4
-            for value in event.summary.value:
-                tags.setdefault(value.tag, []).append(value.simple_value)
-                steps.setdefault(value.tag, []).append(event.step)
+    from alpacafarm.testing import tensorboard_scalars
+
+    scalars = tensorboard_scalars(tmp_path / "trainer")  # under output_dir/runs/
+    tags = {tag: [v for _, v in pairs] for tag, pairs in scalars.items()}
+    steps = {tag: [s for s, _ in pairs] for tag, pairs in scalars.items()}
     for key in ("loss", "nll", "kl", "learning_rate"):
         assert len(tags[f"train/{key}"]) == 2, (key, sorted(tags))  # one optimizer step per round, two rounds
         assert sorted(steps[f"train/{key}"]) == [1, 2]  # the run's optimizer step, not each round's own

@@ -153,3 +153,25 @@ def learnable_preferences(n: int) -> list[dict[str, Any]]:
         records.append({"instruction": f"Tell me something about {topic} (#{i}).", "input": "",
                         "output_1": first, "output_2": second, "preference": winner})
     return records
+
+
+def tensorboard_scalars(folder: Any) -> dict[str, list[tuple[int, float]]]:
+    """``(step, value)`` of every scalar tag in the TensorBoard event files under ``folder``, in file order (TFRecord
+    framing: length, crc, an Event protobuf, crc; read with the protobuf definitions tensorboardX ships)."""
+    import struct
+    from pathlib import Path
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    files = sorted(Path(folder).rglob("events.out.tfevents.*"))
+    assert files, f"no event file under {folder}"
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for file in files:
+        data, offset = file.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
