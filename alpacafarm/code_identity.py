@@ -37,7 +37,11 @@ def code_packages(*objects: Any) -> list[str]:
 
 def source_files(package: str) -> list[tuple[str, Path]]:
     """``(path inside the package, file)`` of every ``*.py`` file of a top-level package (or of a single-module
-    plugin's one file), in a stable order; none for a name that is not importable."""
+    plugin's one file), in a stable order; none for a name that is not importable. ``__main__`` (a method defined
+    in the script that runs the pipeline) is that script's file; an interactive session has none."""
+    if package == "__main__":
+        main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+        return [(Path(main_file).name, Path(main_file))] if main_file and Path(main_file).is_file() else []
     spec = importlib.util.find_spec(package)
     if spec is None:
         return []

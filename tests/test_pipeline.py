@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import fcntl
+import subprocess
+import sys
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -356,3 +358,19 @@ def test_the_code_identity_follows_the_source_of_the_plugin_packages(tmp_path: P
         pass
 
     assert set(code_identity(Sub)) == {"alpacafarm_trl", "codeid_plugin", __name__}
+
+
+def test_a_method_defined_in_the_running_script_hashes_that_script(tmp_path: Path):
+    """A method class in ``__main__`` (a script run with python or torchrun): find_spec('__main__') raises there,
+    which failed every stage of such a script (CI, stop 33)."""
+    script = tmp_path / "my_script.py"
+    script.write_text("import json, sys\nfrom alpacafarm.code_identity import code_identity\n"
+                      "from alpacafarm.method import Method\n\nclass Mine(Method):\n    pass\n\n"
+                      "print(json.dumps(code_identity(Mine)))\n", encoding="utf-8")
+    first = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    identity = json.loads(first.stdout)
+    assert list(identity) == ["__main__"] and len(identity["__main__"]) == 64
+    script.write_text(script.read_text(encoding="utf-8") + "# changed\n", encoding="utf-8")
+    second = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path)
+    assert json.loads(second.stdout)["__main__"] != identity["__main__"]
