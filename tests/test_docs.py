@@ -1,0 +1,104 @@
+"""The README stays a five-minute page whose two commands are the ones CI runs, and no documentation link dangles.
+
+The documentation site itself (``mkdocs build --strict``: pages, anchors, API pages from the docstrings) is built
+by ``.ci/run`` with the ``docs`` extra; these checks need nothing beyond the standard library and PyYAML.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO_ROOT
+
+README_MAX_LINES = 150
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)  # https:, mailto:, ...
+
+
+def readme_problems(readme: str, ci_run: str) -> list[str]:
+    """What is wrong with a README text, given the text of ``.ci/run`` (empty when nothing is)."""
+    problems = []
+    n_lines = len(readme.splitlines())
+    if n_lines > README_MAX_LINES:
+        problems.append(f"README.md has {n_lines} lines; at most {README_MAX_LINES} (reference goes to docs/)")
+    blocks = FENCE.findall(readme)
+    if len(blocks) < 2:
+        return [*problems, f"README.md has {len(blocks)} fenced blocks; its first two are commands 1 and 2"]
+    (lang1, command1), (lang2, command2) = blocks[0], blocks[1]
+    command1, command2 = command1.strip(), command2.strip()
+    if lang1 != "bash" or "\n" in command1 or "alpacafarm run recipes/quickstart.yaml" not in command1:
+        problems.append(f"README.md's first fenced block is not command 1 (one bash line that sets up and runs "
+                        f"recipes/quickstart.yaml): {command1[:120]!r}")
+    if lang2 != "bash" or "\n" in command2 or "python -m pytest" not in command2:
+        problems.append(f"README.md's second fenced block is not command 2 (one bash line that sets up and runs "
+                        f"the test suite): {command2[:120]!r}")
+    elif command2 not in ci_run:
+        problems.append("README.md's command 2 does not appear verbatim in .ci/run")
+    return problems
+
+
+def relative_links(markdown: str) -> list[str]:
+    """The link targets of a Markdown text that point into the repository (code blocks and spans left out)."""
+    prose = INLINE_CODE.sub("", FENCE.sub("", markdown))
+    return [target for target in LINK.findall(prose) if not EXTERNAL.match(target) and not target.startswith("#")]
+
+
+def dangling_links(page: Path) -> list[str]:
+    """The relative links of ``page`` whose file does not exist (an ``#anchor`` is checked by mkdocs, not here)."""
+    return [target for target in relative_links(page.read_text(encoding="utf-8"))
+            if not (page.parent / target.split("#", 1)[0]).exists()]
+
+
+def nav_pages(entries: list) -> list[str]:
+    pages = []
+    for entry in entries:
+        value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+        pages.extend(nav_pages(value) if isinstance(value, list) else [value])
+    return pages
+
+
+def test_readme_is_short_and_starts_with_the_two_commands_ci_runs():
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    ci_run = (REPO_ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert readme_problems(readme, ci_run) == []
+
+
+def test_the_readme_check_catches_a_long_readme_and_a_command_ci_does_not_run():
+    ci_run = "set -e\n.venv/bin/ruff check . && .venv/bin/python -m pytest\n"
+    one = "```bash\npip install -e . && alpacafarm run recipes/quickstart.yaml\n```\n"
+    good = f"# x\n\n{one}\n```bash\n.venv/bin/ruff check . && .venv/bin/python -m pytest\n```\n"
+    assert readme_problems(good, ci_run) == []
+    assert "lines" in readme_problems(good + "text\n" * README_MAX_LINES, ci_run)[0]
+    other = good.replace("ruff check .", "ruff check alpacafarm")
+    assert readme_problems(other, ci_run) == ["README.md's command 2 does not appear verbatim in .ci/run"]
+    assert "first fenced block" in readme_problems(good.replace("recipes/quickstart.yaml", "x.yaml"), ci_run)[0]
+
+
+PAGES = sorted([REPO_ROOT / "README.md", REPO_ROOT / "CONTRIBUTING.md", *(REPO_ROOT / "docs").rglob("*.md")])
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(REPO_ROOT)) for p in PAGES])
+def test_every_relative_link_points_at_an_existing_file(page: Path):
+    assert dangling_links(page) == []
+
+
+def test_the_link_check_sees_links_and_skips_code_and_urls(tmp_path: Path):
+    page = tmp_path / "page.md"
+    (tmp_path / "there.md").write_text("x")
+    page.write_text("[a](there.md#anchor) [b](gone.md) ![c](img/gone.png) [d](https://example.org/x.md) [e](#top)\n"
+                    "`[f](code.md)`\n```\n[g](fenced.md)\n```\n")
+    assert dangling_links(page) == ["gone.md", "img/gone.png"]
+
+
+def test_every_page_of_the_site_is_in_the_nav_and_exists():
+    config = yaml.safe_load((REPO_ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+    docs = REPO_ROOT / config.get("docs_dir", "docs")
+    nav = nav_pages(config["nav"])
+    assert [page for page in nav if not (docs / page).is_file()] == []
+    pages = {str(p.relative_to(docs)) for p in docs.rglob("*.md")}
+    assert sorted(pages - set(nav)) == []
