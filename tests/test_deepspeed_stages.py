@@ -20,8 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_distributed import tiny_recipe
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                reason="deepspeed is not installed (pip install deepspeed --no-build-isolation)")
+pytestmark = [pytest.mark.distributed,  # every test here reads one two-process run
+              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                 reason="deepspeed is not installed (pip install deepspeed --no-build-isolation)")]
 
 TRAINED = ("sft", "rm", "dpo")
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from alpacafarm.testing.launch import launch_ranks, rank_results
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------------------------- the worker
@@ -121,21 +123,10 @@ def _refused_run(out: Path) -> dict[str, Any]:
 
 def _torchrun(what: str, out: Path, tmp_path: Path) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO_ROOT), str(REPO_ROOT / "plugins"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(_free_port()), str(Path(__file__)), what, str(out)],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    done = launch_ranks(Path(__file__), [what, str(out)], cwd=tmp_path, pythonpath=[REPO_ROOT, REPO_ROOT / "plugins"],
+                        timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return rank_results(out)
 
 
 # ----------------------------------------------------------------------------------------------- collectives
@@ -170,6 +161,7 @@ def test_each_rank_loads_its_models_on_its_own_gpu(monkeypatch: pytest.MonkeyPat
     assert device_map(ModelSpec(name="m", device="cpu")) == "cpu"  # an explicit device is kept
 
 
+@pytest.mark.distributed
 def test_collectives_on_two_real_ranks(tmp_path: Path):
     ranks = _torchrun("collectives", tmp_path / "out", tmp_path)
     assert [(r["rank"], r["world"], r["main"]) for r in ranks] == [(0, 2, True), (1, 2, False)]
@@ -183,6 +175,7 @@ def test_collectives_on_two_real_ranks(tmp_path: Path):
     assert [r["strided"] for r in ranks] == [[0, 2, 4, 6], [1, 3, 5]]
 
 
+@pytest.mark.distributed
 def test_a_failure_on_one_rank_stops_every_rank_with_one_message_naming_it(tmp_path: Path):
     ranks = _torchrun("failure", tmp_path / "out", tmp_path)
     assert ranks[1]["error"] == "ValueError: rank one broke"  # the failing rank keeps its own error
@@ -190,6 +183,7 @@ def test_a_failure_on_one_rank_stops_every_rank_with_one_message_naming_it(tmp_p
     assert [r["after"] for r in ranks] == ["in step", "in step"]
 
 
+@pytest.mark.distributed
 def test_best_of_n_scoring_is_split_across_ranks_in_the_batches_of_one_process(tmp_path: Path):
     from alpacafarm.kit import score_rows
 
@@ -228,6 +222,7 @@ def test_accelerate_config_names_files_and_missing_deepspeed(tmp_path: Path):
             launch_command(2, "zero3", [])
 
 
+@pytest.mark.distributed
 def test_zero_config_without_deepspeed_is_one_line_exit_2(tmp_path: Path):
     import importlib.util
 
@@ -247,6 +242,7 @@ def test_zero_config_without_deepspeed_is_one_line_exit_2(tmp_path: Path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.distributed
 def test_a_failing_two_process_run_prints_one_line_and_exits_2(tmp_path: Path, tiny_model_dir: str):
     from alpacafarm.testing import write_records
 
@@ -266,6 +262,7 @@ def test_a_failing_two_process_run_prints_one_line_and_exits_2(tmp_path: Path, t
     assert "UserError: an SFT record" in (tmp_path / "run" / "error.log").read_text()  # the traceback, once
 
 
+@pytest.mark.distributed
 def test_a_method_that_cannot_run_on_two_processes_is_refused_before_anything_runs(tmp_path: Path):
     ranks = _torchrun("refuse", tmp_path / "out", tmp_path)
     for r in ranks:  # every rank refuses alike, before any collective, with the same one line
@@ -439,6 +436,7 @@ def manifest(run: dict[str, Any], stage: str) -> dict[str, Any]:
     return json.loads((run["dir"] / "stages" / stage / "manifest.json").read_text())
 
 
+@pytest.mark.distributed
 def test_two_processes_really_ran_and_only_rank_0_wrote(two_runs: dict[str, Any]):
     two = two_runs["two"]
     assert "running on 2 processes" in (two["dir"] / "run.log").read_text()
@@ -456,6 +454,7 @@ def test_two_processes_really_ran_and_only_rank_0_wrote(two_runs: dict[str, Any]
     assert writes["rank1"] == []  # ... and rank 1 wrote nothing in the run directory
 
 
+@pytest.mark.distributed
 def test_every_rank_leaves_its_process_group_before_exit(two_runs: dict[str, Any]):
     # A group kept alive past destroy_process_group (a library function's default argument captured it) keeps its
     # gloo threads running into interpreter shutdown, where one may free a collective's tensors and abort the rank
@@ -470,6 +469,7 @@ def test_every_rank_leaves_its_process_group_before_exit(two_runs: dict[str, Any
     assert two_runs["two"]["outlived"] == []
 
 
+@pytest.mark.distributed
 def test_two_process_outputs_equal_the_single_process_run(two_runs: dict[str, Any]):
     from alpacafarm.data import read_records
 
@@ -509,6 +509,7 @@ def _complete(manifest_file: Path) -> bool:
         return False
 
 
+@pytest.mark.distributed
 def test_a_killed_two_process_run_resumes_skipping_its_finished_stages_to_the_uninterrupted_outputs(
         two_runs: dict[str, Any], tmp_path: Path, tiny_model_dir: str):
     import signal

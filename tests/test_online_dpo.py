@@ -320,6 +320,7 @@ def test_the_budget_stops_online_dpo_with_one_line(tiny_model_dir: str, tmp_path
 # ------------------------------------------------------------------------------------------------ two processes
 
 
+@pytest.mark.distributed
 def test_online_dpo_on_two_processes(tiny_model_dir: str, tmp_path: Path, env: dict[str, str]):
     """Sampling split across ranks gives the one-process samples; the main process annotates; both ranks train."""
     recipe = tmp_path / "r.yaml"

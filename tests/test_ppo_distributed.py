@@ -25,6 +25,8 @@ from typing import Any
 
 import pytest
 
+from alpacafarm.testing.launch import launch_environment, launch_ranks, rank_results
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 PROMPTS = [{"instruction": f"Tell me something about topic number {i}.", "input": "" if i % 3 else "briefly"}
@@ -91,45 +93,28 @@ def _worker(mode: str, out: Path) -> None:
     d.shutdown()
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO_ROOT), str(REPO_ROOT / "plugins"), os.environ.get("PYTHONPATH", "")])}
-    for name in list(env):
-        if name.startswith(("ACCELERATE_", "FSDP_")) or name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-            env.pop(name)
-    return env
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(mode: str, out: Path, *, expect_exit: int = 0) -> list[dict[str, Any]]:
     """``single``: one process; ``ddp``: 2 ranks under torchrun; ``zero3``: 2 ranks under ``accelerate launch``."""
     from alpacafarm.launch_configs import config_path
 
     out.mkdir(parents=True, exist_ok=True)
     base = mode.split("-")[0]
-    worker = [str(Path(__file__)), mode, str(out)]
+    worker = [mode, str(out)]
+    paths = [REPO_ROOT, REPO_ROOT / "plugins"]
     if base == "single":
-        command, ranks = [sys.executable, *worker], 1
+        done = subprocess.run([sys.executable, str(Path(__file__)), *worker], capture_output=True, text=True,
+                              env=launch_environment(*paths), cwd=out, timeout=400)
+        ranks = 1
     elif base == "ddp":
-        command, ranks = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", str(_free_port()), *worker], 2
+        done, ranks = launch_ranks(Path(__file__), worker, cwd=out, pythonpath=paths), 2
     else:
-        command, ranks = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                          str(config_path(base)), "--num_processes", "2", "--main_process_port",
-                          str(_free_port()), *worker], 2
-    done = subprocess.run(command, capture_output=True, text=True, env=_env(), cwd=out, timeout=400)
+        done, ranks = launch_ranks(Path(__file__), worker, cwd=out, pythonpath=paths, launcher="accelerate",
+                                   config_file=config_path(base)), 2
     if expect_exit:
         assert done.returncode != 0, "the killed run exited cleanly"
         return []
     assert done.returncode == 0, done.stderr[-4000:]
-    return [json.loads((out / f"{mode}-rank{r}.json").read_text()) for r in range(ranks)]
+    return rank_results(out, ranks, prefix=f"{mode}-")
 
 
 def _weights(folder: Path) -> dict[str, Any]:
@@ -159,6 +144,7 @@ def single_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     return out, _run("single", out)[0]
 
 
+@pytest.mark.distributed
 def test_two_ddp_ranks_train_the_one_process_weights(tmp_path: Path, single_run: tuple[Path, dict[str, Any]]):
     import torch
 
@@ -177,6 +163,7 @@ def test_two_ddp_ranks_train_the_one_process_weights(tmp_path: Path, single_run:
         "some policy tensor did not train"
 
 
+@pytest.mark.distributed
 @needs_deepspeed
 def test_two_zero3_ranks_train_the_one_process_weights(tmp_path: Path, single_run: tuple[Path, dict[str, Any]]):
     single_dir, one = single_run
@@ -189,6 +176,7 @@ def test_two_zero3_ranks_train_the_one_process_weights(tmp_path: Path, single_ru
     _assert_same_run(ranks, one, _weights(tmp_path / "model-zero3"), full)
 
 
+@pytest.mark.distributed
 def test_ddp_run_killed_after_its_first_checkpoint_resumes_to_the_uninterrupted_weights(
         tmp_path: Path, single_run: tuple[Path, dict[str, Any]]):
     single_dir, one = single_run

@@ -21,6 +21,7 @@ import alpacafarm
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.testing import offline_environment, write_records
+from alpacafarm.testing.launch import launch_ranks, rank_results
 
 KEY = "sk-proj-Rt5Yh8Kp2Lm4Nq7Ws1Xz3Cv6Bn9Mj0Qa"
 SPLIT_RECIPE = ("# my notes: keep me\nname: r\ndata:\n  instructions: {builtin: alpaca_eval_sample, limit: 8}\n"
@@ -338,19 +339,12 @@ def _generate_on_main_only(out: Path) -> None:
     d.shutdown()
 
 
+@pytest.mark.distributed
 def test_generate_on_ranks_without_all_ranks_on_two_processes_names_the_stage(tmp_path: Path):
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO_ROOT), str(REPO_ROOT / "plugins"), str(REPO_ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(port), str(Path(__file__)), "generate-on-main", str(tmp_path)],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    done = launch_ranks(Path(__file__), ["generate-on-main", str(tmp_path)], cwd=tmp_path, timeout=300,
+                        pythonpath=[REPO_ROOT, REPO_ROOT / "plugins", REPO_ROOT / "tests"])
     assert done.returncode == 0, done.stderr[-3000:]
-    errors = [json.loads((tmp_path / f"rank{r}.json").read_text())["error"] for r in range(2)]
+    errors = [rank["error"] for rank in rank_results(tmp_path)]
     assert errors[0].startswith("UserError: stage 's': context.generate_on_ranks needs every rank"), errors
     assert errors[1].startswith("RankFailed: rank 0 failed in stage 's': stage 's': context.generate_on_ranks"), errors
 
