@@ -224,6 +224,23 @@ def test_an_fsdp_launch_accelerate_cannot_honour_is_one_line(monkeypatch: pytest
     check_launch_honoured(DistributedType.MULTI_CPU)
 
 
+def test_the_trainer_accelerator_starts_from_the_state_its_arguments_set_up(tmp_path: Path):
+    """Building the arguments resets accelerate's state (transformers does it), so a previous trainer's state never
+    reaches the PPO trainer's Accelerator; one built after the arguments is refused, not reused."""
+    from accelerate import Accelerator
+
+    from alpacafarm.training import trainer_accelerator
+    from alpacafarm_trl.ppo_config import PPOMethodConfig
+
+    Accelerator()  # an earlier trainer's
+    args = PPOMethodConfig(output_dir=str(tmp_path), report_to="none")
+    accelerator = trainer_accelerator(args, 1, project="ppo")
+    assert accelerator.num_processes == 1
+    Accelerator()
+    with pytest.raises(RuntimeError, match="built after this trainer's arguments"):
+        trainer_accelerator(args, 1, project="ppo")
+
+
 GUARDED = ("deepspeed", "accelerate", "torch.distributed", "transformers", "trl")
 PPO_AND_QUARK = sorted((REPO_ROOT / "plugins/alpacafarm_trl").glob("ppo*.py")) + \
     sorted((REPO_ROOT / "plugins/alpacafarm_trl").glob("quark*.py"))
