@@ -73,14 +73,22 @@ def loading_whole() -> Iterator[None]:
     if not zero3_partitioning():
         yield
         return
-    from transformers.integrations import deepspeed as hf_deepspeed
+    from transformers.integrations import HfDeepSpeedConfig, deepspeed_config, unset_hf_deepspeed_config
 
-    config = hf_deepspeed._hf_deepspeed_config_weak_ref()
-    hf_deepspeed.unset_hf_deepspeed_config()
+    config = deepspeed_config()
+    unset_hf_deepspeed_config()
     try:
         yield
     finally:
-        hf_deepspeed.set_hf_deepspeed_config(config)
+        # transformers holds a weak reference to a config object that only its owner (a trainer's arguments,
+        # accelerate's DeepSpeed plugin) exposes: an object with the same config takes its place, kept alive here
+        # until the next block puts another back. The owner's lasts as long in practice: a trainer's Accelerator
+        # holds its plugin until the next trainer's arguments are built, and those announce their own config.
+        _ANNOUNCED_ZERO3[:] = [HfDeepSpeedConfig(config)]
+
+
+#: The DeepSpeed config :func:`loading_whole` announced again (transformers keeps only a weak reference to it).
+_ANNOUNCED_ZERO3: list[Any] = []
 
 
 def quantization_config(spec: ModelSpec) -> Any:

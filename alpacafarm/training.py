@@ -7,7 +7,8 @@ For any method built on a ``transformers.Trainer`` / TRL trainer (the built-in o
   chosen for the machine (TRL's configs default to ``bf16=True`` and checkpointing on; both are wrong on a CPU:
   bf16 makes ``TrainingArguments`` refuse to build there, checkpointing only slows a small model down), and on
   several CPU processes the trainer spans them all (:func:`shared_process_state`);
-* :func:`stage_training_args` — the config for this stage (``output_dir`` = the stage folder, the stage seed);
+* :func:`stage_training_args` — the config for this stage (``output_dir`` = the stage folder, the stage seed),
+  built right before its trainer: building it sets accelerate's process state up afresh;
 * :func:`resume_checkpoint` — the newest readable checkpoint an interrupted attempt left (half-written ones are
   skipped with a warning), for ``trainer.train(resume_from_checkpoint=...)``;
 * :func:`save_policy` — the one rule for saving what was trained from the SFT model (policies and reward models),
@@ -40,10 +41,10 @@ class TrainingDefaults:
 
     def __post_init__(self) -> None:
         apply_device_defaults(self)
-        shared = shared_process_state(self.accelerator_config)
-        if shared is not None:
-            self.accelerator_config = shared
+        for name, value in shared_process_state(self).items():
+            setattr(self, name, value)
         super().__post_init__()  # type: ignore[misc]  # TrainingArguments.__post_init__
+        check_process_count(self)
 
 
 def apply_device_defaults(config: object) -> None:
@@ -73,12 +74,20 @@ def apply_device_defaults(config: object) -> None:
 DEFAULT_TRAINER_SEED = 42
 
 
-def stage_training_args(config: Any, context: Any, **overrides: Any) -> Any:
-    """A copy of the method's config for this stage: ``output_dir`` is the stage folder, the seed the stage's.
+def stage_seed(config: Any, context: Any) -> int:
+    """The seed a stage trains with: the config's own, or the stage seed where it holds the trainer default (the
+    pipeline derives the stage seed from the recipe seed and the stage name)."""
+    return context.seed if config.seed == DEFAULT_TRAINER_SEED else config.seed
 
-    ``output_dir`` is always the stage directory (checkpoints must live where the pipeline can resume them);
-    a user-given one is ignored with a note. A ``seed`` left at the trainer default takes the stage seed,
-    which the pipeline derives from the recipe seed and the stage name.
+
+def stage_training_args(config: Any, context: Any, **overrides: Any) -> Any:
+    """A copy of the method's config for this stage: ``output_dir`` is the stage folder, the seed the stage's
+    (:func:`stage_seed`); ``overrides`` set further fields (``output_dir`` too, for a folder inside the stage's).
+
+    ``output_dir`` is the stage directory (checkpoints must live where the pipeline can resume them); a user-given
+    one is ignored with a note. The copy is built once, with every field at once: building ``TrainingArguments``
+    sets accelerate's process state up afresh for it (transformers resets the state a previous trainer left, its
+    DeepSpeed plugin and mixed precision with it), so build it right before the stage's trainer.
     """
     stage_dir = str(context.stage_dir)
     if config.output_dir not in (None, "trainer_output", stage_dir):
@@ -86,47 +95,49 @@ def stage_training_args(config: Any, context: Any, **overrides: Any) -> Any:
                                context.stage, config.output_dir, stage_dir)
     for note in getattr(config, "device_notes", ()):
         context.logger.warning("stage %s: %s", context.stage, note)
-    seed = context.seed if config.seed == DEFAULT_TRAINER_SEED else config.seed
-    shared = shared_process_state(config.accelerator_config)  # TrainingDefaults applies it itself; others need it
-    overrides = {**({"accelerator_config": shared} if shared is not None else {}), **overrides}
+    # TrainingDefaults applies shared_process_state itself; other configs need it here
+    values = {"output_dir": stage_dir, "seed": stage_seed(config, context), **shared_process_state(config),
+              **overrides}
     # dataclasses.replace re-runs __post_init__ on already-normalised values, which TrainingArguments accepts;
     # the recipe's config object itself stays untouched (it is part of the stage fingerprint).
-    return dataclasses.replace(config, output_dir=stage_dir, seed=seed, **overrides)
+    args = dataclasses.replace(config, **values)
+    check_process_count(args)
+    return args
 
 
-def shared_process_state(accelerator_config: Any) -> dict[str, Any] | None:
-    """The ``accelerator_config`` that makes a trainer span every launched process on a CPU-only machine, or
-    ``None`` where nothing is needed (one process, or GPUs). Runs before ``TrainingArguments.__post_init__``.
+def shared_process_state(config: Any) -> dict[str, Any]:
+    """The ``TrainingArguments`` fields that make a trainer span every launched process on a CPU-only machine
+    (nothing where one process runs, or GPUs do). Set them before ``TrainingArguments.__post_init__``.
 
-    Building ``TrainingArguments`` rebuilds accelerate's process state from the environment, and with several
-    processes but no GPU accelerate names no backend unless told the run is on CPU: every rank then counts one
-    process, so DDP trains each rank alone on all the data, TRL derives batch sizes for one process and
-    DeepSpeed's batch check fails (its engine does see every rank). ``use_cpu`` would turn DeepSpeed off. So the
-    state is kept (or rebuilt) on the CPU over the process group the pipeline joined
-    (:func:`alpacafarm.distributed.init`) and the arguments use it (``use_configured_state``); DDP or DeepSpeed is
-    still the launch config's choice. A previous trainer's accelerator state (its DeepSpeed plugin, with the
-    ``auto`` values it filled) is dropped, as ``TrainingArguments`` drops it on GPUs.
+    Building ``TrainingArguments`` resets accelerate's process state and rebuilds it from the arguments and the
+    environment. With several processes but no GPU accelerate names no backend unless told the run is on CPU:
+    every rank then counts one process, so DDP trains each rank alone on all the data, TRL derives batch sizes for
+    one process and DeepSpeed's batch check fails (its engine does see every rank). ``use_cpu`` tells it, with the
+    backend of the process group the pipeline joined (:func:`alpacafarm.distributed.init`). DDP or DeepSpeed stays
+    the launch config's choice: ``use_cpu`` only shapes the process state, and the trainer's ``Accelerator`` (built
+    without ``cpu``) still turns the launch's DeepSpeed plugin on over it. Only public API is used: transformers
+    does the reset, so a previous trainer's state (its DeepSpeed plugin with the ``auto`` values it filled, its
+    mixed precision) never reaches the next one.
     """
     import torch
 
     from alpacafarm import distributed
 
+    if distributed.world_size() <= 1 or torch.cuda.is_available():
+        return {}
+    import torch.distributed as dist
+
+    return {"use_cpu": True, "ddp_backend": config.ddp_backend or dist.get_backend()}
+
+
+def check_process_count(args: Any) -> None:
+    """Fail where a trainer's arguments set accelerate up over fewer processes than were launched (each rank would
+    train alone); ``args`` is a built ``TrainingArguments``."""
+    from alpacafarm import distributed
+
     world = distributed.world_size()
-    if world <= 1 or torch.cuda.is_available():
-        return None
-    from accelerate.state import AcceleratorState, PartialState
-
-    AcceleratorState._reset_state(reset_partial_state=False)
-    if not PartialState._shared_state or PartialState().num_processes != world:
-        AcceleratorState._reset_state(reset_partial_state=True)  # a config built without this rule counted one
-        if PartialState(cpu=True).num_processes != world:
-            raise RuntimeError(f"accelerate counts {PartialState().num_processes} of the {world} processes")
-    if isinstance(accelerator_config, str):  # a JSON file, as TrainingArguments accepts
-        from transformers.trainer_pt_utils import AcceleratorConfig
-
-        accelerator_config = AcceleratorConfig.from_json_file(accelerator_config)
-    given = accelerator_config.to_dict() if hasattr(accelerator_config, "to_dict") else dict(accelerator_config or {})
-    return {**given, "use_configured_state": True}
+    if world > 1 and args.world_size != world:
+        raise RuntimeError(f"accelerate counts {args.world_size} of the {world} processes for this trainer")
 
 
 def check_launch_honoured(distributed_type: Any) -> None:
@@ -167,21 +178,26 @@ def trackers(report_to: Sequence[str] | None) -> list[str]:
 
 
 def trainer_accelerator(args: Any, gradient_accumulation_steps: int, *, project: str) -> Any:
-    """The one ``accelerate.Accelerator`` of a trainer of our own (PPO): every launched process (also on CPUs, see
-    :func:`shared_process_state`), the launch config's distribution (refused where accelerate would silently
+    """The one ``accelerate.Accelerator`` of a trainer of our own (PPO): every launched process (``args`` is a
+    :class:`TrainingDefaults` config built right before, which set accelerate's process state up afresh over them
+    all, :func:`shared_process_state`), the launch config's distribution (refused where accelerate would silently
     build another, :func:`check_launch_honoured`), bf16 autocast when ``args.bf16``, DeepSpeed's ``auto`` values
     filled as transformers' Trainer fills them, and the ``report_to`` trackers (:func:`trackers`) under
     ``output_dir/tensorboard`` (TensorBoard) or ``output_dir/<project>``."""
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
+    from accelerate.state import is_initialized
 
-    shared_process_state(args.accelerator_config)
+    if is_initialized():
+        raise RuntimeError("an accelerate Accelerator was built after this trainer's arguments: build them "
+                           "(stage_training_args) right before the trainer, which sets accelerate's process state "
+                           "up afresh, so that no earlier trainer's state (DeepSpeed plugin, mixed precision) is "
+                           "reused")
     log_with = trackers(args.report_to)
     accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no",
                               gradient_accumulation_steps=gradient_accumulation_steps, log_with=log_with or None,
                               project_dir=args.output_dir)
     check_launch_honoured(accelerator.distributed_type)
-    plugin = AcceleratorState().deepspeed_plugin
+    plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
         plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm

@@ -2,7 +2,9 @@
 the same weights within a stated tolerance (TRL's rule, not bit for bit), under DDP (torchrun, gloo) and under
 DeepSpeed ZeRO-3 (``accelerate launch`` with the packaged config, DeepSpeed's CPU accelerator over gloo); a run
 killed right after its first checkpoint resumes to the uninterrupted run's weights; PPO and Quark hold no file
-named for a sharding strategy and touch no private attribute of deepspeed, accelerate or torch.distributed.
+named for a sharding strategy and touch no private attribute of deepspeed, accelerate or torch.distributed; nor
+does the distributed layer (alpacafarm/training.py, alpacafarm/distributed.py, plugins/alpacafarm_trl) touch one
+of those or of transformers and TRL.
 
 Run as a script (``python tests/test_ppo_distributed.py MODE OUT``, under torchrun for ``ddp``, ``accelerate
 launch`` for ``zero3``, alone for ``single``; a ``-killed`` suffix dies right after checkpoint-1, ``-resumed``
@@ -210,15 +212,37 @@ def test_an_fsdp_launch_accelerate_cannot_honour_is_one_line(monkeypatch: pytest
     check_launch_honoured(DistributedType.MULTI_CPU)
 
 
-GUARDED = ("deepspeed", "accelerate", "torch.distributed")
+def test_the_trainer_accelerator_starts_from_the_state_its_arguments_set_up(tmp_path: Path):
+    """Building the arguments resets accelerate's state (transformers does it), so a previous trainer's state never
+    reaches the PPO trainer's Accelerator; one built after the arguments is refused, not reused."""
+    from accelerate import Accelerator
+
+    from alpacafarm.training import trainer_accelerator
+    from alpacafarm_trl.ppo_config import PPOMethodConfig
+
+    Accelerator()  # an earlier trainer's
+    args = PPOMethodConfig(output_dir=str(tmp_path), report_to="none")
+    accelerator = trainer_accelerator(args, 1, project="ppo")
+    assert accelerator.num_processes == 1
+    Accelerator()
+    with pytest.raises(RuntimeError, match="built after this trainer's arguments"):
+        trainer_accelerator(args, 1, project="ppo")
+
+
+GUARDED = ("deepspeed", "accelerate", "torch.distributed", "transformers", "trl")
 PPO_AND_QUARK = sorted((REPO_ROOT / "plugins/alpacafarm_trl").glob("ppo*.py")) + \
     sorted((REPO_ROOT / "plugins/alpacafarm_trl").glob("quark*.py"))
+#: Where trainers meet accelerate, DeepSpeed and transformers: every ``obj._y`` is refused there (``strict``).
+#: alpacafarm/distributed.py is checked for the libraries' names only: it calls the standard library's
+#: ``os._exit`` and ``atexit._run_exitfuncs`` on purpose and marks exceptions with an attribute of its own.
+TRAINER_LAYER = [REPO_ROOT / "alpacafarm/training.py", *sorted((REPO_ROOT / "plugins/alpacafarm_trl").glob("*.py"))]
 
 
 def private_uses(source: str, *, strict: bool) -> list[str]:
-    """Private names of deepspeed, accelerate or torch.distributed that ``source`` reaches: ``from X import _y``,
-    and ``a._y`` (at any depth) on a name bound to such a module or to a name imported from one. ``strict``: any
-    ``obj._y`` whose root is not ``self``/``cls`` (what a file that must only use public APIs may not do)."""
+    """Private names of deepspeed, accelerate, torch.distributed, transformers or TRL that ``source`` reaches:
+    ``from X import _y``, and ``a._y`` (at any depth) on a name bound to such a module or to a name imported from
+    one. ``strict``: any ``obj._y`` whose root is not ``self``/``cls`` (what a file that must only use public APIs
+    may not do)."""
     import ast
 
     tree = ast.parse(source)
@@ -250,15 +274,23 @@ def test_ppo_and_quark_name_no_strategy_and_touch_no_private_attribute():
     assert len(PPO_AND_QUARK) >= 6
     for path in PPO_AND_QUARK:
         assert not re.search(r"shard|zero|fsdp|deepspeed|ddp", path.stem), f"{path.name} is named for a strategy"
-        assert private_uses(path.read_text(encoding="utf-8"), strict=True) == [], path.name
-    for path in sorted((REPO_ROOT / "plugins").rglob("*.py")):
-        assert private_uses(path.read_text(encoding="utf-8"), strict=False) == [], path.name
+    for path in TRAINER_LAYER:
+        assert private_uses(path.read_text(encoding="utf-8"), strict=True) == [], path.relative_to(REPO_ROOT)
+    everything = sorted((REPO_ROOT / "alpacafarm").rglob("*.py")) + sorted((REPO_ROOT / "plugins").rglob("*.py"))
+    assert REPO_ROOT / "alpacafarm/distributed.py" in everything
+    for path in everything:
+        assert private_uses(path.read_text(encoding="utf-8"), strict=False) == [], path.relative_to(REPO_ROOT)
     # the check catches what the old code did
     assert private_uses("from accelerate.state import AcceleratorState\n"
                         "AcceleratorState._reset_state(reset_partial_state=False)\n", strict=False)
+    assert private_uses("from accelerate.state import PartialState\nif PartialState._shared_state: pass\n",
+                        strict=False)
+    assert private_uses("from transformers.integrations import deepspeed as hf_deepspeed\n"
+                        "config = hf_deepspeed._hf_deepspeed_config_weak_ref()\n", strict=False)
     assert private_uses("import deepspeed\nx = deepspeed.runtime.utils._x\n", strict=False)
     assert private_uses("from deepspeed.utils import _hp_mapping\n", strict=False)
     assert private_uses("def f(engine):\n    engine._remove_module_hooks()\n", strict=True)
+    assert private_uses("def f(trainer):\n    return trainer.accelerator.state._shared_state\n", strict=True)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ every rank trains (TRL's trainer, accelerate) and the main process saves.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import shutil
@@ -319,7 +318,7 @@ class OnlineDPO(Method):
         from alpacafarm.data import write_json
         from alpacafarm.modeling import load_tokenizer
         from alpacafarm.train_progress import training_progress
-        from alpacafarm.training import save_policy, stage_training_args, train_summary
+        from alpacafarm.training import save_policy, stage_seed, stage_training_args, train_summary
         from alpacafarm_trl.dpo import REWARD_METRICS, build_dpo_trainer, last_logged
         from alpacafarm_trl.pairs import preference_rows
 
@@ -340,8 +339,8 @@ class OnlineDPO(Method):
         trainer_dir = round_dir / "trainer"
         if context.is_main:
             trainer_dir.mkdir(parents=True, exist_ok=True)  # made here: the trainer of every rank would make it
-        base = stage_training_args(config, context)
-        args = dataclasses.replace(base, output_dir=str(trainer_dir), max_steps=steps, seed=base.seed + r)
+        args = stage_training_args(config, context, output_dir=str(trainer_dir), max_steps=steps,
+                                   seed=stage_seed(config, context) + r)
         trainer = build_dpo_trainer(args, spec, policy_path, rows, reference_path=reference_path)
         context.logger.info("stage %s: round %d, DPO on %d pairs (%d without a ranking), reference %s (%s)",
                             context.stage, r, len(rows), dropped, config.reference, reference_path)
