@@ -53,9 +53,7 @@ def register_annotators(register: Register) -> None:
     ``cli_config(options: dict) -> dict`` mapping the shared command-line options (``--base-url``,
     ``--model-map``, ``--max-cost-usd``, ``--seed``, ``--no-cache``, ``--set``) to its config block.
 
-    .. versionchanged:: 0.2.0
-       Targets are built by ``Registry.create`` with a validated config object and optional runtime arguments;
-       ``cli_config`` added.
+    .. versionadded:: 0.1.0
     """
 
 
@@ -79,8 +77,7 @@ def register_validators(register: Register) -> None:
     ``target(config)`` and must return an :class:`alpacafarm.validation.Validator`, whose
     ``validate(*records)`` returns a result with ``to_json()``.
 
-    .. versionchanged:: 0.2.0
-       ``alpacafarm compare`` builds validators through the registry; targets receive a validated config object.
+    .. versionadded:: 0.1.0
     """
 
 
@@ -94,9 +91,7 @@ def register_generation_backends(register: Register) -> None:
     ``prompt_format`` is that model's (:meth:`alpacafarm.prompts.PromptFormat.for_model`), so prompt
     conditioning reaches every backend.
 
-    .. versionchanged:: 0.2.0
-       Documented the ``spec`` and ``model_path`` arguments every implementation already took; the built object
-       must be a ``Generator`` with the model's ``prompt_format``.
+    .. versionadded:: 0.1.0
     """
 
 
