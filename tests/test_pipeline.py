@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import subprocess
 import sys
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
