@@ -5,9 +5,10 @@ keyword a registration may carry is named there (an unknown one is an error nami
 ``target`` is the object itself or a lazy ``"package.module:attribute"`` string imported when the name is
 first used (so ``alpacafarm --help`` never imports torch or trl). Duplicate names are an error naming both
 plugins: a plugin registering a name another plugin registered stops every command with one line saying which
-two clash (prefix your names: ``myorg_dpo``). Hooks are called once per process, when the registry is first
-needed, with keyword arguments only; an implementation may accept fewer arguments than its spec, so specs only
-ever grow (CONTRIBUTING.md).
+two clash (prefix your names: ``myorg_dpo``). Each hook is called once per plugin that implements it, when the
+registry is first needed, through pluggy's hook caller (``pm.trace`` and hookwrappers see the calls), with keyword
+arguments only; an implementation may accept fewer arguments than its spec, so specs only ever grow
+(CONTRIBUTING.md).
 
 Every registered target except commands is built by one function, ``Registry.create(kind, name, config,
 **runtime)``: if the target has a ``config_class`` (a pydantic model or dataclass), the config block is

@@ -124,24 +124,27 @@ def load_plugins() -> LoadedPlugins:
 
 def _fill(registry: Registry, manager: pluggy.PluginManager, info: PluginInfo) -> None:
     """Add everything plugin ``info`` registers, or nothing: a hook that raises, a bad registration or a name that
-    is taken leaves the registry as it was and records why on ``info``."""
+    is taken leaves the registry as it was and records why on ``info``.
+
+    Each hook is called through pluggy's hook caller (``pm.hook.<name>``: tracing, monitoring and hookwrappers
+    see every call), limited to this plugin's implementation (:func:`plugin_hook_caller`), so that ``register``
+    knows which plugin a name comes from."""
     staged = Registry()
     for kind, spec in KINDS.items():
-        for impl in getattr(manager.hook, spec.hook).get_hookimpls():
-            if impl.plugin_name != info.name:
-                continue
-            register = Registration(staged, kind, spec.hook, info.name)
-            try:
-                impl.function(**{arg: register for arg in impl.argnames})
-            except _RegisteredTwice as exc:
-                info.error, info.clash = str(exc), True
-                return
-            except _BadRegistration as exc:
-                info.error = str(exc)
-                return
-            except Exception as exc:
-                info.error = f"hook {spec.hook} raised {_describe_error(exc)}"
-                return
+        caller = plugin_hook_caller(manager, spec.hook, info.name)
+        if caller is None:
+            continue
+        try:
+            caller(register=Registration(staged, kind, spec.hook, info.name))
+        except _RegisteredTwice as exc:
+            info.error, info.clash = str(exc), True
+            return
+        except _BadRegistration as exc:
+            info.error = str(exc)
+            return
+        except Exception as exc:
+            info.error = f"hook {spec.hook} raised {_describe_error(exc)}"
+            return
     for kind in staged.kinds():
         for entry in staged.entries(kind):
             if (kind, entry.name) in registry:
@@ -153,6 +156,17 @@ def _fill(registry: Registry, manager: pluggy.PluginManager, info: PluginInfo) -
         for entry in staged.entries(kind):
             registry.add(kind, entry.name, entry.target, entry.plugin, entry.description, identity=entry.identity,
                          args=entry.args, kwargs=entry.kwargs, runtime=entry.runtime)
+
+
+def plugin_hook_caller(manager: pluggy.PluginManager, hook: str, plugin: str) -> Any:
+    """Pluggy's caller of ``hook`` limited to ``plugin``'s implementation and every plugin's hookwrappers (None:
+    ``plugin`` implements no such hook). Calling it runs pluggy's hook execution: ``pm.trace``, hook-call
+    monitoring and wrappers work as for ``pm.hook.<name>(...)``."""
+    caller = getattr(manager.hook, hook)
+    impls = [impl for impl in caller.get_hookimpls() if not (impl.hookwrapper or impl.wrapper)]
+    if not any(impl.plugin_name == plugin for impl in impls):
+        return None
+    return manager.subset_hook_caller(hook, remove_plugins=[i.plugin for i in impls if i.plugin_name != plugin])
 
 
 class Registration:

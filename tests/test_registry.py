@@ -364,3 +364,40 @@ def test_every_builtin_kind_builds_through_create():
     method = registry.create("method", "split_instructions", {"eval_size": 3})
     assert method.config.eval_size == 3
 
+
+# ------------------------------------------------------------------------------------------ pluggy's hook caller
+
+
+def test_registration_hooks_run_through_pluggys_caller_so_hookwrappers_see_each_plugins_call(register_test_plugin):
+    calls: list[str] = []
+
+    class Watcher:  # a hookwrapper only: it registers nothing, it sees every plugin's call
+        @alpacafarm.hookimpl(wrapper=True)
+        def register_methods(self, register):
+            calls.append(register.plugin)
+            return (yield)
+
+    register_test_plugin(Watcher(), "watcher")
+    register_test_plugin(LazyPlugin(), "lazy")
+    loaded = get_plugins()
+    implementing = {p.name for p in loaded.plugins if "method" in loaded.registry.by_plugin().get(p.name, {})}
+    assert sorted(calls) == sorted(implementing) and {"data", "trl", "lazy"} <= implementing
+    assert not [p for p in loaded.plugins if p.name == "watcher" and p.error]
+
+
+def test_pluggy_tracing_sees_the_registration_hooks(monkeypatch):
+    import pluggy
+
+    lines: list[str] = []
+
+    class TracedManager(pluggy.PluginManager):
+        def __init__(self, project_name: str) -> None:
+            super().__init__(project_name)
+            self.trace.root.setwriter(lines.append)
+            self.enable_tracing()
+
+    monkeypatch.setattr("alpacafarm.plugins.pluggy.PluginManager", TracedManager)
+    loaded = load_plugins()
+    assert "split_instructions" in loaded.registry.names("method")
+    traced = [line for line in lines if "register_methods" in line]
+    assert traced and any("register_generation_backends" in line for line in lines), lines[:5]
