@@ -37,7 +37,7 @@ from typing import Any
 from alpacafarm.errors import UserError
 from alpacafarm.generation import SamplingConfig
 from alpacafarm.kit import build_sft_trainer_on_rows, mark_finished, mean, score_groups, select, training_rows
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.train_progress import training_progress
 from alpacafarm.training import save_policy, stage_training_args, train_summary
 from alpacafarm_trl.sft import SFTMethodConfig
@@ -115,7 +115,7 @@ class ExpertIteration(Method):
     provides = "policy_model"
     #: Under several processes: sampling is split across ranks (transformers backend; another backend samples on
     #: the main process), the main process scores and writes, every rank trains (TRL's trainer, accelerate).
-    all_ranks = True
+    ranks = Ranks.ALL
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm import distributed

@@ -57,7 +57,7 @@ from trl import DPOConfig
 
 from alpacafarm.errors import UserError
 from alpacafarm.generation import SamplingConfig
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.training import TrainingDefaults
 
 ROUND_DONE = "round_complete.json"
@@ -234,7 +234,7 @@ class OnlineDPO(Method):
     requires = ("sft_model", "instruction_splits")
     provides = "policy_model"
     annotator_role = "feedback"
-    all_ranks = True  # sampling split across ranks, annotation on the main process, training on every rank
+    ranks = Ranks.ALL  # sampling split across ranks, annotation on the main process, training on every rank
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm import distributed
