@@ -216,23 +216,26 @@ class StageContext:
         (rows as :func:`alpacafarm.generation.generate_records` writes them; the generator is closed before this
         returns, so the policy's memory is free for what comes next).
 
-        The ``transformers`` backend shards its batches across ranks (:func:`alpacafarm.sampling.sharded_across_ranks`:
-        the same batches and seeds as one process); any other backend (a server, vLLM) runs on the main process only
-        and its rows reach the others. Under several processes it needs the method's ``ranks = Ranks.ALL``.
+        The ``transformers`` backend shards its batches across ranks (:attr:`TransformersGenerator.sharded
+        <alpacafarm.generation.TransformersGenerator.sharded>`: the same batches and seeds as one process); any other
+        backend (a server, vLLM) runs on the main process only and its rows reach the others. Under several
+        processes it needs the method's ``ranks = Ranks.ALL``.
         """
         from alpacafarm import distributed
         from alpacafarm.errors import UserError
-        from alpacafarm.generation import generate_records
-        from alpacafarm.sampling import sharded_across_ranks
+        from alpacafarm.generation import TransformersGenerator, generate_records
 
         if self.ranks is not Ranks.ALL and distributed.world_size() > 1:  # the other ranks wait for this stage's
             # artifact: they never join the sampling
             raise UserError(f"stage {self.stage!r}: context.generate_on_ranks needs every rank, but this stage's "
                             "method runs on the main process only; its plugin must set ranks = Ranks.ALL on the "
                             "method class (or sample with context.generator)")
+        sharded = backend == "transformers"
 
         def generate() -> tuple[list[dict[str, Any]], int]:
             generator = self.generator(backend, backend_config)
+            if sharded and isinstance(generator, TransformersGenerator):
+                generator.sharded = True  # every rank samples its share of the batches; all get every row
             try:
                 with self.progress(description, len(records)) as advance:
                     rows = generate_records(generator, records, sampling, progress=advance)
@@ -240,9 +243,8 @@ class StageContext:
             finally:
                 generator.close()
 
-        if backend == "transformers":
-            with sharded_across_ranks():
-                return generate()
+        if sharded:
+            return generate()
         return distributed.run_on_main(generate, f"stage {self.stage!r}: generation ({backend})")
 
     def reward_function(self, *, batch_size: int = 8, max_length: int | None = None,

@@ -25,7 +25,6 @@ A round whose ``model/`` is complete is not redone when an interrupted stage res
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -91,14 +90,14 @@ def sample_round(context: StageContext, config: Any, policy_path: str, records: 
                  sampling: SamplingConfig, r: int, *, shard: bool) -> list[dict[str, Any]]:
     """One round's samples (``config.n`` per record, in order), each marked ``finished``; with ``shard`` the
     batches are split across ranks (every rank gets all rows, the same as one process's)."""
-    from alpacafarm.generation import generate_records
-    from alpacafarm.sampling import sharded_across_ranks
+    from alpacafarm.generation import TransformersGenerator, generate_records
 
     generator = context.registry.create("generation_backend", config.backend, config.backend_config,
                                         spec=context.recipe.model, model_path=policy_path)
+    if isinstance(generator, TransformersGenerator):
+        generator.sharded = shard
     try:
-        with context.progress(f"round {r}: best-of-{config.n} sampling", len(records)) as advance, \
-                (sharded_across_ranks() if shard else contextlib.nullcontext()):
+        with context.progress(f"round {r}: best-of-{config.n} sampling", len(records)) as advance:
             rows = generate_records(generator, records, sampling, progress=advance)
         groups = [rows[i:i + config.n] for i in range(0, len(rows), config.n)]
         mark_finished(groups, generator, config.backend)

@@ -188,21 +188,23 @@ def sample_round(context: StageContext, config: OnlineDPOMethodConfig, policy_pa
                  prompts: list[dict[str, Any]], sampling: SamplingConfig, r: int) -> list[dict[str, Any]]:
     """``k`` samples per prompt from the policy in ``policy_path``, in order (every rank gets all of them)."""
     from alpacafarm import distributed
-    from alpacafarm.generation import generate_records
-    from alpacafarm.sampling import sharded_across_ranks
+    from alpacafarm.generation import TransformersGenerator, generate_records
+
+    sharded = config.backend == "transformers"  # every rank samples its share of the batches
 
     def generate() -> list[dict[str, Any]]:
         generator = context.registry.create("generation_backend", config.backend, config.backend_config,
                                             spec=context.recipe.model, model_path=policy_path)
+        if isinstance(generator, TransformersGenerator):
+            generator.sharded = sharded
         try:
             with context.progress(f"round {r}: sampling {config.k} per prompt", len(prompts)) as advance:
                 return generate_records(generator, prompts, sampling, progress=advance)
         finally:
             generator.close()
 
-    if config.backend == "transformers":  # every rank samples its share of the batches
-        with sharded_across_ranks():
-            return generate()
+    if sharded:
+        return generate()
     return distributed.run_on_main(generate, f"stage {context.stage!r} round {r}: sampling ({config.backend})")
 
 
