@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
@@ -176,8 +177,9 @@ class Registration:
     def __init__(self, staged: Registry, kind: str, hook: str, plugin: str) -> None:
         self.staged, self.kind, self.hook, self.plugin = staged, kind, hook, plugin
 
-    def __call__(self, name: str, target: Any, *, description: str = "", identity: str | None = None,
-                 args: Any = (), kwargs: Any = None, runtime: Any = (), **unknown: Any) -> None:
+    def __call__(self, name: str, target: str | Callable[..., Any], *, description: str = "",
+                 identity: str | None = None, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                 runtime: Sequence[str] = (), **unknown: Any) -> None:
         if unknown:
             raise _BadRegistration(
                 f"{self.hook}: register({name!r}, ...) got the unknown keyword {sorted(unknown)[0]!r} (the keywords "
