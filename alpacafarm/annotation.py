@@ -276,7 +276,7 @@ def label_identity(registry: Any, name: str) -> Any:
 
     if ("annotator", name) not in registry:
         return None
-    hook = registry.entry("annotator", name).metadata.get("identity")
+    hook = registry.entry("annotator", name).identity
     if hook is None:
         return None
     return import_target(hook, what=f"identity of annotator {name!r}")(registry, name)

@@ -14,7 +14,6 @@ process group's timeout.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -203,22 +202,8 @@ def run_on_main(fn: Callable[[], T], where: str = "") -> T:
     result = None
     with agree(where):
         if is_main():
-            token = _MAIN_ONLY.set(True)
-            try:
-                result = fn()
-            finally:
-                _MAIN_ONLY.reset(token)
+            result = fn()
     return broadcast_object(result, where)
-
-
-#: True inside :func:`run_on_main`'s ``fn`` on several processes: the other ranks are waiting, not running it.
-_MAIN_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("alpacafarm_main_only", default=False)
-
-
-def main_only() -> bool:
-    """Whether this code runs on the main process alone while the other ranks wait (inside :func:`run_on_main`
-    on several processes): a collective here would wait forever for ranks that are not coming."""
-    return _MAIN_ONLY.get()
 
 
 # ----------------------------------------------------------------------------------------------- sharding

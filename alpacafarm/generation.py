@@ -66,8 +66,13 @@ class Generator:
 class TransformersGenerator(Generator):
     """Batched sampling with a transformers causal LM through :func:`alpacafarm.sampling.sample`."""
 
-    def __init__(self, model: Any, tokenizer: Any, prompt_format: PromptFormat | None = None) -> None:
+    def __init__(self, model: Any, tokenizer: Any, prompt_format: PromptFormat | None = None, *,
+                 sharded: bool = False) -> None:
         self.model = model.eval()
+        #: Split each :meth:`generate` call's batches across ranks and gather every rank's samples (every rank
+        #: calls it with the same prompts and gets all the completions, the same as one process's); ``False``:
+        #: every rank samples all of its own prompts. :func:`alpacafarm.sampling.sample`'s ``sharded``.
+        self.sharded = sharded
         self.tokenizer = tokenizer
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -93,7 +98,7 @@ class TransformersGenerator(Generator):
         samples = sample(self.model, self.tokenizer, tokenize_prompts(self.tokenizer, prompts), n=sampling.n,
                          temperature=sampling.temperature, top_p=sampling.top_p,
                          max_new_tokens=sampling.max_new_tokens, batch_size=sampling.batch_size,
-                         seed=sampling.seed, progress=progress)
+                         seed=sampling.seed, progress=progress, sharded=self.sharded)
         self.last_token_counts = [[len(s.response_ids) for s in group] for group in samples]
         self.last_finished = [[s.finished for s in group] for group in samples]
         return [[s.text for s in group] for group in samples]

@@ -1,33 +1,56 @@
 """The whole plugin contract: one registration hook per kind of thing a plugin provides.
 
-Every hook receives a ``register`` callback (:class:`Register`); plugins never touch a global registry.
+Every hook receives a ``register`` callback (:class:`Register`); plugins never touch a global registry. Every
+keyword a registration may carry is named there (an unknown one is an error naming the plugin and the keyword).
 ``target`` is the object itself or a lazy ``"package.module:attribute"`` string imported when the name is
 first used (so ``alpacafarm --help`` never imports torch or trl). Duplicate names are an error naming both
 plugins: a plugin registering a name another plugin registered stops every command with one line saying which
-two clash (prefix your names: ``myorg_dpo``). Hooks are called once per process, when the registry is first
-needed, with keyword arguments only; an implementation may accept fewer arguments than its spec, so specs only
-ever grow (CONTRIBUTING.md).
+two clash (prefix your names: ``myorg_dpo``). Each hook is called once per plugin that implements it, when the
+registry is first needed, through pluggy's hook caller (``pm.trace`` and hookwrappers see the calls), with keyword
+arguments only; an implementation may accept fewer arguments than its spec, so specs only ever grow
+(CONTRIBUTING.md).
 
 Every registered target except commands is built by one function, ``Registry.create(kind, name, config,
 **runtime)``: if the target has a ``config_class`` (a pydantic model or dataclass), the config block is
 validated with it once (errors name the recipe's file, line and YAML path) and the target is called as
-``target(config, **runtime)``, receiving only the runtime arguments its signature names; without a
-``config_class`` the block must be empty and ``config`` is ``None``. The result must be an instance of the kind's
-base class, named in each hook below.
+``target(config, **declared)``, where ``declared`` are exactly the runtime arguments its registration names in
+``runtime=`` (a kind's runtime arguments are listed in its hook below; one the caller has not got is ``None``).
+A declared argument the kind does not offer, one the target's signature cannot take, or a required parameter of
+the target that is not declared is an error naming the target. Without a ``config_class`` the block must be
+empty and ``config`` is ``None``. The result must be an instance of the kind's base class, named in each hook
+below.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from alpacafarm import hookspec
 
 
 class Register(Protocol):
-    """The callback a registration hook receives."""
+    """The callback a registration hook receives: ``register(name, target, *, ...)``, keywords only after the target.
 
-    def __call__(self, name: str, target: str | Any, *, description: str = "", **metadata: Any) -> None:
-        """Register ``target`` under ``name``; ``description`` is what ``alpacafarm plugins`` and ``--help`` show."""
+    - ``name``: the name recipes and commands use; unique per kind across all plugins.
+    - ``target``: a ``"module:attr"`` string (imported on first use) or the object itself.
+    - ``description``: what ``alpacafarm plugins`` and ``--help`` show.
+    - ``identity``: annotators only: ``"module:function"``, called as ``function(registry, name)`` to say what the
+      annotator's labels depend on beyond its config (fitted weights, a model file) as plain data. It joins the
+      fingerprint of every stage that annotates with it, so a changed judge re-runs them
+      (:func:`alpacafarm.annotation.label_identity`).
+    - ``args``, ``kwargs``: the imported object is called once with them, on first use, and what it returns is the
+      target, e.g. ``register("my_preset", "pkg.presets:Preset", args=("my_preset",))``; without them the imported
+      object is the target.
+    - ``runtime``: the runtime arguments of the kind that ``Registry.create`` passes to the target besides its
+      config (annotators: ``registry``, ``cache``, ``budget``; generation backends: ``spec``, ``model_path``; other
+      kinds: none). The target receives exactly these, as keywords.
+    """
+
+    def __call__(self, name: str, target: str | Callable[..., Any], *, description: str = "",
+                 identity: str | None = None, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                 runtime: Sequence[str] = ()) -> None:
+        """Register ``target`` under ``name`` (see the class for each keyword)."""
 
 
 @hookspec
@@ -47,15 +70,15 @@ def register_annotators(register: Register) -> None:
     """Register pairwise annotators: single judges and pools (presets such as ``alpacafarm_ann``).
 
     Called when the registry is first needed (a recipe's ``annotator``, ``alpacafarm annotate --annotator``).
-    The target is called as ``target(config, [registry=], [cache=], [budget=])`` and must return an
-    :class:`alpacafarm.annotation.Annotator`; ``registry`` lets a pool build its members, ``cache`` and
-    ``budget`` let a pool share its annotation cache and spending cap with them. A target may also define
+    The target is called as ``target(config, **declared)`` and must return an
+    :class:`alpacafarm.annotation.Annotator`. Runtime arguments (declare those it takes with ``runtime=``):
+    ``registry`` lets a pool build its members, ``cache`` and ``budget`` let a pool share its annotation cache and
+    spending cap with them (``None`` when the caller has none). A target may also define
     ``cli_config(options: dict) -> dict`` mapping the shared command-line options (``--base-url``,
-    ``--model-map``, ``--max-cost-usd``, ``--seed``, ``--no-cache``, ``--set``) to its config block.
+    ``--model-map``, ``--max-cost-usd``, ``--seed``, ``--no-cache``, ``--set``) to its config block. A registration
+    may say ``identity=`` (:class:`Register`).
 
-    .. versionchanged:: 0.2.0
-       Targets are built by ``Registry.create`` with a validated config object and optional runtime arguments;
-       ``cli_config`` added.
+    .. versionadded:: 0.1.0
     """
 
 
@@ -79,8 +102,7 @@ def register_validators(register: Register) -> None:
     ``target(config)`` and must return an :class:`alpacafarm.validation.Validator`, whose
     ``validate(*records)`` returns a result with ``to_json()``.
 
-    .. versionchanged:: 0.2.0
-       ``alpacafarm compare`` builds validators through the registry; targets receive a validated config object.
+    .. versionadded:: 0.1.0
     """
 
 
@@ -89,14 +111,12 @@ def register_generation_backends(register: Register) -> None:
     """Register generation backends (transformers, vLLM, OpenAI-compatible servers).
 
     Called when the registry is first needed (a stage's ``backend``). The target is called as
-    ``target(config, [spec=ModelSpec], [model_path=str])`` — the recipe's model block and the folder, hub ID or
-    alias of the model to sample from — and must return an :class:`alpacafarm.generation.Generator` whose
-    ``prompt_format`` is that model's (:meth:`alpacafarm.prompts.PromptFormat.for_model`), so prompt
-    conditioning reaches every backend.
+    ``target(config, **declared)``; runtime arguments (declare those it takes with ``runtime=``): ``spec``, the
+    recipe's :class:`~alpacafarm.recipe.ModelSpec`, and ``model_path``, the folder, hub ID or alias of the model to
+    sample from. It must return an :class:`alpacafarm.generation.Generator` whose ``prompt_format`` is that
+    model's (:meth:`alpacafarm.prompts.PromptFormat.for_model`), so prompt conditioning reaches every backend.
 
-    .. versionchanged:: 0.2.0
-       Documented the ``spec`` and ``model_path`` arguments every implementation already took; the built object
-       must be a ``Generator`` with the model's ``prompt_format``.
+    .. versionadded:: 0.1.0
     """
 
 

@@ -28,6 +28,11 @@ adapters sit on top of the SFT weights, and TRL's DPO reference (the model with 
 model; :func:`alpacafarm.training.save_policy` saves adapters trained that way merged, so the folder reloads as the
 model that was trained (policies and reward models alike).
 
+Under several processes the helpers that split work across ranks (:func:`score_rows`, :func:`score_groups` with a
+``batch_size``) are collectives that every rank must call, as :meth:`~alpacafarm.method.StageContext.generate_on_ranks`
+is: a method that uses them sets ``ranks = Ranks.ALL`` (:class:`alpacafarm.method.Ranks`), as the built-in ones and
+the ``alpacafarm plugin new`` template do.
+
 Heavy imports (torch, transformers, TRL, datasets) happen inside functions: importing the kit is cheap.
 """
 

@@ -7,6 +7,7 @@ of earlier stages, data sources or the recipe's model, and gives them a :class:`
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 from contextlib import contextmanager
@@ -98,6 +99,20 @@ def _map_strings(value: Any, fn: Any) -> Any:
     return value
 
 
+class Ranks(enum.Enum):
+    """Where a method's stage runs under several processes (``alpacafarm run --num-processes N``):
+    :attr:`Method.ranks`. With one process every choice runs the stage once, in that process."""
+
+    #: On the main process only, the other ranks waiting for its artifact (the default: safe for any plugin).
+    MAIN = "main"
+    #: On every rank: the method shards its own work (TRL trainers through accelerate; sampling through
+    #: :meth:`StageContext.generate_on_ranks`) and writes files only where ``context.is_main``.
+    ALL = "all"
+    #: Not under several processes at all (say, a trainer on the main process alone would wait forever for its
+    #: partners): a run on several processes is refused before any stage starts.
+    SINGLE_PROCESS = "single_process"
+
+
 @dataclass
 class StageContext:
     """Everything a running stage may use. Its files go under ``stage_dir``."""
@@ -106,11 +121,12 @@ class StageContext:
     stage_dir: Path
     run_dir: Path
     seed: int
-    config: Any
     inputs: dict[str, Artifact]
     recipe: Recipe
     registry: Registry
     resuming: bool = False
+    #: where the stage's method runs (its :attr:`Method.ranks`): on every rank, or on the main process alone
+    ranks: Ranks = Ranks.MAIN
     #: the recipe's annotator config objects by role (``feedback``, ``evaluation``), validated when it loaded
     annotator_configs: dict[str, Any] = field(default_factory=dict)
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("alpacafarm"))
@@ -200,22 +216,26 @@ class StageContext:
         (rows as :func:`alpacafarm.generation.generate_records` writes them; the generator is closed before this
         returns, so the policy's memory is free for what comes next).
 
-        The ``transformers`` backend shards its batches across ranks (:func:`alpacafarm.sampling.sharded_across_ranks`:
-        the same batches and seeds as one process); any other backend (a server, vLLM) runs on the main process only
-        and its rows reach the others.
+        The ``transformers`` backend shards its batches across ranks (:attr:`TransformersGenerator.sharded
+        <alpacafarm.generation.TransformersGenerator.sharded>`: the same batches and seeds as one process); any other
+        backend (a server, vLLM) runs on the main process only and its rows reach the others. Under several
+        processes it needs the method's ``ranks = Ranks.ALL``.
         """
         from alpacafarm import distributed
         from alpacafarm.errors import UserError
-        from alpacafarm.generation import generate_records
-        from alpacafarm.sampling import sharded_across_ranks
+        from alpacafarm.generation import TransformersGenerator, generate_records
 
-        if distributed.main_only():  # the other ranks wait for this stage's artifact: they never join the sampling
+        if self.ranks is not Ranks.ALL and distributed.world_size() > 1:  # the other ranks wait for this stage's
+            # artifact: they never join the sampling
             raise UserError(f"stage {self.stage!r}: context.generate_on_ranks needs every rank, but this stage's "
-                            "method runs on the main process only; its plugin must set all_ranks = True on the "
+                            "method runs on the main process only; its plugin must set ranks = Ranks.ALL on the "
                             "method class (or sample with context.generator)")
+        sharded = backend == "transformers"
 
         def generate() -> tuple[list[dict[str, Any]], int]:
             generator = self.generator(backend, backend_config)
+            if sharded and isinstance(generator, TransformersGenerator):
+                generator.sharded = True  # every rank samples its share of the batches; all get every row
             try:
                 with self.progress(description, len(records)) as advance:
                     rows = generate_records(generator, records, sampling, progress=advance)
@@ -223,9 +243,8 @@ class StageContext:
             finally:
                 generator.close()
 
-        if backend == "transformers":
-            with sharded_across_ranks():
-                return generate()
+        if sharded:
+            return generate()
         return distributed.run_on_main(generate, f"stage {self.stage!r}: generation ({backend})")
 
     def reward_function(self, *, batch_size: int = 8, max_length: int | None = None,
@@ -259,7 +278,8 @@ class Method:
     Subclasses set ``config_class`` (a pydantic model or dataclass, or ``None``), ``requires`` (names of the
     inputs the pipeline must wire: ``base_model``, ``sft_model``, ``preferences``, ``reward_model``, a data name,
     ...), ``provides`` (what the output is, so later stages find it), ``annotator_role`` if they use an
-    annotator, and implement :meth:`run`.
+    annotator, ``ranks`` (where the stage runs under several processes), and implement :meth:`run`. The pipeline
+    builds the method as ``Method(config)``; ``self.config`` is the validated config object.
     """
 
     config_class: ClassVar[Any] = None
@@ -273,14 +293,22 @@ class Method:
     #: ``"feedback"`` or ``"evaluation"`` when the method calls ``context.make_annotator(role)``: the recipe's
     #: annotator for that role is then part of the stage's fingerprint (changing the judge re-runs the stage).
     annotator_role: ClassVar[str | None] = None
-    #: Under several processes (``alpacafarm run --num-processes N``): ``False`` (the default, safe for any plugin)
-    #: runs the stage on the main process only, the others waiting; ``True`` runs it on every rank, and the method
-    #: then shards its own work (TRL trainers through accelerate; sampling through
-    #: :meth:`StageContext.generate_on_ranks`) and writes files only where ``context.is_main``.
-    all_ranks: ClassVar[bool] = False
-    #: ``True`` for a method that cannot run under several processes yet (it would start a trainer on the main
-    #: process alone, waiting forever for a partner): the pipeline then refuses the run before any stage starts.
-    single_process_only: ClassVar[bool] = False
+    #: Where the stage runs under several processes (``alpacafarm run --num-processes N``): :class:`Ranks`
+    #: ``MAIN`` (the default), ``ALL`` or ``SINGLE_PROCESS``.
+    ranks: ClassVar[Ranks] = Ranks.MAIN
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse, when the class is defined, the attributes that ``ranks`` replaced and a ``ranks`` that is not a
+        :class:`Ranks`: one line, never a silently ignored setting."""
+        super().__init_subclass__(**kwargs)
+        for old, new in (("all_ranks", "ranks = Ranks.ALL (or Ranks.MAIN)"),
+                         ("single_process_only", "ranks = Ranks.SINGLE_PROCESS")):
+            if old in vars(cls):
+                raise TypeError(f"{cls.__module__}.{cls.__qualname__} sets {old}, which alpacafarm no longer reads: "
+                                f"set {new} instead (from alpacafarm.method import Ranks)")
+        if not isinstance(cls.ranks, Ranks):
+            raise TypeError(f"{cls.__module__}.{cls.__qualname__}.ranks is {cls.ranks!r}; it must be Ranks.MAIN, "
+                            f"Ranks.ALL or Ranks.SINGLE_PROCESS (from alpacafarm.method import Ranks)")
 
     def __init__(self, config: Any = None) -> None:
         self.config = config

@@ -31,7 +31,7 @@ from alpacafarm.code_identity import stage_code_identity
 from alpacafarm.data import source_fingerprint, write_json
 from alpacafarm.errors import UserError, did_you_mean
 from alpacafarm.manifest import MANIFEST_FORMAT, check_outputs, record_outputs
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.paths import make_dir
 from alpacafarm.recipe import LoadedRecipe
 from alpacafarm.registry import Registry
@@ -301,7 +301,7 @@ class Pipeline:
 
     def run(self, force: tuple[str, ...] | list[str] = ()) -> list[StageOutcome]:
         """Run the stages. Under several processes every rank calls this: the main process decides, writes and
-        logs; every rank runs the stages whose method has ``all_ranks``; ranks agree after each step (see
+        logs; every rank runs the stages whose method has ``ranks = Ranks.ALL``; ranks agree after each step (see
         :mod:`alpacafarm.distributed`: a failure on one rank stops every rank, naming it)."""
         from alpacafarm import distributed
 
@@ -350,7 +350,7 @@ class Pipeline:
 
         world = distributed.world_size()
         for stage in self.stages:
-            if world > 1 and stage.method_cls.single_process_only:
+            if world > 1 and stage.method_cls.ranks is Ranks.SINGLE_PROCESS:
                 raise UserError(f"stage {stage.name!r} (method {stage.method}) does not run on {world} processes "
                                 "yet; run this recipe without --num-processes")
 
@@ -398,11 +398,11 @@ class Pipeline:
                 outcomes[stage.name] = StageOutcome(stage.name, "skipped", 0.0, start["artifact"])
                 continue
             stage_dir = self.run_dir / "stages" / stage.name
-            context = StageContext(stage.name, stage_dir, self.run_dir, start["seed"], stage.config, inputs,
-                                   self.recipe, self.registry, start["action"] == "resume",
+            context = StageContext(stage.name, stage_dir, self.run_dir, start["seed"], inputs, self.recipe,
+                                   self.registry, start["action"] == "resume", stage.method_cls.ranks,
                                    dict(self.loaded.annotator_configs))
             started = time.perf_counter()
-            if stage.method_cls.all_ranks:
+            if stage.method_cls.ranks is Ranks.ALL:
                 artifact = None
                 with distributed.agree(where):
                     artifact = self._run_method(stage, context)
@@ -450,7 +450,7 @@ class Pipeline:
             "inputs": {r: {"from": stage.inputs[r], "id": identities[r]} for r in stage.inputs},
             "versions": package_versions(), "recipe": redact_secrets(self.loaded.resolved()), "started_at": _now(),
             "world_size": distributed.world_size(),
-            "ranks_ran": distributed.world_size() if stage.method_cls.all_ranks else 1,
+            "ranks_ran": distributed.world_size() if stage.method_cls.ranks is Ranks.ALL else 1,
         }
         write_json(manifest_path, manifest)
         why = "" if decision.reason == "never run" else f" — {decision.reason}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
@@ -25,7 +26,7 @@ import pluggy
 
 from alpacafarm import PROJECT_NAME, hookspecs
 from alpacafarm.errors import PluginError
-from alpacafarm.registry import KINDS, Registry
+from alpacafarm.registry import KINDS, REGISTER_KEYWORDS, Registry
 
 ENTRY_POINT_GROUP = PROJECT_NAME
 DISABLE_AUTOLOAD_ENV = "ALPACAFARM_DISABLE_PLUGIN_AUTOLOAD"
@@ -123,33 +124,28 @@ def load_plugins() -> LoadedPlugins:
 
 
 def _fill(registry: Registry, manager: pluggy.PluginManager, info: PluginInfo) -> None:
-    """Add everything plugin ``info`` registers, or nothing: a hook that raises or a name that is taken leaves
-    the registry as it was and records why on ``info``."""
+    """Add everything plugin ``info`` registers, or nothing: a hook that raises, a bad registration or a name that
+    is taken leaves the registry as it was and records why on ``info``.
+
+    Each hook is called through pluggy's hook caller (``pm.hook.<name>``: tracing, monitoring and hookwrappers
+    see every call), limited to this plugin's implementation (:func:`plugin_hook_caller`), so that ``register``
+    knows which plugin a name comes from."""
     staged = Registry()
-    try:
-        for kind, spec in KINDS.items():
-            for impl in getattr(manager.hook, spec.hook).get_hookimpls():
-                if impl.plugin_name != info.name:
-                    continue
-
-                def register(name: str, target: Any, *, description: str = "", _kind=kind, **meta: Any) -> None:
-                    if isinstance(name, str) and (_kind, name) in staged:
-                        raise _RegisteredTwice(f"registers {_kind} {name!r} twice")
-                    staged.add(_kind, name, target, info.name, description, **meta)
-
-                try:
-                    impl.function(**{arg: register for arg in impl.argnames})
-                except _RegisteredTwice:
-                    raise
-                except Exception as exc:
-                    raise _HookFailed(f"hook {spec.hook} raised {_describe_error(exc)}") from exc
-    except _RegisteredTwice as exc:
-        info.error = str(exc)
-        info.clash = True
-        return
-    except _HookFailed as exc:
-        info.error = str(exc)
-        return
+    for kind, spec in KINDS.items():
+        caller = plugin_hook_caller(manager, spec.hook, info.name)
+        if caller is None:
+            continue
+        try:
+            caller(register=Registration(staged, kind, spec.hook, info.name))
+        except _RegisteredTwice as exc:
+            info.error, info.clash = str(exc), True
+            return
+        except _BadRegistration as exc:
+            info.error = str(exc)
+            return
+        except Exception as exc:
+            info.error = f"hook {spec.hook} raised {_describe_error(exc)}"
+            return
     for kind in staged.kinds():
         for entry in staged.entries(kind):
             if (kind, entry.name) in registry:
@@ -159,14 +155,49 @@ def _fill(registry: Registry, manager: pluggy.PluginManager, info: PluginInfo) -
                 return
     for kind in staged.kinds():
         for entry in staged.entries(kind):
-            registry.add(kind, entry.name, entry.target, entry.plugin, entry.description, **entry.metadata)
+            registry.add(kind, entry.name, entry.target, entry.plugin, entry.description, identity=entry.identity,
+                         args=entry.args, kwargs=entry.kwargs, runtime=entry.runtime)
 
 
-class _HookFailed(Exception):
-    """A plugin's registration hook raised (the plugin's own error, described in the message)."""
+def plugin_hook_caller(manager: pluggy.PluginManager, hook: str, plugin: str) -> Any:
+    """Pluggy's caller of ``hook`` limited to ``plugin``'s implementation and every plugin's hookwrappers (None:
+    ``plugin`` implements no such hook). Calling it runs pluggy's hook execution: ``pm.trace``, hook-call
+    monitoring and wrappers work as for ``pm.hook.<name>(...)``."""
+    caller = getattr(manager.hook, hook)
+    impls = [impl for impl in caller.get_hookimpls() if not (impl.hookwrapper or impl.wrapper)]
+    if not any(impl.plugin_name == plugin for impl in impls):
+        return None
+    return manager.subset_hook_caller(hook, remove_plugins=[i.plugin for i in impls if i.plugin_name != plugin])
 
 
-class _RegisteredTwice(Exception):
+class Registration:
+    """The ``register`` callback one plugin's hook receives (:class:`alpacafarm.hookspecs.Register`): it stages the
+    plugin's names; every keyword is named in the spec, and an unknown one is an error naming the plugin."""
+
+    def __init__(self, staged: Registry, kind: str, hook: str, plugin: str) -> None:
+        self.staged, self.kind, self.hook, self.plugin = staged, kind, hook, plugin
+
+    def __call__(self, name: str, target: str | Callable[..., Any], *, description: str = "",
+                 identity: str | None = None, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                 runtime: Sequence[str] = (), **unknown: Any) -> None:
+        if unknown:
+            raise _BadRegistration(
+                f"{self.hook}: register({name!r}, ...) got the unknown keyword {sorted(unknown)[0]!r} (the keywords "
+                f"of a registration are {', '.join(REGISTER_KEYWORDS)}: alpacafarm.hookspecs.Register)")
+        if isinstance(name, str) and (self.kind, name) in self.staged:
+            raise _RegisteredTwice(f"registers {self.kind} {name!r} twice")
+        try:
+            self.staged.add(self.kind, name, target, self.plugin, description, identity=identity, args=args,
+                            kwargs=kwargs, runtime=runtime)
+        except PluginError as exc:
+            raise _BadRegistration(f"{self.hook}: {str(exc).removeprefix(f'plugin {self.plugin!r}: ')}") from None
+
+
+class _BadRegistration(PluginError):
+    """A registration the contract refuses (unknown keyword, bad name or target, runtime the kind lacks)."""
+
+
+class _RegisteredTwice(PluginError):
     """A plugin registered one name of one kind twice."""
 
 

@@ -2,14 +2,17 @@
 
 Names map to objects or to ``"module:attr"`` strings that are imported on first use. The registry is filled
 by :func:`alpacafarm.plugins.get_registry` from the plugin hooks; nothing registers into it at import time.
-:meth:`Registry.create` validates a config block with the target's ``config_class`` (once: an already
-validated config object passes through), builds the object and checks it is of the kind's base class.
+What a registration may say is :class:`alpacafarm.hookspecs.Register`, keyword by keyword; each is a field of
+:class:`Entry`. :meth:`Registry.create` validates a config block with the target's ``config_class`` (once: an
+already validated config object passes through), builds the object with exactly the runtime arguments its
+registration declares, and checks it is of the kind's base class.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,14 +26,18 @@ class Kind:
     hook: str
     #: ``"module:attr"`` of the base class every built object is an instance of (None: not built, e.g. commands)
     base: str | None
-    #: keyword arguments :meth:`Registry.create` may pass besides the config, to targets whose signature names them
+    #: keyword arguments :meth:`Registry.create` offers besides the config; a target receives those its
+    #: registration declares (``runtime=``), each ``None`` when the caller has none (``registry``: the registry)
     runtime: tuple[str, ...] = ()
+    #: whether a registration of this kind may say ``identity=`` (what the built object's results depend on)
+    identity: bool = False
 
 
 #: The kinds of things a plugin can register, by kind name. What a target must be is documented in hookspecs.
 KINDS: dict[str, Kind] = {
     "method": Kind("register_methods", "alpacafarm.method:Method"),
-    "annotator": Kind("register_annotators", "alpacafarm.annotation:Annotator", ("registry", "cache", "budget")),
+    "annotator": Kind("register_annotators", "alpacafarm.annotation:Annotator", ("registry", "cache", "budget"),
+                      identity=True),
     "evaluator": Kind("register_evaluators", "alpacafarm.method:Method"),
     "validator": Kind("register_validators", "alpacafarm.validation:Validator"),
     "generation_backend": Kind("register_generation_backends", "alpacafarm.generation:Generator",
@@ -38,31 +45,62 @@ KINDS: dict[str, Kind] = {
     "command": Kind("register_commands", None),
 }
 
+#: The keywords of a registration besides ``name`` and ``target`` (:class:`alpacafarm.hookspecs.Register`).
+REGISTER_KEYWORDS = ("description", "identity", "args", "kwargs", "runtime")
+
 
 @dataclass
 class Entry:
-    """One registered name: what it points to and which plugin registered it."""
+    """One registered name: what it points to, which plugin registered it, and how the target is made and called.
+
+    ``args``/``kwargs``: the imported object is called once with them, on first use, and the result is the target
+    (a factory taking, e.g., the name of a config file); without them the imported object is the target.
+    ``runtime``: the runtime arguments of the kind the target takes. ``identity``: ``"module:function"``,
+    ``function(registry, name)`` returning what the built object's results depend on beyond its config.
+    """
 
     kind: str
     name: str
     target: Any
     plugin: str
     description: str = ""
-    metadata: dict[str, Any] = field(default_factory=dict)
+    identity: str | None = None
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    runtime: tuple[str, ...] = ()
     _loaded: Any = field(default=None, repr=False)
+    _made: bool = field(default=False, repr=False)
 
     @property
     def is_lazy(self) -> bool:
         return isinstance(self.target, str)
 
-    def load(self) -> Any:
-        """Import the target if it is a ``"module:attr"`` string; errors name the plugin and the target."""
-        if not self.is_lazy:
-            return self.target
-        if self._loaded is None:
-            self._loaded = import_target(self.target, what=f"{self.kind} {self.name!r} of plugin {self.plugin!r}")
-        return self._loaded
+    @property
+    def what(self) -> str:
+        """How errors name this entry: its kind, name and plugin."""
+        return f"{self.kind} {self.name!r} of plugin {self.plugin!r}"
 
+    def load(self) -> Any:
+        """The target: the ``"module:attr"`` string imported, then called with ``args``/``kwargs`` if it has any
+        (once); errors name the plugin and the target."""
+        if self._made:
+            return self._loaded
+        obj = import_target(self.target, what=self.what) if self.is_lazy else self.target
+        if self.args or self.kwargs:
+            try:
+                obj = obj(*self.args, **self.kwargs)
+            except PluginError:
+                raise
+            except Exception as exc:
+                first = (str(exc).splitlines() or [""])[0][:200]
+                raise PluginError(f"{self.what}: making the target {_target_name(self.target)}(*args, **kwargs) "
+                                  f"raised {type(exc).__name__}{': ' + first if first else ''}") from exc
+        self._loaded, self._made = obj, True
+        return obj
+
+
+def _target_name(target: Any) -> str:
+    return target if isinstance(target, str) else getattr(target, "__qualname__", type(target).__name__)
 
 
 def import_target(spec: str, what: str = "target") -> Any:
@@ -94,22 +132,43 @@ class Registry:
         #: the installed version of each plugin (by plugin name): part of every stage's fingerprint
         self.plugin_versions: dict[str, str] = {}
 
-    def add(
-        self, kind: str, name: str, target: Any, plugin: str, description: str = "", **metadata: Any
-    ) -> Entry:
+    def add(self, kind: str, name: str, target: Any, plugin: str, description: str = "", *,
+            identity: str | None = None, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+            runtime: Sequence[str] = ()) -> Entry:
+        """Add one registration (the keywords are those of :class:`alpacafarm.hookspecs.Register`)."""
         if kind not in self._entries:
             raise PluginError(f"plugin {plugin!r}: unknown kind {kind!r}")
         if not isinstance(name, str) or not name:
             raise PluginError(f"plugin {plugin!r}: a {kind} name must be a non-empty string, got {name!r}")
+        what = f"plugin {plugin!r}: {kind} {name!r}"
         if not isinstance(target, str) and not callable(target):
-            raise PluginError(f"plugin {plugin!r}: {kind} {name!r} target must be 'module:attr' or callable")
+            raise PluginError(f"{what}: target must be 'module:attr' or callable")
+        if not isinstance(description, str):
+            raise PluginError(f"{what}: description= must be a string, got {type(description).__name__}")
+        spec = KINDS[kind]
+        if identity is not None and not spec.identity:
+            raise PluginError(f"{what}: identity= applies to annotators only")
+        if identity is not None and not (isinstance(identity, str) and identity.count(":") == 1):
+            raise PluginError(f"{what}: identity= must be a 'module:function' string, got {identity!r}")
+        if isinstance(args, str | bytes) or not isinstance(args, Sequence):
+            raise PluginError(f"{what}: args= must be a tuple or list, got {type(args).__name__}")
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise PluginError(f"{what}: kwargs= must be a dict, got {type(kwargs).__name__}")
+        if isinstance(runtime, str) or not isinstance(runtime, Sequence):
+            raise PluginError(f"{what}: runtime= must be a tuple of names, got {runtime!r}")
+        for argument in runtime:
+            if argument not in spec.runtime:
+                offered = ", ".join(spec.runtime) or "none"
+                raise PluginError(f"{what}: target {_target_name(target)} declares runtime argument {argument!r}, "
+                                  f"which {kind.replace('_', ' ')}s are not offered (offered: {offered})")
         existing = self._entries[kind].get(name)
         if existing is not None:
             raise PluginError(
                 f"{kind} {name!r} is registered by two plugins: {existing.plugin!r} and {plugin!r}; "
                 f"uninstall one or disable it with ALPACAFARM_PLUGINS"
             )
-        entry = Entry(kind, name, target, plugin, description, dict(metadata))
+        entry = Entry(kind, name, target, plugin, description, identity, tuple(args), dict(kwargs or {}),
+                      tuple(dict.fromkeys(runtime)))
         self._entries[kind][name] = entry
         return entry
 
@@ -154,11 +213,13 @@ class Registry:
 
     def create(self, kind: str, name: str, config: Any = None, *, source: Any = None, path: tuple = (),
                **runtime: Any) -> Any:
-        """Build the object registered as ``name``: ``target(config, **runtime)``, checked against the kind's base.
+        """Build the object registered as ``name``: ``target(config, **declared)``, checked against the kind's base.
 
         ``config`` is a config block (validated here) or a config object validated before (passed through).
-        ``runtime`` holds the kind's runtime arguments (:data:`KINDS`); a target receives those its signature
-        names, so a plugin may accept fewer (as pluggy hook implementations may).
+        ``runtime`` holds the kind's runtime arguments (:data:`KINDS`) the caller has; the target receives exactly
+        those its registration declares (``runtime=``), a declared one the caller lacks as ``None`` (``registry``:
+        this registry). A target whose signature cannot take a declared argument, or requires one it is not
+        given, is an error naming it.
         """
         spec = KINDS[kind]
         entry = self.entry(kind, name)
@@ -170,8 +231,9 @@ class Registry:
         if "registry" in spec.runtime:
             runtime.setdefault("registry", self)  # what a target builds from the registry comes from this one
         target = entry.load()
+        check_signature(entry, target)
         config = self.config(kind, name, config, source=source, path=path)
-        built = target(config, **_accepted(target, runtime))
+        built = target(config, **{argument: runtime.get(argument) for argument in entry.runtime})
         base = import_target(spec.base, what=f"base class of kind {kind!r}")
         if not isinstance(built, base):
             raise PluginError(f"{kind} {name!r} of plugin {entry.plugin!r} built a {type(built).__name__}, "
@@ -190,12 +252,30 @@ class Registry:
         return out
 
 
-def _accepted(target: Any, offered: dict[str, Any]) -> dict[str, Any]:
-    """The ``offered`` keyword arguments that ``target``'s signature takes (all of them with ``**kwargs``)."""
+def check_signature(entry: Entry, target: Any) -> None:
+    """Refuse a target that cannot be called as ``target(config, **declared runtime)``: one line naming it and
+    the argument (a misspelt parameter never silently gets nothing). A target without a signature passes."""
     try:
-        parameters = inspect.signature(target).parameters
-    except (TypeError, ValueError):  # a builtin without a signature: offer nothing
-        return {}
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return dict(offered)
-    return {k: v for k, v in offered.items() if k in parameters}
+        parameters = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    P = inspect.Parameter
+    declared = ", ".join(entry.runtime) or "none"
+    name = f"{entry.what} ({_target_name(entry.target)})"
+    positional = [p for p in parameters if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    if not positional and not any(p.kind is P.VAR_POSITIONAL for p in parameters):
+        raise PluginError(f"{name}: its signature takes no config argument (the target is called as "
+                          f"target(config, **runtime))")
+    rest = [p for p in parameters if p is not (positional[0] if positional else None)]
+    takes = {p.name for p in rest if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)}
+    if not any(p.kind is P.VAR_KEYWORD for p in rest):
+        for argument in entry.runtime:
+            if argument not in takes:
+                raise PluginError(f"{name} declares runtime argument {argument!r} but its signature has no "
+                                  f"parameter {argument!r} (parameters: {', '.join(p.name for p in parameters)})")
+    for p in rest:
+        required = p.default is P.empty and p.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD)
+        if required and p.name not in entry.runtime:
+            offered = ", ".join(KINDS[entry.kind].runtime) or "none"
+            raise PluginError(f"{name} requires the argument {p.name!r}, which its registration does not declare "
+                              f"(declared: {declared}; a {entry.kind.replace('_', ' ')} is offered: {offered})")

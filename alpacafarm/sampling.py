@@ -8,34 +8,22 @@ stop). Decoding settings are given explicitly: nothing is inherited from a check
 but its stop tokens. (transformers fills every setting a ``GenerationConfig`` leaves unset from the model's own
 ``generation_config.json``, e.g. a ``repetition_penalty``; :func:`exact_generation_config` stops that.)
 
-Across ranks: inside :func:`sharded_across_ranks`, :func:`sample` forms the same batches as one process would
-(the global length order), hands batch ``b`` to rank ``b mod world_size`` and gathers every rank's samples back
-in the prompts' order. A batch's composition and seed do not depend on the number of processes, so the outputs
-are the same as one process's for the same seed (bit for bit on the same hardware). Outside that context every
-rank samples all of its own prompts (PPO and Quark roll out per rank).
+Across ranks: with ``sharded=True``, :func:`sample` forms the same batches as one process would (the global
+length order), hands batch ``b`` to rank ``b mod world_size`` and gathers every rank's samples back in the
+prompts' order. A batch's composition and seed do not depend on the number of processes, so the outputs are the
+same as one process's for the same seed (bit for bit on the same hardware). Without it every rank samples all of
+its own prompts. The choice is an argument of each call (a generator carries it as
+:attr:`~alpacafarm.generation.TransformersGenerator.sharded`), never a setting that code further up left behind.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 from alpacafarm.seeding import stable_seed
-
-_SHARDED: ContextVar[bool] = ContextVar("alpacafarm_sharded_sampling", default=False)
-
-
-@contextlib.contextmanager
-def sharded_across_ranks() -> Iterator[None]:
-    """While open, :func:`sample` splits its batches across ranks and gathers them (every rank gets all)."""
-    token = _SHARDED.set(True)
-    try:
-        yield
-    finally:
-        _SHARDED.reset(token)
 
 
 @dataclass
@@ -98,15 +86,17 @@ def exact_generation_config(model: Any) -> Iterator[None]:
 def sample(model: Any, tokenizer: Any, queries: Sequence[Sequence[int]], *, n: int = 1, temperature: float = 1.0,
            top_p: float = 1.0, max_new_tokens: int = 256, batch_size: int = 8, seed: int = 0,
            stop_ids: Sequence[int] | None = None, generate: Callable[..., Any] | None = None,
-           progress: Callable[[int], None] | None = None, synced: bool = False) -> list[list[Sample]]:
+           progress: Callable[[int], None] | None = None, sharded: bool = False,
+           synced: bool = False) -> list[list[Sample]]:
     """``n`` responses per tokenized prompt, in the prompts' order; ``temperature: 0`` is greedy decoding.
 
     ``generate`` replaces ``model.generate``; ``model`` then only supplies the device and the stop tokens.
-    ``progress(k)`` is called after each batch of ``k`` prompts. ``synced`` (inside :func:`sharded_across_ranks`,
-    for a model whose forward is a collective, e.g. sharded by FSDP or ZeRO-3): every rank makes the same number of
-    ``generate`` calls (a rank with fewer batches repeats its last one and drops the result) and each call runs
-    with ``synced_gpus`` (a rank whose sequences ended keeps stepping until every rank's have), so no rank waits
-    forever for another; the samples are the same as without it.
+    ``progress(k)`` is called after each batch of ``k`` prompts. ``sharded``: every rank calls this with the same
+    queries; the batches are split across ranks and every rank gets every sample (see the module). ``synced`` (with
+    ``sharded``, for a model whose forward is a collective, e.g. sharded by FSDP or ZeRO-3): every rank makes the
+    same number of ``generate`` calls (a rank with fewer batches repeats its last one and drops the result) and
+    each call runs with ``synced_gpus`` (a rank whose sequences ended keeps stepping until every rank's have), so
+    no rank waits forever for another; the samples are the same as without it.
     """
     import torch
     from transformers import GenerationConfig
@@ -127,7 +117,7 @@ def sample(model: Any, tokenizer: Any, queries: Sequence[Sequence[int]], *, n: i
     results: list[list[Sample]] = [[] for _ in queries]
     starts = list(range(0, len(order), batch_size))
     world = 1
-    if _SHARDED.get():
+    if sharded:
         from alpacafarm import distributed
 
         world = distributed.world_size()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,3 +142,55 @@ def test_new_offline_judge_weights_rerun_the_stages_that_annotate(annotator: str
     outcomes = Pipeline(load_recipe(recipe, registry=registry), registry, tmp_path / "run").run()
     assert RUNS == ["one", "two", "one"]  # the stage that annotates ran again; the other did not
     assert [o.status for o in outcomes] == ["ran", "skipped"]
+
+
+# ------------------------------------------------------------------------------------------ where a stage runs
+
+
+def test_where_a_method_runs_is_one_attribute_and_its_stage_context_carries_it(register_test_plugin, tmp_path: Path):
+    import dataclasses
+
+    from alpacafarm.method import Ranks
+
+    seen: dict[str, Any] = {}
+
+    class Everywhere(Method):
+        provides = "report"
+        ranks = Ranks.ALL
+
+        def run(self, context: StageContext) -> Artifact:
+            seen[context.stage] = context.ranks
+            return Artifact("report", None, {})
+
+    class Plugin:
+        @alpacafarm.hookimpl
+        def register_methods(self, register):
+            register("everywhere", Everywhere)
+            register("once", Count)
+
+    register_test_plugin(Plugin(), "ranks-plugin")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\nstages:\n  - {name: a, method: everywhere}\n  - {name: b, method: once}\n",
+                      encoding="utf-8")
+    registry = get_registry()
+    Pipeline(load_recipe(recipe, registry=registry), registry, tmp_path / "run").run()
+    assert seen == {"a": Ranks.ALL} and Count.ranks is Ranks.MAIN
+    manifest = (tmp_path / "run" / "stages" / "a" / "manifest.json").read_text(encoding="utf-8")
+    assert '"ranks_ran": 1' in manifest  # one process: every choice runs the stage once
+    # the config lives on the method (self.config), built from the one validated config object: not twice
+    assert "config" not in {f.name for f in dataclasses.fields(StageContext)}
+
+
+@pytest.mark.parametrize(("attribute", "use"), [("all_ranks", "ranks = Ranks.ALL (or Ranks.MAIN)"),
+                                                ("single_process_only", "ranks = Ranks.SINGLE_PROCESS")])
+def test_the_replaced_rank_flags_are_a_one_line_error_naming_the_new_attribute(attribute: str, use: str):
+    with pytest.raises(TypeError) as info:
+        type("OldStyle", (Method,), {attribute: True, "__module__": "myplugin.methods"})
+    assert str(info.value) == (f"myplugin.methods.OldStyle sets {attribute}, which alpacafarm no longer reads: set "
+                               f"{use} instead (from alpacafarm.method import Ranks)")
+
+
+def test_ranks_must_be_a_ranks_member():
+    with pytest.raises(TypeError, match=r"OddRanks\.ranks is 'all'; it must be Ranks\.MAIN, Ranks\.ALL or "
+                                        r"Ranks\.SINGLE_PROCESS"):
+        type("OddRanks", (Method,), {"ranks": "all"})

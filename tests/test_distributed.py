@@ -81,9 +81,9 @@ class _LengthReward:
 
 
 def _refused_run(out: Path) -> dict[str, Any]:
-    """A recipe whose second stage's method is marked ``single_process_only``, run as a pipeline on every rank."""
+    """A recipe whose second stage's method has ``ranks = Ranks.SINGLE_PROCESS``, run as a pipeline on every rank."""
     import alpacafarm
-    from alpacafarm.method import Artifact, Method
+    from alpacafarm.method import Artifact, Method, Ranks
     from alpacafarm.pipeline import Pipeline
     from alpacafarm.plugins import get_registry, register_plugin
     from alpacafarm.recipe import load_recipe
@@ -100,7 +100,7 @@ def _refused_run(out: Path) -> dict[str, Any]:
     class SoloTrainer(Numbers):
         requires = ("numbers",)
         provides = "model"
-        single_process_only = True  # e.g. a trainer that would wait for a partner on the main process alone
+        ranks = Ranks.SINGLE_PROCESS  # e.g. a trainer that would wait for a partner on the main process alone
 
     class Plugin:
         @alpacafarm.hookimpl

@@ -288,7 +288,7 @@ def test_evaluator_reads_folder_artifacts(tmp_path: Path):
     write_records(folder / "generations.jsonl", _truncated_outputs(2))
 
     def context(artifact: Artifact) -> StageContext:
-        return StageContext("evaluate", tmp_path / "evaluate", tmp_path, 0, None, {"policy": artifact}, None, None)
+        return StageContext("evaluate", tmp_path / "evaluate", tmp_path, 0, {"policy": artifact}, None, None)
 
     named = context(Artifact("policy", str(folder), {"outputs": "generations.jsonl"}))
     assert len(named.outputs("policy")) == 2

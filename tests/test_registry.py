@@ -182,12 +182,12 @@ def test_create_validates_a_block_once_and_passes_a_validated_config_through():
         registry.create("annotator", "judge", {"margn": 1}, path=("stages", 0, "config"))
 
 
-def test_create_passes_only_the_runtime_arguments_a_target_takes():
+def test_create_passes_exactly_the_runtime_arguments_a_registration_declares():
     from alpacafarm.generation import Generator
 
     seen = {}
 
-    def narrow(config, model_path):  # takes model_path, not spec: a plugin may accept fewer (pluggy's rule)
+    def narrow(config, model_path):  # declares model_path, not spec
         seen["narrow"] = (config, model_path)
         return Generator()
 
@@ -196,13 +196,134 @@ def test_create_passes_only_the_runtime_arguments_a_target_takes():
         return Generator()
 
     registry = Registry()
-    registry.add("generation_backend", "narrow", narrow, "p")
-    registry.add("generation_backend", "wide", wide, "p")
+    registry.add("generation_backend", "narrow", narrow, "p", runtime=("model_path",))
+    registry.add("generation_backend", "wide", wide, "p", runtime=("spec", "model_path"))
     registry.create("generation_backend", "narrow", None, spec="S", model_path="M")
-    registry.create("generation_backend", "wide", {}, spec="S", model_path="M")
-    assert seen == {"narrow": (None, "M"), "wide": {"spec": "S", "model_path": "M"}}
+    registry.create("generation_backend", "wide", {}, model_path="M")  # a declared one the caller lacks: None
+    assert seen == {"narrow": (None, "M"), "wide": {"spec": None, "model_path": "M"}}
     with pytest.raises(TypeError, match="unexpected runtime arguments"):
         registry.create("generation_backend", "wide", None, cache="C")
+
+
+def test_a_misspelt_runtime_parameter_is_an_error_naming_the_target():
+    from alpacafarm.annotation import Annotator
+
+    class Pool(Annotator):
+        def __init__(self, config, *, regsitry=None):  # the spelling the old signature-sniffing silently skipped
+            self.registry = regsitry
+
+    registry = Registry()
+    registry.add("annotator", "pool", Pool, "p", runtime=("registry",))
+    with pytest.raises(PluginError, match=r"annotator 'pool' of plugin 'p' \(.*Pool\) declares runtime argument "
+                                          r"'registry' but its signature has no parameter 'registry'"):
+        registry.create("annotator", "pool")
+
+
+def test_a_required_parameter_the_registration_does_not_declare_is_an_error_naming_the_target():
+    from alpacafarm.generation import Generator
+
+    def backend(config, spec, model_path):
+        return Generator()
+
+    registry = Registry()
+    registry.add("generation_backend", "b", backend, "p", runtime=("spec",))
+    with pytest.raises(PluginError, match=r"generation_backend 'b' of plugin 'p' \(.*backend\) requires the argument "
+                                          r"'model_path', which its registration does not declare \(declared: spec; "
+                                          r"a generation backend is offered: spec, model_path\)"):
+        registry.create("generation_backend", "b", spec="S", model_path="M")
+
+
+def test_a_runtime_argument_the_kind_does_not_offer_is_refused_at_registration(register_test_plugin):
+    class Offers:
+        @alpacafarm.hookimpl
+        def register_validators(self, register):
+            register("v", "pkg.module:Validator", runtime=("registry",))
+
+    register_test_plugin(Offers(), "offers")
+    (info,) = [p for p in get_plugins().plugins if p.name == "offers"]
+    assert info.error == ("register_validators: validator 'v': target pkg.module:Validator declares runtime argument "
+                          "'registry', which validators are not offered (offered: none)")
+
+
+def test_an_unknown_registration_keyword_is_an_error_naming_the_plugin_and_the_keyword(register_test_plugin, capsys):
+    class Typo:
+        @alpacafarm.hookimpl
+        def register_annotators(self, register):
+            register("judge", "alpacafarm.annotation:Annotator", identiy="pkg.mod:weights")  # silently kept before
+
+    register_test_plugin(Typo(), "typo-plugin")
+    loaded = get_plugins()
+    (info,) = [p for p in loaded.plugins if p.name == "typo-plugin"]
+    assert "judge" not in loaded.registry.names("annotator")
+    assert info.error == ("register_annotators: register('judge', ...) got the unknown keyword 'identiy' (the keywords "
+                          "of a registration are description, identity, args, kwargs, runtime: "
+                          "alpacafarm.hookspecs.Register)")
+    assert "plugin 'typo-plugin'" in capsys.readouterr().err
+
+
+def test_identity_is_an_annotators_keyword():
+    registry = Registry()
+    with pytest.raises(PluginError, match=r"method 'm': identity= applies to annotators only"):
+        registry.add("method", "m", "alpacafarm.method:Method", "p", identity="pkg.mod:fn")
+
+
+def test_the_register_protocol_names_every_keyword_a_registration_takes():
+    import inspect
+
+    from alpacafarm.hookspecs import Register
+    from alpacafarm.plugins import Registration
+    from alpacafarm.registry import REGISTER_KEYWORDS
+
+    spec = inspect.signature(Register.__call__).parameters
+    assert [n for n, p in spec.items() if p.kind is p.KEYWORD_ONLY] == list(REGISTER_KEYWORDS)
+    assert not [p for p in spec.values() if p.kind is p.VAR_KEYWORD]  # no untyped **metadata
+    implemented = inspect.signature(Registration.__call__).parameters
+    assert [n for n, p in implemented.items() if p.kind is p.KEYWORD_ONLY] == list(REGISTER_KEYWORDS)
+
+
+def test_args_make_the_target_once_on_first_use(register_test_plugin, tmp_path, monkeypatch):
+    (tmp_path / "tests_factory_module.py").write_text(
+        "from alpacafarm.annotation import Annotator\n"
+        "MADE = []\n"
+        "class Judge(Annotator):\n"
+        "    def __init__(self, config, *, cache=None):\n"
+        "        self.cache = cache\n"
+        "class Preset:\n"
+        "    def __init__(self, file, *, strict=False):\n"
+        "        MADE.append((file, strict))\n"
+        "    def __call__(self, config, *, cache=None):\n"
+        "        return Judge(config, cache=cache)\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    class Presets:
+        @alpacafarm.hookimpl
+        def register_annotators(self, register):
+            register("preset_a", "tests_factory_module:Preset", args=("a.yaml",), kwargs={"strict": True},
+                     runtime=("cache",))
+
+    register_test_plugin(Presets(), "presets")
+    registry = get_registry()
+    assert "tests_factory_module" not in sys.modules  # registered, not imported
+    judge = registry.create("annotator", "preset_a", None, cache="C")
+    registry.create("annotator", "preset_a")
+    made = sys.modules["tests_factory_module"].MADE
+    assert judge.cache == "C" and made == [("a.yaml", True)]  # one factory call, then the target is kept
+    sys.modules.pop("tests_factory_module")
+
+
+def test_the_builtin_presets_are_made_from_their_registration_not_attribute_names():
+    import alpacafarm_annotators.alpaca_eval_source as source
+    import alpacafarm_annotators.presets as presets
+
+    assert not hasattr(presets, "__getattr__") and not hasattr(source, "__getattr__")
+    registry = get_registry()
+    entry = registry.entry("annotator", "alpaca_eval:alpaca_farm")
+    assert entry.target == "alpacafarm_annotators.alpaca_eval_source:AlpacaEvalSource"
+    assert entry.args == ("alpaca_farm",) and entry.runtime == ("cache", "budget")
+    assert registry.get("annotator", "alpaca_eval:alpaca_farm").alpaca_eval_config == "alpaca_farm"
+    assert registry.entry("annotator", "gpt4_b5").args == ("gpt4_b5",)
+    assert registry.get("annotator", "gpt4_b5").name == "gpt4_b5"
+    assert registry.get("annotator", "alpacafarm_ann").alpaca_eval_config == "alpaca_farm"  # a kind: alpaca_eval file
 
 
 def test_create_rejects_an_object_that_is_not_of_the_kinds_base_class():
@@ -242,3 +363,41 @@ def test_every_builtin_kind_builds_through_create():
     assert isinstance(validator, Validator) and validator.config.x == "a"
     method = registry.create("method", "split_instructions", {"eval_size": 3})
     assert method.config.eval_size == 3
+
+
+# ------------------------------------------------------------------------------------------ pluggy's hook caller
+
+
+def test_registration_hooks_run_through_pluggys_caller_so_hookwrappers_see_each_plugins_call(register_test_plugin):
+    calls: list[str] = []
+
+    class Watcher:  # a hookwrapper only: it registers nothing, it sees every plugin's call
+        @alpacafarm.hookimpl(wrapper=True)
+        def register_methods(self, register):
+            calls.append(register.plugin)
+            return (yield)
+
+    register_test_plugin(Watcher(), "watcher")
+    register_test_plugin(LazyPlugin(), "lazy")
+    loaded = get_plugins()
+    implementing = {p.name for p in loaded.plugins if "method" in loaded.registry.by_plugin().get(p.name, {})}
+    assert sorted(calls) == sorted(implementing) and {"data", "trl", "lazy"} <= implementing
+    assert not [p for p in loaded.plugins if p.name == "watcher" and p.error]
+
+
+def test_pluggy_tracing_sees_the_registration_hooks(monkeypatch):
+    import pluggy
+
+    lines: list[str] = []
+
+    class TracedManager(pluggy.PluginManager):
+        def __init__(self, project_name: str) -> None:
+            super().__init__(project_name)
+            self.trace.root.setwriter(lines.append)
+            self.enable_tracing()
+
+    monkeypatch.setattr("alpacafarm.plugins.pluggy.PluginManager", TracedManager)
+    loaded = load_plugins()
+    assert "split_instructions" in loaded.registry.names("method")
+    traced = [line for line in lines if "register_methods" in line]
+    assert traced and any("register_generation_backends" in line for line in lines), lines[:5]

@@ -307,7 +307,8 @@ def test_a_killed_conversion_leaves_no_temporary_folder_for_good(tmp_path: Path,
 
 
 def _generate_on_main_only(out: Path) -> None:
-    """One rank of a two-process pipeline whose method samples with generate_on_ranks but lacks all_ranks."""
+    """One rank of a two-process pipeline whose method samples with generate_on_ranks but runs on the main process
+    only (``ranks`` is not ``Ranks.ALL``)."""
     from alpacafarm import distributed as d
     from alpacafarm.generation import SamplingConfig
     from alpacafarm.pipeline import Pipeline
@@ -340,7 +341,7 @@ def _generate_on_main_only(out: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_generate_on_ranks_without_all_ranks_on_two_processes_names_the_stage(tmp_path: Path):
+def test_generate_on_ranks_in_a_main_process_stage_on_two_processes_names_the_stage(tmp_path: Path):
     done = launch_ranks(Path(__file__), ["generate-on-main", str(tmp_path)], cwd=tmp_path, timeout=300,
                         pythonpath=[REPO_ROOT, REPO_ROOT / "plugins", REPO_ROOT / "tests"])
     assert done.returncode == 0, done.stderr[-3000:]
@@ -349,18 +350,15 @@ def test_generate_on_ranks_without_all_ranks_on_two_processes_names_the_stage(tm
     assert errors[1].startswith("RankFailed: rank 0 failed in stage 's': stage 's': context.generate_on_ranks"), errors
 
 
-def test_generate_on_ranks_outside_all_ranks_is_one_line(monkeypatch):
+@pytest.mark.parametrize("ranks", ["MAIN", "SINGLE_PROCESS"])
+def test_generate_on_ranks_outside_ranks_all_is_one_line(ranks: str, monkeypatch):
     from alpacafarm import distributed
-    from alpacafarm.method import StageContext
+    from alpacafarm.method import Ranks, StageContext
 
-    context = StageContext.__new__(StageContext)
-    context.stage = "sample"
-    token = distributed._MAIN_ONLY.set(True)  # inside run_on_main on several processes
-    try:
-        with pytest.raises(UserError, match=r"needs every rank.*all_ranks = True"):
-            context.generate_on_ranks("transformers", None, [], None, "sampling")
-    finally:
-        distributed._MAIN_ONLY.reset(token)
+    context = StageContext("sample", Path("stage"), Path("run"), 0, {}, None, None, ranks=Ranks[ranks])
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)  # the context says where its method runs
+    with pytest.raises(UserError, match=r"needs every rank.*ranks = Ranks\.ALL"):
+        context.generate_on_ranks("transformers", None, [], None, "sampling")
 
 
 def test_a_reward_model_trained_to_nan_fails_its_stage_in_one_line(tiny_model_dir: str, tmp_path: Path):

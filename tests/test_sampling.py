@@ -58,3 +58,38 @@ def test_the_same_holds_through_a_peft_wrapper_and_a_custom_generate(models, pro
         assert _samples(wrapped, prompts, generate=wrapped.generate) == _samples(plain, prompts)
     finally:
         wrapped.unload()
+
+
+def test_sharding_across_ranks_is_an_argument_of_each_call(models, prompts, monkeypatch: pytest.MonkeyPatch):
+    """Rank 1 of 2 (simulated): ``sharded=True`` samples its batches only and takes the rest from the gather;
+    without it the rank samples everything, whatever any caller further up did before (no hidden switch)."""
+    from alpacafarm import distributed
+    from alpacafarm.generation import SamplingConfig, TransformersGenerator
+
+    plain, _ = models
+    whole = sample(plain, tiny_tokenizer(), prompts, n=1, max_new_tokens=4, batch_size=1, seed=3)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "rank", lambda: 1)
+    gathered: list[dict] = []
+
+    def all_gather_object(mine: dict, where: str = "") -> list[dict]:  # rank 0's part: the one-process samples
+        gathered.append(mine)
+        return [{i: whole[i] for i in range(len(prompts)) if i not in mine}, mine]
+
+    monkeypatch.setattr(distributed, "all_gather_object", all_gather_object)
+    calls: list[int] = []
+
+    def generate(**kwargs):
+        calls.append(kwargs["input_ids"].shape[0])
+        return plain.generate(**kwargs)
+
+    shared = sample(plain, tiny_tokenizer(), prompts, n=1, max_new_tokens=4, batch_size=1, seed=3,
+                    generate=generate, sharded=True)
+    assert calls == [1] and len(gathered[0]) == 1  # batch 1 of the 3 (b mod 2 == 1): rank 1's only
+    assert [[s.text for s in g] for g in shared] == [[s.text for s in g] for g in whole]
+    calls.clear()
+    sample(plain, tiny_tokenizer(), prompts, n=1, max_new_tokens=4, batch_size=1, seed=3, generate=generate)
+    assert len(calls) == 3 and len(gathered) == 1  # not sharded: every batch here, no gather
+    generator = TransformersGenerator(plain, tiny_tokenizer(), sharded=True)  # a generator carries the choice
+    texts = generator.generate(["a", "b c", "d e f"], SamplingConfig(max_new_tokens=2, batch_size=1))
+    assert len(texts) == 3 and len(gathered) == 2

@@ -13,10 +13,12 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 @hookimpl
 def register_annotators(register):
     for path in sorted(CONFIG_DIR.glob("*.yaml")):  # annotators defined as data, one file each
-        register(path.stem, f"alpacafarm_annotators.presets:{path.stem}", description=f"configs/{path.name}",
+        register(path.stem, "alpacafarm_annotators.presets:preset", args=(path.stem,),
+                 runtime=("registry", "cache", "budget"), description=f"configs/{path.name}",
                  identity="alpacafarm_annotators.presets:members_identity")
     for name in alpaca_eval_configs():  # AlpacaEval's evaluator configs through this engine (extra: alpaca-eval)
-        register(f"alpaca_eval:{name}", f"alpacafarm_annotators.alpaca_eval_source:config_{name.encode().hex()}",
+        register(f"alpaca_eval:{name}", "alpacafarm_annotators.alpaca_eval_source:AlpacaEvalSource", args=(name,),
+                 runtime=("cache", "budget"),
                  description=f"AlpacaEval's evaluators_configs/{name}, run by this engine (extra: alpaca-eval)")
     register("offline", "alpacafarm_annotators.offline:OfflineAnnotator",
              description="offline judge: a head on a small LM's reading, MiniLM and text features; no network, $0",

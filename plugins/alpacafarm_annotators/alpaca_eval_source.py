@@ -194,7 +194,10 @@ class AlpacaEvalSource:
                 values["overrides"] = {**self.defaults["overrides"], **given.model_dump()["overrides"]}
         return values
 
-    def __call__(self, settings: BaseModel | None = None, *, cache: Any = None, budget: Any = None) -> Annotator:
+    def __call__(self, settings: BaseModel | None = None, *, cache: Any = None, budget: Any = None,
+                 registry: Any = None) -> Annotator:
+        """The pool of the config's members. ``registry`` goes unused: a preset file (``configs/*.yaml``) is
+        registered with the runtime arguments of every preset, a pool's ``registry`` among them."""
         from alpacafarm.annotation_cache import AnnotationCache
         from alpacafarm_annotators.pool import AnnotatorPool
         from alpacafarm_annotators.requests import Budget
@@ -235,14 +238,3 @@ class AlpacaEvalSource:
 def source_for(name: str) -> AlpacaEvalSource:
     """The source registered as ``alpaca_eval:<config>``."""
     return AlpacaEvalSource(name.removeprefix(PREFIX))
-
-
-def __getattr__(attr: str) -> AlpacaEvalSource:
-    """``alpacafarm_annotators.alpaca_eval_source:config_<hex>``: the registry's lazy target of one config (the hex
-    of its name, since config names may hold dots and dashes)."""
-    if attr.startswith("config_"):
-        try:
-            return AlpacaEvalSource(bytes.fromhex(attr[len("config_"):]).decode())
-        except ValueError:
-            pass
-    raise AttributeError(attr)

@@ -1,8 +1,8 @@
 """Factories for the annotators defined as data in ``configs/*.yaml`` (the 13-annotator pool, presets).
 
-``alpacafarm_annotators.presets:<name>`` resolves (lazily, through the module ``__getattr__``) to a factory whose
-``config_class`` validates a recipe's overrides; ``Registry.create`` calls it with the validated overrides and
-it merges them over the file and builds the annotator. Pool members may be any registered annotator (e.g.
+Each file is registered as ``alpacafarm_annotators.presets:preset`` with ``args=(<name>,)``: :func:`preset` makes
+its factory, whose ``config_class`` validates a recipe's overrides; ``Registry.create`` calls it with the validated
+overrides and it merges them over the file and builds the annotator. Pool members may be any registered annotator (e.g.
 ``offline``), built through the registry the pool was built from.
 """
 
@@ -132,10 +132,12 @@ def members_identity(registry: Registry, name: str) -> dict[str, Any] | None:
     return found or None
 
 
-def __getattr__(name: str) -> Any:
-    if name in builtin_annotator_names():
-        data = load_config_file(name)
-        if isinstance(data, dict) and data.get("kind") == "alpaca_eval":
-            return alpaca_eval_preset(name, data)
-        return AnnotatorFactory(name)
-    raise AttributeError(name)
+def preset(name: str) -> AnnotatorFactory | Any:
+    """The target registered as ``name`` (``args=(name,)``): the factory of ``configs/<name>.yaml``, an
+    :class:`~alpacafarm_annotators.alpaca_eval_source.AlpacaEvalSource` for a ``kind: alpaca_eval`` file."""
+    if name not in builtin_annotator_names():
+        raise UserError(f"no annotator config file configs/{name}.yaml")
+    data = load_config_file(name)
+    if isinstance(data, dict) and data.get("kind") == "alpaca_eval":
+        return alpaca_eval_preset(name, data)
+    return AnnotatorFactory(name)

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from alpacafarm.annotation import check_unlabelled
 from alpacafarm.data import write_jsonl
 from alpacafarm.generation import SamplingConfig
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.types import Pair
 
 
@@ -58,7 +58,7 @@ class PreferenceData(Method):
     requires = ("sft_model", "instruction_splits")
     provides = "preferences"
     annotator_role = "feedback"
-    all_ranks = True  # sampling is split across ranks; annotation and the file are the main process's
+    ranks = Ranks.ALL  # sampling is split across ranks; annotation and the file are the main process's
 
     def run(self, context: StageContext) -> Artifact:
         config: PreferenceDataConfig = self.config

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from alpacafarm.generation import SamplingConfig, write_completions
-from alpacafarm.method import OUTPUTS_FILE, Artifact, Method, StageContext
+from alpacafarm.method import OUTPUTS_FILE, Artifact, Method, Ranks, StageContext
 
 
 class GenerateOutputsConfig(BaseModel):
@@ -37,7 +37,7 @@ class GenerateOutputs(Method):
     config_class = GenerateOutputsConfig
     requires = ("sft_model", "instruction_splits")
     provides = "policy_outputs"
-    all_ranks = True  # the transformers backend's batches are split across ranks
+    ranks = Ranks.ALL  # the transformers backend's batches are split across ranks
 
     def run(self, context: StageContext) -> Artifact:
         config: GenerateOutputsConfig = self.config

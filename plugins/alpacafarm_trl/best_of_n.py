@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from alpacafarm.data import write_jsonl
 from alpacafarm.generation import SamplingConfig
 from alpacafarm.kit import mean, score_groups, select
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, Method, Ranks, StageContext
 
 
 def powers_of_two(n_max: int) -> list[int]:
@@ -78,7 +78,7 @@ class BestOfN(Method):
     config_class = BestOfNConfig
     requires = ("sft_model", "reward_model", "instruction_splits")
     provides = "policy_outputs"
-    all_ranks = True  # sampling is split across ranks
+    ranks = Ranks.ALL  # sampling is split across ranks
 
     def run(self, context: StageContext) -> Artifact:
         config: BestOfNConfig = self.config

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from alpacafarm.kit import build_sft_trainer_on_rows, train_and_save_policy
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.prompts import PromptConditioning
 from alpacafarm.training import limit, stage_training_args
 from alpacafarm_trl.pairs import preference_rows
@@ -121,7 +121,7 @@ class BinaryRewardConditioning(Method):
     config_class = RewardConditioningConfig
     requires = ("sft_model", "preferences")
     provides = "policy_model"
-    all_ranks = True  # TRL's trainer distributes through accelerate; the main process saves
+    ranks = Ranks.ALL  # TRL's trainer distributes through accelerate; the main process saves
 
     def run(self, context: StageContext) -> Artifact:
 

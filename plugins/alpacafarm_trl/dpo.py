@@ -21,7 +21,7 @@ from typing import Any
 from trl import DPOConfig
 
 from alpacafarm.errors import UserError
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.modeling import load_merged_causal_lm
 from alpacafarm.train_progress import training_progress
 from alpacafarm.training import (
@@ -133,7 +133,7 @@ class DPO(Method):
     config_class = DPOMethodConfig
     requires = ("sft_model", "preferences")
     provides = "policy_model"
-    all_ranks = True  # TRL's trainer distributes through accelerate; the main process saves
+    ranks = Ranks.ALL  # TRL's trainer distributes through accelerate; the main process saves
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json

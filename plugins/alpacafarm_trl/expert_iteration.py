@@ -25,7 +25,6 @@ A round whose ``model/`` is complete is not redone when an interrupted stage res
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -37,7 +36,7 @@ from typing import Any
 from alpacafarm.errors import UserError
 from alpacafarm.generation import SamplingConfig
 from alpacafarm.kit import build_sft_trainer_on_rows, mark_finished, mean, score_groups, select, training_rows
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.train_progress import training_progress
 from alpacafarm.training import save_policy, stage_training_args, train_summary
 from alpacafarm_trl.sft import SFTMethodConfig
@@ -91,14 +90,14 @@ def sample_round(context: StageContext, config: Any, policy_path: str, records: 
                  sampling: SamplingConfig, r: int, *, shard: bool) -> list[dict[str, Any]]:
     """One round's samples (``config.n`` per record, in order), each marked ``finished``; with ``shard`` the
     batches are split across ranks (every rank gets all rows, the same as one process's)."""
-    from alpacafarm.generation import generate_records
-    from alpacafarm.sampling import sharded_across_ranks
+    from alpacafarm.generation import TransformersGenerator, generate_records
 
     generator = context.registry.create("generation_backend", config.backend, config.backend_config,
                                         spec=context.recipe.model, model_path=policy_path)
+    if isinstance(generator, TransformersGenerator):
+        generator.sharded = shard
     try:
-        with context.progress(f"round {r}: best-of-{config.n} sampling", len(records)) as advance, \
-                (sharded_across_ranks() if shard else contextlib.nullcontext()):
+        with context.progress(f"round {r}: best-of-{config.n} sampling", len(records)) as advance:
             rows = generate_records(generator, records, sampling, progress=advance)
         groups = [rows[i:i + config.n] for i in range(0, len(rows), config.n)]
         mark_finished(groups, generator, config.backend)
@@ -115,7 +114,7 @@ class ExpertIteration(Method):
     provides = "policy_model"
     #: Under several processes: sampling is split across ranks (transformers backend; another backend samples on
     #: the main process), the main process scores and writes, every rank trains (TRL's trainer, accelerate).
-    all_ranks = True
+    ranks = Ranks.ALL
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm import distributed

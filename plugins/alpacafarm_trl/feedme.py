@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from alpacafarm.kit import build_sft_trainer_on_rows, prompt_completion_rows, train_and_save_policy
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.training import limit, stage_training_args
 from alpacafarm_trl.pairs import preferred_demonstrations
 from alpacafarm_trl.sft import SFTMethodConfig
@@ -58,7 +58,7 @@ class BinaryFeedME(Method):
     config_class = FeedMEConfig
     requires = ("sft_model", "preferences")
     provides = "policy_model"
-    all_ranks = True  # TRL's trainer distributes through accelerate; the main process saves
+    ranks = Ranks.ALL  # TRL's trainer distributes through accelerate; the main process saves
 
     def run(self, context: StageContext) -> Artifact:
 

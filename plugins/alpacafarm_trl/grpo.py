@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from trl import GRPOConfig
 
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm_trl.online_rl import OnlineRLOptions, run_online_rl
 
 
@@ -47,7 +47,7 @@ class GRPO(Method):
     annotator_role = "feedback"
     #: TRL's trainer distributes through accelerate (each rank samples and scores its share of the completions,
     #: the reward model loaded on every rank); the main process saves.
-    all_ranks = True
+    ranks = Ranks.ALL
 
     def run(self, context: StageContext) -> Artifact:
         from trl import GRPOTrainer

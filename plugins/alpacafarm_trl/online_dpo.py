@@ -56,7 +56,7 @@ from trl import DPOConfig
 
 from alpacafarm.errors import UserError
 from alpacafarm.generation import SamplingConfig
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.training import TrainingDefaults
 
 ROUND_DONE = "round_complete.json"
@@ -187,21 +187,23 @@ def sample_round(context: StageContext, config: OnlineDPOMethodConfig, policy_pa
                  prompts: list[dict[str, Any]], sampling: SamplingConfig, r: int) -> list[dict[str, Any]]:
     """``k`` samples per prompt from the policy in ``policy_path``, in order (every rank gets all of them)."""
     from alpacafarm import distributed
-    from alpacafarm.generation import generate_records
-    from alpacafarm.sampling import sharded_across_ranks
+    from alpacafarm.generation import TransformersGenerator, generate_records
+
+    sharded = config.backend == "transformers"  # every rank samples its share of the batches
 
     def generate() -> list[dict[str, Any]]:
         generator = context.registry.create("generation_backend", config.backend, config.backend_config,
                                             spec=context.recipe.model, model_path=policy_path)
+        if isinstance(generator, TransformersGenerator):
+            generator.sharded = sharded
         try:
             with context.progress(f"round {r}: sampling {config.k} per prompt", len(prompts)) as advance:
                 return generate_records(generator, prompts, sampling, progress=advance)
         finally:
             generator.close()
 
-    if config.backend == "transformers":  # every rank samples its share of the batches
-        with sharded_across_ranks():
-            return generate()
+    if sharded:
+        return generate()
     return distributed.run_on_main(generate, f"stage {context.stage!r} round {r}: sampling ({config.backend})")
 
 
@@ -233,7 +235,7 @@ class OnlineDPO(Method):
     requires = ("sft_model", "instruction_splits")
     provides = "policy_model"
     annotator_role = "feedback"
-    all_ranks = True  # sampling split across ranks, annotation on the main process, training on every rank
+    ranks = Ranks.ALL  # sampling split across ranks, annotation on the main process, training on every rank
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm import distributed

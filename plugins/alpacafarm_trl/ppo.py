@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.modeling import loading_whole
 from alpacafarm.prompts import PromptConditioning, PromptFormat
 from alpacafarm.rewards import RewardFunction
@@ -85,7 +85,7 @@ class PPO(Method):
                    "(our trainer)")
     #: Under several processes every rank rolls out its share of each rollout batch and the policy and critic train
     #: through one accelerate Accelerator (see :mod:`alpacafarm_trl.ppo_trainer`); the main process saves.
-    all_ranks = True
+    ranks = Ranks.ALL
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm import distributed

@@ -50,7 +50,7 @@ import torch
 from alpacafarm.errors import UserError
 from alpacafarm.prompts import PromptFormat
 from alpacafarm.rewards import RewardFunction
-from alpacafarm.sampling import Sample, sample, sharded_across_ranks, stop_token_ids, tokenize_prompts
+from alpacafarm.sampling import Sample, sample, stop_token_ids, tokenize_prompts
 from alpacafarm.seeding import stable_seed
 from alpacafarm.training import rotate_checkpoints
 from alpacafarm_trl import ppo_core
@@ -225,16 +225,16 @@ class PPOTrainer:
 
         Seeded by the step (and, inside the sampler, by the batch), so a resumed run samples the same. The
         generation batches are those one process forms, split across ranks and gathered: every rank gets every
-        sample, the same as one process's (:func:`~alpacafarm.sampling.sharded_across_ranks`).
+        sample, the same as one process's (:func:`~alpacafarm.sampling.sample` with ``sharded``).
         """
         args = self.args
         indices = self.prompt_indices(step)
         policy = self.accelerator.unwrap_model(self.model).policy
-        with self.accelerator.autocast(), sharded_across_ranks():
+        with self.accelerator.autocast():
             samples = sample(policy, self.tokenizer, [self.queries[i] for i in indices], n=1,
                              temperature=args.temperature, top_p=1.0, max_new_tokens=args.max_new_tokens,
                              batch_size=args.generation_batch_size, seed=stable_seed(args.seed, "ppo-rollout", step),
-                             stop_ids=self.eos_ids, synced=True)
+                             stop_ids=self.eos_ids, sharded=True, synced=True)
         return [self.records[i] for i in indices], [s[0] for s in samples]
 
     @torch.no_grad()

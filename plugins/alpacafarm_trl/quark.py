@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from alpacafarm.errors import UserError
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.prompts import PromptConditioning, PromptFormat
 from alpacafarm.train_progress import training_progress
 from alpacafarm.training import resume_checkpoint, stage_training_args
@@ -94,7 +94,7 @@ class Quark(Method):
     provides = "policy_model"
     #: Under several processes every rank samples a share of the pool's batches (gathered), scores a share, and
     #: trains (the trainer through accelerate); the main process writes (see ``run_rounds``).
-    all_ranks = True
+    ranks = Ranks.ALL
     description = ("Quark, best-quantile variant: sample, score with the reward model, train on the top "
                    "quantile + KL")
 

@@ -23,7 +23,6 @@ ZeRO or FSDP (tensors or optimizer state sharded) no checkpoint is written and a
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -371,14 +370,15 @@ def round_prompts(n_records: int, args: QuarkMethodConfig, seed: int) -> list[li
 
 
 def sample_pool(model: Any, tokenizer: Any, queries: Sequence[Sequence[int]], args: QuarkMethodConfig, *,
-                seed: int) -> list[list[Sample]]:
-    """``rollouts_per_prompt`` samples per tokenized prompt from the policy as it is now (in eval mode)."""
+                seed: int, sharded: bool = False) -> list[list[Sample]]:
+    """``rollouts_per_prompt`` samples per tokenized prompt from the policy as it is now (in eval mode); with
+    ``sharded``, the batches split across ranks and gathered (:func:`alpacafarm.sampling.sample`)."""
     was_training = model.training
     model.eval()
     try:
         return sample(model, tokenizer, queries, n=args.rollouts_per_prompt, temperature=args.temperature,
                       top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                      batch_size=args.generation_batch_size, seed=seed)
+                      batch_size=args.generation_batch_size, seed=seed, sharded=sharded)
     finally:
         model.train(was_training)
 
@@ -412,8 +412,6 @@ def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: 
     """
     from alpacafarm import distributed
     from alpacafarm.data import write_jsonl
-    from alpacafarm.sampling import sharded_across_ranks
-
     args: QuarkMethodConfig = trainer.args
     tokenizer = trainer.processing_class
     if not records:
@@ -436,9 +434,8 @@ def run_rounds(trainer: QuarkTrainer, records: Sequence[dict[str, Any]], score: 
         if r <= len(stats):  # finished before the checkpoint: its pool is not sampled again
             continue
         started = time.perf_counter()
-        with sharded_across_ranks() if distributed.world_size() > 1 else contextlib.nullcontext():
-            groups = sample_pool(trainer.model, tokenizer, [queries[i] for i in indices], args,
-                                 seed=stable_seed(seed, "quark-round", r))
+        groups = sample_pool(trainer.model, tokenizer, [queries[i] for i in indices], args,
+                             seed=stable_seed(seed, "quark-round", r), sharded=distributed.world_size() > 1)
         pool = [(i, j, s) for i, group in zip(indices, groups, strict=True) for j, s in enumerate(group)]
         generated = time.perf_counter()
 

@@ -15,7 +15,7 @@ from typing import Any
 from trl import RewardConfig
 
 from alpacafarm.errors import UserError
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.modeling import load_classifier
 from alpacafarm.rewards import RewardScorer
 from alpacafarm.train_progress import training_progress
@@ -131,7 +131,7 @@ class RewardModel(Method):
     config_class = RewardModelConfig
     requires = ("sft_model", "preferences")
     provides = "reward_model"
-    all_ranks = True  # TRL's trainer distributes through accelerate; the main process saves and evaluates
+    ranks = Ranks.ALL  # TRL's trainer distributes through accelerate; the main process saves and evaluates
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json

@@ -18,7 +18,7 @@ from trl import SFTConfig
 
 from alpacafarm.errors import UserError
 from alpacafarm.kit import build_sft_trainer_on_rows, prompt_completion_rows
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.train_progress import training_progress
 from alpacafarm.training import (
     TrainingDefaults,
@@ -79,7 +79,7 @@ class SFT(Method):
     config_class = SFTMethodConfig
     requires = ("base_model", "sft_data")
     provides = "sft_model"
-    all_ranks = True  # TRL's trainer distributes through accelerate; the main process saves
+    ranks = Ranks.ALL  # TRL's trainer distributes through accelerate; the main process saves
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json
