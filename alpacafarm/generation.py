@@ -83,8 +83,8 @@ class TransformersGenerator(Generator):
     @classmethod
     def from_spec(cls, spec: ModelSpec, path: str | None = None) -> TransformersGenerator:
         """Load the model block's model (or ``path``) in its inference dtype, with its folder's conditioning."""
-        from alpacafarm.modeling import load_causal_lm, load_tokenizer
-        from alpacafarm.models import resolve_model_path
+        from alpacafarm.model_loading import load_causal_lm, load_tokenizer
+        from alpacafarm.model_sources import resolve_model_path
 
         spec = spec.for_inference()
         tokenizer = load_tokenizer(spec, path, padding_side="left")

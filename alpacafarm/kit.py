@@ -23,7 +23,7 @@ Training and saving
 An SFT stage trained with LoRA and ``merge_adapters: false`` leaves an *adapter folder*. Loading such a folder with
 ``load_causal_lm`` attaches the adapters through transformers' peft integration, and a trainer given a
 ``peft_config`` then replaces them with fresh (zero) adapters: training would silently start from the base model
-instead of the SFT model. :func:`alpacafarm.modeling.load_merged_causal_lm` merges the SFT adapters first, so new
+instead of the SFT model. :func:`alpacafarm.model_loading.load_merged_causal_lm` merges the SFT adapters first, so new
 adapters sit on top of the SFT weights, and TRL's DPO reference (the model with its adapters disabled) is the SFT
 model; :func:`alpacafarm.training.save_policy` saves adapters trained that way merged, so the folder reloads as the
 model that was trained (policies and reward models alike).
@@ -44,7 +44,7 @@ from typing import Any
 
 from alpacafarm.errors import UserError
 from alpacafarm.generation import Generator, SamplingConfig, generate_records
-from alpacafarm.modeling import load_merged_causal_lm
+from alpacafarm.model_loading import load_merged_causal_lm
 from alpacafarm.prompts import format_prompt
 from alpacafarm.rewards import RewardFunction
 from alpacafarm.training import fp32_master_weights
@@ -218,7 +218,7 @@ def build_sft_trainer_on_rows(
     from transformers import set_seed
     from trl import SFTTrainer
 
-    from alpacafarm.modeling import load_tokenizer, lora_config
+    from alpacafarm.model_loading import load_tokenizer, lora_config
 
     if not rows:
         raise UserError("there is nothing to train on: no preference pair has a usable preference")
@@ -245,8 +245,8 @@ def train_and_save_policy(context: Any, trainer: Any, spec: Any, model_path: str
     """
     from alpacafarm.data import write_json
     from alpacafarm.method import Artifact
-    from alpacafarm.train_progress import training_progress
     from alpacafarm.training import resume_checkpoint, save_policy, train_summary
+    from alpacafarm.training_progress import training_progress
 
     with training_progress(trainer, context):
         result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))

@@ -8,7 +8,7 @@ colour codes even when redirected), warnings and progress bars of their own; Pyt
   handlers of the ``alpacafarm`` logger, where the pipeline attaches the run's ``run.log`` (records that come
   before it is attached wait for it), colour codes stripped and the library named;
 * turns the libraries' progress bars off (transformers' "Loading weights", datasets' "Map", the hub's
-  downloads, any ``tqdm``); training shows one line of ours instead (:mod:`alpacafarm.train_progress`);
+  downloads, any ``tqdm``); training shows one line of ours instead (:mod:`alpacafarm.training_progress`);
 * with ``verbose``, also writes the records to the console (stderr) and leaves the progress bars on.
 
 Our own console output (rich: stage headers, progress lines, tables) is not affected.

@@ -5,7 +5,7 @@ one piece, so they optimise and report the same model. A reward model is a seque
 trained by the ``reward_model`` method on ``format_prompt(instruction, input) + response + EOS``;
 :class:`RewardScorer` builds texts exactly the same way and reads the classifier's scalar at the last real token,
 which is what training optimised. Any folder layout loads (full weights, adapters, adapters on an
-adapter-trained base: see :func:`alpacafarm.modeling.load_classifier`).
+adapter-trained base: see :func:`alpacafarm.model_loading.load_classifier`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class RewardScorer:
                   batch_size: int = 8) -> RewardScorer:
         """Load a reward model folder (a ``reward_model`` stage's ``model/``) with the recipe's model block
         (in its ``inference_dtype``, if it sets one)."""
-        from alpacafarm.modeling import load_classifier, load_tokenizer
+        from alpacafarm.model_loading import load_classifier, load_tokenizer
 
         spec = spec.for_inference()
         return cls(load_classifier(spec, path), load_tokenizer(spec, path), prompt_format=spec.prompt_format,

@@ -334,13 +334,13 @@ def save_trained(model: Any, tokenizer: Any, spec: Any, model_path: str, directo
     """The one way every trainer saves what it trained (weights or adapters, and tokenizer) to ``directory``;
     returns whether adapters were merged. Call it on the main process.
 
-    Full weights are written in the model block's save dtype (:func:`alpacafarm.modeling.save_dtype`), adapters as
+    Full weights are written in the model block's save dtype (:func:`alpacafarm.model_loading.save_dtype`), adapters as
     they are. New adapters trained on top of an adapter folder (``model_path``) describe a model that no folder on
     disk holds (their ``base_model_name_or_path`` is the pre-SFT base), so they are merged and saved as full
     weights, as they are with ``merge_adapters``. ``state_dict``: the full weights gathered from a sharded model
     (written instead of the model's own; merging needs the model whole in memory, so it is not used then).
     """
-    from alpacafarm.modeling import is_adapter_folder, save_dtype, save_model
+    from alpacafarm.model_loading import is_adapter_folder, save_dtype, save_model
 
     stacked = spec.lora is not None and is_adapter_folder(model_path)
     merge = bool(spec.lora is not None and (spec.merge_adapters or stacked))
@@ -357,7 +357,7 @@ def save_policy(trainer: Any, spec: Any, model_path: str, directory: str | Path,
     it merged. Call it on every rank: under ZeRO-3 the weights are gathered whole first (a collective, see
     :func:`trained_state_dict`); only the main process writes."""
     from alpacafarm import distributed
-    from alpacafarm.modeling import is_adapter_folder
+    from alpacafarm.model_loading import is_adapter_folder
 
     state = trained_state_dict(trainer)
     if not distributed.is_main():

@@ -28,7 +28,7 @@ def main() -> None:
 
     from alpacafarm.data import read_records
     from alpacafarm.kit import select
-    from alpacafarm.modeling import load_classifier, load_tokenizer
+    from alpacafarm.model_loading import load_classifier, load_tokenizer
     from alpacafarm.plugins import get_registry
     from alpacafarm.recipe import load_recipe
     from alpacafarm.rewards import with_eos
@@ -36,8 +36,8 @@ def main() -> None:
     from alpacafarm_evaluation.evaluator import instruction_scores
     from alpacafarm_evaluation.pairing import annotate_and_score, load_references, pair_outputs
     from alpacafarm_evaluation.results import paired_difference
-    from alpacafarm_trl.reward_head import fit_head, last_token_features
-    from alpacafarm_trl.reward_model import preference_rows
+    from alpacafarm_methods.reward_model.head import fit_head, last_token_features
+    from alpacafarm_methods.reward_model.method import preference_rows
 
     run = Path(args.run)
     loaded = load_recipe(run / "recipe.yaml")

@@ -153,8 +153,8 @@ def cuda_memory() -> dict[str, float]:
 
 
 def run_ppo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from alpacafarm_trl.ppo import build_ppo_trainer
-    from alpacafarm_trl.ppo_config import PPOMethodConfig
+    from alpacafarm_methods.ppo.config import PPOMethodConfig
+    from alpacafarm_methods.ppo.method import build_ppo_trainer
 
     config = PPOMethodConfig(
         output_dir=str(work / "ppo"), max_steps=args.steps, rollout_batch_size=args.rollout_batch_size,
@@ -196,13 +196,13 @@ def run_dpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 "logging_steps": 1, "bf16": not args.cpu_smoke, "gradient_checkpointing": not args.cpu_smoke,
                 "beta": 0.1}
     try:
-        from alpacafarm_trl.dpo import DPOMethodConfig, build_dpo_trainer
+        from alpacafarm_methods.preference.dpo import DPOMethodConfig, build_dpo_trainer
     except ImportError:  # the dpo method is not there: TRL's trainer directly, configured the same way
         trainer = plain_dpo_trainer(spec, settings, rows, [Timer()])
         via = "trl.DPOTrainer"
     else:
         trainer = build_dpo_trainer(DPOMethodConfig(**settings), spec, args.model, rows, callbacks=[Timer()])
-        via = "alpacafarm_trl.dpo"
+        via = "alpacafarm_methods.preference.dpo"
     loaded = cuda_memory()
     trainer.train()
     return {"method": "dpo", "steps": len(step_times), "step_times": step_times, "via": via,
@@ -213,7 +213,7 @@ def plain_dpo_trainer(spec: Any, settings: dict[str, Any], rows: list[dict[str, 
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    from alpacafarm.modeling import load_causal_lm, load_tokenizer, lora_config
+    from alpacafarm.model_loading import load_causal_lm, load_tokenizer, lora_config
 
     return DPOTrainer(model=load_causal_lm(spec, spec.name), args=DPOConfig(**settings),
                       train_dataset=Dataset.from_list(rows), processing_class=load_tokenizer(spec, spec.name),

@@ -161,7 +161,7 @@ def pure_bf16_share(runner: Runner) -> float:
     import torch
 
     from alpacafarm.recipe import ModelSpec
-    from alpacafarm_trl.sft import SFTMethodConfig, build_sft_trainer
+    from alpacafarm_methods.supervised.sft import SFTMethodConfig, build_sft_trainer
 
     config = SFTMethodConfig(output_dir=str(runner.work / "precision-pure-bf16"), report_to="none",
                              disable_tqdm=True, seed=SEED, **PRECISION_SFT)

@@ -89,7 +89,7 @@ def via_trl(kind: str, model: str, steps: int, batch_size: int, max_length: int,
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    from alpacafarm.models import resolve_model_path  # only to find the alias's converted folder
+    from alpacafarm.model_sources import resolve_model_path  # only to find the alias's converted folder
     from alpacafarm.prompts import format_prompt
 
     path = resolve_model_path(model)

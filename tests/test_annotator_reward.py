@@ -15,7 +15,7 @@ from alpacafarm.annotation_cache import AnnotationCache
 from alpacafarm.errors import UserError
 from alpacafarm.testing import run_recipe
 from alpacafarm.testing.openai_server import FakeOpenAIServer, request_text
-from alpacafarm_trl.annotator_reward import AnnotatorReward, preference_score
+from alpacafarm_methods.online_rl.annotator_reward import AnnotatorReward, preference_score
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -4,7 +4,8 @@
 - a built-in plugin imports no other plugin (what two plugins share lives in the core);
 - no module imports a private name (``_x``) from another module;
 - no import circles among modules (imports inside functions and ``TYPE_CHECKING`` blocks count too);
-- no source file grows past ~500 lines (one concept per file).
+- no source file grows past ~500 lines (one concept per file);
+- the core is layered (:data:`LAYERS`): no module imports from a layer above its own.
 """
 
 from __future__ import annotations
@@ -95,6 +96,47 @@ def test_no_source_file_is_over_the_size_limit():
 
 
 def test_the_checks_see_the_code():  # the rules above would pass vacuously on an empty or misread tree
-    assert {"alpacafarm.registry", "alpacafarm_trl.dpo", "alpacafarm_evaluation.results"} <= set(MODULES)
+    assert {"alpacafarm.registry", "alpacafarm_methods.preference.dpo", "alpacafarm_evaluation.results"} <= set(MODULES)
     assert (("alpacafarm.errors", ["PluginError", "UnknownNameError", "did_you_mean"])
             in imports(MODULES["alpacafarm.registry"]))
+
+
+#: The core's layers, lowest first: a module imports only from its own layer or the ones below it, so the data
+#: flows one way (docs/architecture.md draws them). A new core module must be placed here.
+LAYERS: dict[str, set[str]] = {
+    "foundation": {"alpacafarm", "alpacafarm.errors", "alpacafarm.types", "alpacafarm.console", "alpacafarm.seeding",
+                   "alpacafarm.paths", "alpacafarm.hookspecs", "alpacafarm.code_identity", "alpacafarm.prompts",
+                   "alpacafarm.library_output", "alpacafarm.validation"},
+    "processes, models and stores": {"alpacafarm.distributed", "alpacafarm.launch_configs",
+                                     "alpacafarm.training_progress", "alpacafarm.model_sources",
+                                     "alpacafarm.sampling", "alpacafarm.annotation_cache", "alpacafarm.yamlsource",
+                                     "alpacafarm.scaffold"},
+    "plugins and recipes": {"alpacafarm.plugin_config", "alpacafarm.registry", "alpacafarm.plugins",
+                            "alpacafarm.annotation", "alpacafarm.recipe", "alpacafarm.data",
+                            "alpacafarm.model_loading"},
+    "the method contract": {"alpacafarm.generation", "alpacafarm.rewards", "alpacafarm.training",
+                            "alpacafarm.method"},
+    "the kit": {"alpacafarm.kit"},
+    "the run": {"alpacafarm.manifest", "alpacafarm.run_directory", "alpacafarm.pipeline"},
+    "entry points": {"alpacafarm.cli", "alpacafarm.__main__", "alpacafarm.testing", "alpacafarm.testing.launch",
+                     "alpacafarm.testing.openai_server", "alpacafarm.testing.pytest_plugin"},
+}
+
+
+def layer_of(module: str) -> int:
+    return next(i for i, members in enumerate(LAYERS.values()) if module in members)
+
+
+def test_every_core_module_has_a_layer():
+    core = {name for name in MODULES if top(name) == "alpacafarm"}
+    placed = set().union(*LAYERS.values())
+    assert sorted(core - placed) == [] and sorted(placed - core) == []
+
+
+def test_no_core_module_imports_from_a_layer_above_its_own():
+    names = list(LAYERS)
+    upward = [f"{name} ({names[layer_of(name)]}) imports {imported} ({names[layer_of(imported)]})"
+              for name, path in MODULES.items() if top(name) == "alpacafarm"
+              for imported, _ in imports(path) if imported in MODULES and top(imported) == "alpacafarm"
+              and layer_of(imported) > layer_of(name)]
+    assert upward == []

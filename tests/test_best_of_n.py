@@ -11,7 +11,7 @@ import pytest
 from alpacafarm.data import read_records
 from alpacafarm.kit import best_index, select
 from alpacafarm.recipe import load_recipe
-from alpacafarm_trl.best_of_n import BestOfNConfig, powers_of_two
+from alpacafarm_methods.sampling.best_of_n import BestOfNConfig, powers_of_two
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

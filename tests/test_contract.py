@@ -87,7 +87,7 @@ def test_plugins_json_carries_what_each_name_is(capsys: pytest.CaptureFixture[st
 
     assert cli.main(["plugins", "--json"]) == 0
     plugins = {p["name"]: p for p in json.loads(capsys.readouterr().out)["plugins"]}
-    trl = plugins["trl"]
+    trl = plugins["methods"]
     assert set(trl["descriptions"]["method"]) == set(trl["registers"]["method"])
     assert "GRPOTrainer" in trl["descriptions"]["method"]["grpo"]
 

@@ -147,7 +147,7 @@ def test_one_process_needs_no_process_group():
 def test_each_rank_loads_its_models_on_its_own_gpu(monkeypatch: pytest.MonkeyPatch):
     import torch
 
-    from alpacafarm.modeling import device_map
+    from alpacafarm.model_loading import device_map
     from alpacafarm.recipe import ModelSpec
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no GPU here: the placement is what is checked

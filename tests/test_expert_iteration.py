@@ -68,7 +68,7 @@ def test_cut_samples_are_what_the_backend_reports_and_a_backend_that_cannot_tell
 
 
 def test_truncated_winners_option_is_checked(tmp_path: Path):
-    from alpacafarm_trl.expert_iteration import ExpertIterationConfig
+    from alpacafarm_methods.sampling.expert_iteration import ExpertIterationConfig
 
     assert ExpertIterationConfig(output_dir=str(tmp_path)).truncated_winners == "keep"
     with pytest.raises(ValueError, match="truncated_winners"):
@@ -93,7 +93,7 @@ def server() -> Iterator[FakeOpenAIServer]:
 @pytest.fixture
 def built_trainers(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Every SFT trainer expert iteration builds (through :func:`alpacafarm.kit.build_sft_trainer_on_rows`)."""
-    import alpacafarm_trl.expert_iteration as expert_iteration
+    import alpacafarm_methods.sampling.expert_iteration as expert_iteration
 
     built: list[Any] = []
     real = expert_iteration.build_sft_trainer_on_rows

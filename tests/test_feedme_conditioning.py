@@ -77,7 +77,7 @@ def weights_changed(before_dir: str, after_dir: str) -> bool:
 
 def test_feedme_trains_on_exactly_the_preferred_outputs(tiny_model_dir: str, tmp_path: Path):
     from alpacafarm.prompts import format_prompt
-    from alpacafarm_trl.feedme import FeedMEConfig, build_feedme_trainer
+    from alpacafarm_methods.supervised.feedme import FeedMEConfig, build_feedme_trainer
 
     records = [*preference_records(6), *EDGE_CASES]
     config = FeedMEConfig(output_dir=str(tmp_path), max_steps=1, save_strategy="no", report_to=[])
@@ -102,7 +102,7 @@ def test_feedme_trains_on_exactly_the_preferred_outputs(tiny_model_dir: str, tmp
 def test_feedme_stage_learns_the_preferred_outputs(tiny_model_dir: str, tmp_path: Path):
     from transformers import AutoModelForCausalLM
 
-    from alpacafarm.modeling import load_tokenizer
+    from alpacafarm.model_loading import load_tokenizer
 
     records = [*preference_records(48), *UNRANKED]
     recipe = write_recipe(
@@ -147,7 +147,7 @@ def test_feedme_stage_learns_the_preferred_outputs(tiny_model_dir: str, tmp_path
 
 def test_conditioning_rows_carry_the_right_token_per_side(tiny_model_dir: str, tmp_path: Path):
     from alpacafarm.prompts import format_prompt
-    from alpacafarm_trl.conditioning import RewardConditioningConfig, build_conditioning_trainer
+    from alpacafarm_methods.supervised.conditioning import RewardConditioningConfig, build_conditioning_trainer
 
     records = [*preference_records(4), *EDGE_CASES]
     config = RewardConditioningConfig(output_dir=str(tmp_path), max_steps=1, save_strategy="no", report_to=[])
@@ -217,7 +217,7 @@ def test_conditioning_model_learns_the_control_tokens(conditioning_run, tiny_mod
     """On every training pair, the good token makes the chosen output likelier and the bad token the rejected one."""
     from transformers import AutoModelForCausalLM
 
-    from alpacafarm.modeling import load_tokenizer
+    from alpacafarm.model_loading import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(conditioning_run["artifacts"]["rc"].path)
     tokenizer = load_tokenizer(ModelSpec(name=tiny_model_dir), tiny_model_dir)

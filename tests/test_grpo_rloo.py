@@ -111,7 +111,7 @@ def test_the_policy_learns_a_rule_reward(method: str, config: str, tiny_model_di
 def test_lora_grpo_trains_adapters_against_the_adapters_off_reference(tiny_model_dir: str, tmp_path: Path):
     from safetensors.torch import load_file
 
-    from alpacafarm.modeling import is_adapter_folder, load_merged_causal_lm
+    from alpacafarm.model_loading import is_adapter_folder, load_merged_causal_lm
     from alpacafarm.recipe import ModelSpec
 
     model = f"{tiny_model_dir}, lora: {{r: 4, alpha: 8}}"
@@ -206,7 +206,7 @@ class _BosTokenizer:
 def test_prompt_rows_keep_a_single_bos(adds: bool):
     """TRL tokenizes standard prompts with special tokens: a BOS the chat template wrote is dropped only when
     the tokenizer adds it back, so training sees the token ids generation uses."""
-    from alpacafarm_trl.online_rl import prompt_rows
+    from alpacafarm_methods.online_rl.base import prompt_rows
 
     def fmt(instruction: str, input: str | None) -> str:
         return f"<s>[INST] {instruction} {input or ''}[/INST]"

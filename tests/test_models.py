@@ -10,7 +10,7 @@ import pytest
 from conftest import run_cli
 
 from alpacafarm.errors import MissingPackageError
-from alpacafarm.models import MODEL_ALIASES, GGUFAlias, resolve_model_path
+from alpacafarm.model_sources import MODEL_ALIASES, GGUFAlias, resolve_model_path
 from alpacafarm.testing import save_tiny_causal_lm, tiny_causal_lm, tiny_sequence_classifier, tiny_tokenizer
 
 

@@ -22,7 +22,7 @@ from conftest import REPO_ROOT, run_cli
 from alpacafarm.annotation_cache import AnnotationCache
 from alpacafarm.testing import run_recipe
 from alpacafarm.testing.openai_server import FakeOpenAIServer, Fault, request_text
-from alpacafarm_trl.online_dpo import pairs_per_round, round_prompts, sample_pairs
+from alpacafarm_methods.preference.online_dpo import pairs_per_round, round_prompts, sample_pairs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -75,7 +75,7 @@ def test_rounds_take_the_next_prompts_and_wrap_around():
 
 
 def test_the_budget_of_a_round_is_prompts_times_pairs_per_prompt():
-    from alpacafarm_trl.online_dpo import OnlineDPOMethodConfig
+    from alpacafarm_methods.preference.online_dpo import OnlineDPOMethodConfig
 
     def config(**kwargs: Any) -> OnlineDPOMethodConfig:
         return OnlineDPOMethodConfig(output_dir="x", report_to=[], **kwargs)
@@ -155,7 +155,7 @@ def test_the_reference_is_the_sft_model_or_the_previous_round(offline_run: dict[
 def test_round_two_samples_the_policy_of_round_one(offline_run: dict[str, Any]):
     from alpacafarm.generation import TransformersGenerator, generate_records
     from alpacafarm.recipe import ModelSpec
-    from alpacafarm_trl.online_dpo import OnlineDPOMethodConfig
+    from alpacafarm_methods.preference.online_dpo import OnlineDPOMethodConfig
 
     run = offline_run["run"]
     stage_dir = run / "stages/online"

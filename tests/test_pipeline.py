@@ -345,10 +345,10 @@ def test_the_code_identity_follows_the_source_of_the_plugin_packages(tmp_path: P
     monkeypatch.syspath_prepend(str(tmp_path))
     from codeid_plugin.method import Mine
 
-    from alpacafarm_trl.best_of_n import BestOfN
+    from alpacafarm_methods.sampling.best_of_n import BestOfN
 
     assert code_packages(Mine) == ["codeid_plugin"] and code_identity(Method) == {}  # the core is versioned
-    assert code_packages(BestOfN) == ["alpacafarm_trl"]
+    assert code_packages(BestOfN) == ["alpacafarm_methods"]
     before = code_identity(Mine)
     (package / "helpers.py").write_text("KEEP = 'lowest'\n", encoding="utf-8")  # any file of the package counts
     after = code_identity(Mine)
@@ -357,7 +357,7 @@ def test_the_code_identity_follows_the_source_of_the_plugin_packages(tmp_path: P
     class Sub(BestOfN, Mine):  # a subclass of a built-in: both packages' code (and this test module's)
         pass
 
-    assert set(code_identity(Sub)) == {"alpacafarm_trl", "codeid_plugin", __name__}
+    assert set(code_identity(Sub)) == {"alpacafarm_methods", "codeid_plugin", __name__}
 
 
 def test_a_method_defined_in_the_running_script_hashes_that_script(tmp_path: Path):

@@ -18,7 +18,7 @@ import torch
 from alpacafarm.errors import RecipeError
 from alpacafarm.recipe import ModelSpec, load_recipe
 from alpacafarm.testing import run_recipe, write_records
-from alpacafarm_trl import ppo_core
+from alpacafarm_methods.ppo import core as ppo_core
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -75,8 +75,8 @@ def steps_of(history: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 def assert_value_is_the_reward(trainer: Any, spec: ModelSpec, rm_path: str, *, equal: bool = True) -> None:
     """The critic's value of each whole sequence (read where its next token would be predicted) equals the score
     of the reward model folder, loaded on its own, for that sequence."""
-    from alpacafarm.modeling import load_classifier
-    from alpacafarm_trl.ppo_core import collate
+    from alpacafarm.model_loading import load_classifier
+    from alpacafarm_methods.ppo.core import collate
 
     tokenizer, pad = trainer.tokenizer, trainer.pad_id
     answers = ["A fine answer.", "No.", "Item 3 is useful and interesting."]
@@ -201,9 +201,9 @@ def test_the_trainer_by_default_clamps_the_kl_penalty_and_whitens_the_shaped_rew
     from types import SimpleNamespace
 
     from alpacafarm.sampling import Sample
-    from alpacafarm_trl.ppo_config import PPOMethodConfig
-    from alpacafarm_trl.ppo_core import Rollouts
-    from alpacafarm_trl.ppo_trainer import PPOTrainer
+    from alpacafarm_methods.ppo.config import PPOMethodConfig
+    from alpacafarm_methods.ppo.core import Rollouts
+    from alpacafarm_methods.ppo.trainer import PPOTrainer
 
     def rollouts() -> Rollouts:
         samples = [Sample([1], [5, 6, 7], "abc", True), Sample([1], [5, 6], "ab", True)]
@@ -244,9 +244,9 @@ def _train_on_token_reward(kl_coef: float) -> list[dict[str, Any]]:
     """PPO on a tiny random model, paid for the share of a completion's tokens (its text tokenized again) that
     come from a fixed eighth of the vocabulary."""
     from alpacafarm.testing import tiny_causal_lm, tiny_sequence_classifier, tiny_tokenizer
-    from alpacafarm_trl.ppo_config import PPOMethodConfig
-    from alpacafarm_trl.ppo_models import SeparateModels, ValueModel
-    from alpacafarm_trl.ppo_trainer import PPOTrainer
+    from alpacafarm_methods.ppo.config import PPOMethodConfig
+    from alpacafarm_methods.ppo.models import SeparateModels, ValueModel
+    from alpacafarm_methods.ppo.trainer import PPOTrainer
 
     tokenizer = tiny_tokenizer()
     policy = tiny_causal_lm(tokenizer)
@@ -299,7 +299,7 @@ def full_run(one_torch_thread: None, tiny_model_dir: str,
 def test_recipe_trains_logs_every_key_and_saves_a_changed_policy(full_run, tiny_model_dir: str):
     from safetensors.torch import load_file
 
-    from alpacafarm_trl.ppo_trainer import LOG_KEYS
+    from alpacafarm_methods.ppo.trainer import LOG_KEYS
 
     stage = full_run["run"] / "stages/ppo"
     artifact = full_run["artifacts"]["ppo"]
@@ -333,10 +333,10 @@ def test_recipe_trains_logs_every_key_and_saves_a_changed_policy(full_run, tiny_
 def test_value_model_is_the_reward_models_backbone_with_a_zero_head(full_run, tiny_model_dir: str):
     """As released: the critic is the reward model's backbone with a new head whose weight and bias are 0 (values
     0 at step 0); ``value_head_init: reward_head`` starts the head as the reward model's score head instead."""
-    from alpacafarm.modeling import load_classifier
-    from alpacafarm_trl.ppo import build_ppo_trainer
-    from alpacafarm_trl.ppo_config import PPOMethodConfig
-    from alpacafarm_trl.ppo_core import collate
+    from alpacafarm.model_loading import load_classifier
+    from alpacafarm_methods.ppo.config import PPOMethodConfig
+    from alpacafarm_methods.ppo.core import collate
+    from alpacafarm_methods.ppo.method import build_ppo_trainer
 
     spec = ModelSpec(name=tiny_model_dir)
     rm_path = full_run["artifacts"]["rm"].path
@@ -484,8 +484,8 @@ def _lora_trainer(lora_run: dict[str, Any], tiny_model_dir: str, spec: ModelSpec
 
 
 def _trainer(sft_path: str, rm_path: str, spec: ModelSpec, logger: Any = None, **config: Any) -> Any:
-    from alpacafarm_trl.ppo import build_ppo_trainer
-    from alpacafarm_trl.ppo_config import PPOMethodConfig
+    from alpacafarm_methods.ppo.config import PPOMethodConfig
+    from alpacafarm_methods.ppo.method import build_ppo_trainer
 
     settings = {"max_steps": 2, "warmup_steps": 0, "rollout_batch_size": 8, "mini_batch_size": 4,
                 "output_dir": "unused",
@@ -495,7 +495,7 @@ def _trainer(sft_path: str, rm_path: str, spec: ModelSpec, logger: Any = None, *
 
 
 def _assert_critic_starts_at_zero(trainer: Any) -> None:
-    from alpacafarm_trl.ppo_core import collate
+    from alpacafarm_methods.ppo.core import collate
 
     batch = collate(trainer.queries[:3], [[5, 6, 7]] * 3, trainer.pad_id)
     with torch.no_grad():
@@ -508,10 +508,10 @@ def test_lora_policy_on_the_sft_base_and_the_critic_on_the_merged_reward_adapter
     and a zero head, and scores the rewards with the adapter off. No adapter is switched under a gradient."""
     from transformers import AutoModelForCausalLM
 
-    from alpacafarm.modeling import is_adapter_folder
+    from alpacafarm.model_loading import is_adapter_folder
     from alpacafarm.rewards import RewardScorer
-    from alpacafarm_trl.ppo_core import collate
-    from alpacafarm_trl.ppo_models import RewardModelCritic
+    from alpacafarm_methods.ppo.core import collate
+    from alpacafarm_methods.ppo.models import RewardModelCritic
 
     spec = ModelSpec(name=tiny_model_dir, lora={"r": 4, "alpha": 8})
     rm_path = lora_run["artifacts"]["rm"].path
@@ -583,8 +583,8 @@ def test_4bit_lora_trains_on_quantized_bases(lora_run, tiny_model_dir: str):
 
 def test_quantization_without_lora_is_refused(tiny_model_dir: str):
     from alpacafarm.errors import UserError
-    from alpacafarm_trl.ppo import build_ppo_trainer
-    from alpacafarm_trl.ppo_config import PPOMethodConfig
+    from alpacafarm_methods.ppo.config import PPOMethodConfig
+    from alpacafarm_methods.ppo.method import build_ppo_trainer
 
     with pytest.raises(UserError):
         build_ppo_trainer(PPOMethodConfig(output_dir="unused", rollout_batch_size=4, mini_batch_size=4),
@@ -601,7 +601,7 @@ def test_lora_policy_with_a_full_weight_reward_model_trains_a_critic_on_its_back
     """The common case (a LoRA reward model trained on a LoRA SFT model is saved merged): the critic is the reward
     model with a fresh adapter and a zero head, and the reward model scores through the same backbone, adapter off;
     a checkpoint of this layout (trained tensors only) resumes into a fresh trainer."""
-    from alpacafarm.modeling import is_adapter_folder
+    from alpacafarm.model_loading import is_adapter_folder
     from alpacafarm.rewards import RewardScorer
 
     spec = ModelSpec(name=tiny_model_dir, lora={"r": 4, "alpha": 8})
@@ -647,7 +647,7 @@ def test_bfloat16_models_train_float32_master_weights_that_move_at_the_paper_lea
     trained weights must be float32 or most of them never move."""
     from safetensors.torch import load_file
 
-    from alpacafarm_trl.ppo import save_trained_policy
+    from alpacafarm_methods.ppo.method import save_trained_policy
 
     rm_path = full_run["artifacts"]["rm"].path
 
@@ -693,9 +693,9 @@ def test_step_metrics_go_to_the_report_to_trackers(tmp_path: Path):
     accelerate does not know, or whose package is missing, is one line naming it (accelerate would drop it)."""
     from alpacafarm.errors import UserError
     from alpacafarm.testing import tiny_causal_lm, tiny_sequence_classifier, tiny_tokenizer
-    from alpacafarm_trl.ppo_config import PPOMethodConfig
-    from alpacafarm_trl.ppo_models import SeparateModels, ValueModel
-    from alpacafarm_trl.ppo_trainer import PPOTrainer
+    from alpacafarm_methods.ppo.config import PPOMethodConfig
+    from alpacafarm_methods.ppo.models import SeparateModels, ValueModel
+    from alpacafarm_methods.ppo.trainer import PPOTrainer
 
     tokenizer = tiny_tokenizer()
     policy = tiny_causal_lm(tokenizer)

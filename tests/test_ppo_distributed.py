@@ -3,7 +3,7 @@ the same weights within a stated tolerance (TRL's rule, not bit for bit), under 
 DeepSpeed ZeRO-3 (``accelerate launch`` with the packaged config, DeepSpeed's CPU accelerator over gloo); a run
 killed right after its first checkpoint resumes to the uninterrupted run's weights; PPO and Quark hold no file
 named for a sharding strategy and touch no private attribute of deepspeed, accelerate or torch.distributed; nor
-does the distributed layer (alpacafarm/training.py, alpacafarm/distributed.py, plugins/alpacafarm_trl) touch one
+does the distributed layer (alpacafarm/training.py, alpacafarm/distributed.py, plugins/alpacafarm_methods) touch one
 of those or of transformers and TRL.
 
 Run as a script (``python tests/test_ppo_distributed.py MODE OUT``, under torchrun for ``ddp``, ``accelerate
@@ -46,11 +46,11 @@ def _worker(mode: str, out: Path) -> None:
     from transformers import TrainerCallback
 
     from alpacafarm import distributed as d
-    from alpacafarm.modeling import save_model
+    from alpacafarm.model_loading import save_model
     from alpacafarm.testing import tiny_causal_lm, tiny_sequence_classifier, tiny_tokenizer
-    from alpacafarm_trl.ppo_config import PPOMethodConfig
-    from alpacafarm_trl.ppo_models import SeparateModels, ValueModel
-    from alpacafarm_trl.ppo_trainer import PPOTrainer
+    from alpacafarm_methods.ppo.config import PPOMethodConfig
+    from alpacafarm_methods.ppo.models import SeparateModels, ValueModel
+    from alpacafarm_methods.ppo.trainer import PPOTrainer
 
     d.init()
     torch.set_num_threads(1)
@@ -218,7 +218,7 @@ def test_the_trainer_accelerator_starts_from_the_state_its_arguments_set_up(tmp_
     from accelerate import Accelerator
 
     from alpacafarm.training import trainer_accelerator
-    from alpacafarm_trl.ppo_config import PPOMethodConfig
+    from alpacafarm_methods.ppo.config import PPOMethodConfig
 
     Accelerator()  # an earlier trainer's
     args = PPOMethodConfig(output_dir=str(tmp_path), report_to="none")
@@ -230,12 +230,12 @@ def test_the_trainer_accelerator_starts_from_the_state_its_arguments_set_up(tmp_
 
 
 GUARDED = ("deepspeed", "accelerate", "torch.distributed", "transformers", "trl")
-PPO_AND_QUARK = sorted((REPO_ROOT / "plugins/alpacafarm_trl").glob("ppo*.py")) + \
-    sorted((REPO_ROOT / "plugins/alpacafarm_trl").glob("quark*.py"))
+PPO_AND_QUARK = sorted((REPO_ROOT / "plugins/alpacafarm_methods").glob("ppo*.py")) + \
+    sorted((REPO_ROOT / "plugins/alpacafarm_methods").glob("quark*.py"))
 #: Where trainers meet accelerate, DeepSpeed and transformers: every ``obj._y`` is refused there (``strict``).
 #: alpacafarm/distributed.py is checked for the libraries' names only: it calls the standard library's
 #: ``os._exit`` and ``atexit._run_exitfuncs`` on purpose and marks exceptions with an attribute of its own.
-TRAINER_LAYER = [REPO_ROOT / "alpacafarm/training.py", *sorted((REPO_ROOT / "plugins/alpacafarm_trl").glob("*.py"))]
+TRAINER_LAYER = [REPO_ROOT / "alpacafarm/training.py", *sorted((REPO_ROOT / "plugins/alpacafarm_methods").glob("*.py"))]
 
 
 def private_uses(source: str, *, strict: bool) -> list[str]:

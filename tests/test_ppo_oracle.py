@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from alpacafarm.sampling import Sample
-from alpacafarm_trl import ppo_core
+from alpacafarm_methods.ppo import core as ppo_core
 
 PAD = 0  # the released `_shape_reward` finds each row's last token by counting non-pad tokens
 SEEDS = (0, 1, 2, 3)
@@ -172,7 +172,7 @@ def test_returns_and_advantages_equal_released_estimate_advantage(released: Simp
 
 def rollouts_of(data: dict[str, torch.Tensor]) -> Any:
     """Our trainer's rollout batch from the synthetic tensors (float32 as the trainer holds them)."""
-    from alpacafarm_trl.ppo_core import Rollouts
+    from alpacafarm_methods.ppo.core import Rollouts
 
     lengths = [int(n) for n in data["lengths"]]
     samples = [Sample([1, 2], [7] * n, "x" * n, True) for n in lengths]
@@ -184,7 +184,7 @@ def rollouts_of(data: dict[str, torch.Tensor]) -> Any:
 
 
 def ppo_args(tmp_path: Path, **overrides: Any) -> Any:
-    from alpacafarm_trl.ppo_config import PPOMethodConfig
+    from alpacafarm_methods.ppo.config import PPOMethodConfig
 
     values = {"output_dir": str(tmp_path), "rollout_batch_size": 8, "mini_batch_size": 8, "report_to": "none",
               **overrides}
@@ -192,7 +192,7 @@ def ppo_args(tmp_path: Path, **overrides: Any) -> Any:
 
 
 def our_compute_advantages(args: Any, rollouts: Any) -> Any:
-    from alpacafarm_trl.ppo_trainer import PPOTrainer
+    from alpacafarm_methods.ppo.trainer import PPOTrainer
 
     return PPOTrainer.compute_advantages(SimpleNamespace(args=args), rollouts)
 
@@ -321,8 +321,8 @@ def test_value_head_starts_at_zero_on_the_reward_models_backbone_as_released(rel
     """Released PPO (``init_value_with_reward``) puts a new zero-initialised head on the reward model's backbone,
     so every value is exactly 0 at step 0; ours must too (not the reward model's score head)."""
     from alpacafarm.testing import tiny_causal_lm, tiny_sequence_classifier, tiny_tokenizer
-    from alpacafarm_trl.ppo_core import collate
-    from alpacafarm_trl.ppo_models import ValueModel
+    from alpacafarm_methods.ppo.core import collate
+    from alpacafarm_methods.ppo.models import ValueModel
 
     tokenizer = tiny_tokenizer()
     queries, responses = [[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]]
@@ -354,7 +354,7 @@ def test_quark_top_quantile_is_the_released_top_bin(released: SimpleNamespace, b
     """The released ``DataPool`` sorts the pool by reward and cuts it into ``bins`` chunks of ``size // bins``
     (the last takes the remainder); the best-quantile variant trains on the first chunk. Ours keeps
     ``top_quantile(rewards, 1 / bins)``: the same samples, ties going to the earlier sample in both."""
-    from alpacafarm_trl.quark_trainer import top_quantile
+    from alpacafarm_methods.quark.trainer import top_quantile
 
     g = torch.Generator().manual_seed(size * 10 + bins)
     rewards = torch.randint(0, size // 2, (size,), generator=g).tolist()  # many ties
@@ -376,7 +376,7 @@ def test_quark_top_quantile_is_the_released_top_bin(released: SimpleNamespace, b
 def test_quark_keeps_one_sample_where_the_released_top_bin_is_empty(released: SimpleNamespace):
     """A pool smaller than the number of bins: the released top bin is empty (``size // bins`` = 0); ours keeps
     the single best sample so that a tiny pool still trains (``kept_count``'s documented floor of one)."""
-    from alpacafarm_trl.quark_trainer import top_quantile
+    from alpacafarm_methods.quark.trainer import top_quantile
 
     pool = released.quark.DataPool(SimpleNamespace(additional_special_tokens=[f"<reward_{i}>" for i in range(4)]))
     pool.add(queries=["a", "b", "c"], responses=["x", "y", "z"], rewards=[0.1, 0.9, 0.5])
@@ -419,8 +419,8 @@ def test_quark_loss_equals_released_up_to_its_padding_denominator(released: Simp
     0); ours is a mean over real tokens. So ``released * batch * response_len == ours * real tokens``, and the
     two are equal when no response is padded."""
     from alpacafarm.testing import tiny_causal_lm, tiny_tokenizer
-    from alpacafarm_trl.quark_config import QuarkMethodConfig
-    from alpacafarm_trl.quark_trainer import build_quark_trainer, training_example
+    from alpacafarm_methods.quark.config import QuarkMethodConfig
+    from alpacafarm_methods.quark.trainer import build_quark_trainer, training_example
 
     tokenizer = tiny_tokenizer()
     pad, kl_coef = tokenizer.pad_token_id, 0.05
@@ -475,8 +475,8 @@ def test_quark_trains_the_tokens_the_released_trainer_trains_no_eos(released: Si
     re-tokenizes query + response: a finished sample's EOS is gone. Our default (``train_eos: false``) trains
     exactly those tokens; ``train_eos: true`` adds the stop token."""
     from alpacafarm.testing import tiny_tokenizer
-    from alpacafarm_trl.quark_config import QuarkMethodConfig
-    from alpacafarm_trl.quark_trainer import IGNORE_INDEX, training_example
+    from alpacafarm_methods.quark.config import QuarkMethodConfig
+    from alpacafarm_methods.quark.trainer import IGNORE_INDEX, training_example
 
     tokenizer = tiny_tokenizer()
     query, text = "Tell me about rivers.\n", "Rivers flow to the sea and carry water."

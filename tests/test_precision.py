@@ -46,7 +46,7 @@ def _changed_fraction(model: Any, initial: dict[str, torch.Tensor]) -> float:
 
 
 def _sft_trainer(path: str, tmp_path: Path, dtype: str, *, lora: bool = False, steps: int = 20) -> Any:
-    from alpacafarm_trl.sft import SFTMethodConfig, build_sft_trainer
+    from alpacafarm_methods.supervised.sft import SFTMethodConfig, build_sft_trainer
 
     spec = ModelSpec(name=path, dtype=dtype, lora=LoraSpec(r=4, alpha=8) if lora else None)
     config = SFTMethodConfig(output_dir=str(tmp_path / dtype), max_steps=steps, learning_rate=1e-5,
@@ -76,7 +76,7 @@ def test_lora_keeps_the_frozen_base_in_bf16_and_trains_float32_adapters(fp32_mod
 
 
 def test_lora_reward_model_head_trains_in_float32_over_a_bf16_base(fp32_model_dir: str, tmp_path: Path):
-    from alpacafarm_trl.reward_model import RewardModelConfig, build_reward_trainer
+    from alpacafarm_methods.reward_model.method import RewardModelConfig, build_reward_trainer
 
     spec = ModelSpec(name=fp32_model_dir, dtype="bfloat16", lora=LoraSpec(r=4, alpha=8))
     config = RewardModelConfig(output_dir=str(tmp_path / "rm"), max_steps=2, per_device_train_batch_size=4,
@@ -88,7 +88,7 @@ def test_lora_reward_model_head_trains_in_float32_over_a_bf16_base(fp32_model_di
 
 
 def test_dpo_trains_a_float32_policy_against_a_frozen_bf16_reference(fp32_model_dir: str, tmp_path: Path):
-    from alpacafarm_trl.dpo import DPOMethodConfig, build_dpo_trainer
+    from alpacafarm_methods.preference.dpo import DPOMethodConfig, build_dpo_trainer
 
     spec = ModelSpec(name=fp32_model_dir, dtype="bfloat16")
     config = DPOMethodConfig(output_dir=str(tmp_path / "dpo"), max_steps=1, per_device_train_batch_size=4,
@@ -119,10 +119,10 @@ def test_a_lora_reward_model_scores_after_reload_as_it_did_in_training(fp32_mode
                                                                        sft_layout: str):
     """An RM trained with LoRA on a LoRA SFT model (adapter folder) reloads on the SFT weights, not the pre-SFT
     base that its adapters' ``base_model_name_or_path`` names; on a full-weights SFT model it stays adapters."""
-    from alpacafarm.modeling import is_adapter_folder, save_model
+    from alpacafarm.model_loading import is_adapter_folder, save_model
     from alpacafarm.rewards import RewardScorer
     from alpacafarm.training import save_policy
-    from alpacafarm_trl.reward_model import RewardModelConfig, build_reward_trainer
+    from alpacafarm_methods.reward_model.method import RewardModelConfig, build_reward_trainer
 
     sft = _sft_trainer(fp32_model_dir, tmp_path, "float32", lora=sft_layout == "adapters", steps=3)
     sft.args.learning_rate = 1e-2  # SFT weights far from the base, so scoring on the wrong base shows
@@ -150,7 +150,7 @@ def test_a_reward_model_starts_the_same_whatever_ran_before_in_the_process(fp32_
                                                                            lora: bool):
     """The score head and LoRA adapters are drawn before the Trainer seeds itself; the builder seeds first, so a
     resumed run (or one with other stages before it in the process) trains the same reward model."""
-    from alpacafarm_trl.reward_model import RewardModelConfig, build_reward_trainer
+    from alpacafarm_methods.reward_model.method import RewardModelConfig, build_reward_trainer
 
     spec = ModelSpec(name=fp32_model_dir, dtype="float32", lora=LoraSpec(r=4, alpha=8) if lora else None)
     config = RewardModelConfig(output_dir=str(tmp_path / "rm"), max_steps=1, save_strategy="no", report_to="none",

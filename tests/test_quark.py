@@ -27,7 +27,7 @@ def e_share(records: list[dict[str, Any]], completions: list[str]) -> list[float
 
 
 def quark_args(tmp_path: Path, **overrides: Any) -> Any:
-    from alpacafarm_trl.quark_config import QuarkMethodConfig
+    from alpacafarm_methods.quark.config import QuarkMethodConfig
 
     values = {"output_dir": str(tmp_path / "trainer"), "rounds": 2, "prompts_per_round": 8,
               "rollouts_per_prompt": 4, "top_quantile": 0.25, "max_new_tokens": 10,
@@ -40,7 +40,7 @@ def quark_args(tmp_path: Path, **overrides: Any) -> Any:
 def tiny_trainer(tmp_path: Path, **overrides: Any) -> Any:
     """A trainer whose policy and frozen reference are two identical tiny models."""
     from alpacafarm.testing import tiny_causal_lm, tiny_tokenizer
-    from alpacafarm_trl.quark_trainer import build_quark_trainer
+    from alpacafarm_methods.quark.trainer import build_quark_trainer
 
     tokenizer = tiny_tokenizer()
     return build_quark_trainer(quark_args(tmp_path, **overrides), tiny_causal_lm(tokenizer), tokenizer,
@@ -89,8 +89,8 @@ def quark_recipe(tmp_path: Path, model: str, extra_model: str = "", quark_config
 
 
 def test_config_defaults_follow_the_paper_and_the_released_run_and_bad_values_are_errors(tmp_path: Path):
-    from alpacafarm_trl.quark_config import QuarkMethodConfig
-    from alpacafarm_trl.quark_trainer import kept_count
+    from alpacafarm_methods.quark.config import QuarkMethodConfig
+    from alpacafarm_methods.quark.trainer import kept_count
 
     config = QuarkMethodConfig(output_dir=str(tmp_path))
     paper = (0.05, 3e-6, 1.0)
@@ -131,7 +131,7 @@ def test_config_fields_are_recipe_settable(tiny_model_dir: str, tmp_path: Path):
 
 
 def test_kept_set_is_exactly_the_top_quantile_rounded_down():
-    from alpacafarm_trl.quark_trainer import kept_count, top_quantile
+    from alpacafarm_methods.quark.trainer import kept_count, top_quantile
 
     assert [kept_count(n, 0.25) for n in (1, 3, 4, 8, 9, 30)] == [1, 1, 1, 2, 2, 7]  # released: n // 4
     assert kept_count(10, 0.3) == 3 and kept_count(512, 0.2) == 102 and kept_count(5, 1.0) == 5
@@ -142,7 +142,7 @@ def test_kept_set_is_exactly_the_top_quantile_rounded_down():
 
 
 def test_pool_files_keep_the_top_quantile_of_the_scorer(tmp_path: Path):
-    from alpacafarm_trl.quark_trainer import kept_count, run_rounds
+    from alpacafarm_methods.quark.trainer import kept_count, run_rounds
 
     def score(records, completions):  # distinct, known rewards: the length, tie-broken by the text's checksum
         return [len(c) + sum(map(ord, c)) % 97 / 100 for c in completions]
@@ -167,7 +167,7 @@ def test_loss_is_logged_parameters_change_and_kl_grows_from_zero(tmp_path: Path)
 
     from alpacafarm.prompts import format_prompt
     from alpacafarm.sampling import Sample
-    from alpacafarm_trl.quark_trainer import run_rounds, training_example
+    from alpacafarm_methods.quark.trainer import run_rounds, training_example
 
     trainer = tiny_trainer(tmp_path, rounds=3, steps_per_round=2)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -208,7 +208,7 @@ def test_each_round_takes_one_optimizer_step_on_the_step_batch_cycling_through_t
     """Released: keep floor(pool / 4), then one optimizer step of step_batch_size draws, in micro-batches."""
     from transformers import TrainerCallback
 
-    from alpacafarm_trl.quark_trainer import run_rounds
+    from alpacafarm_methods.quark.trainer import run_rounds
 
     trainer = tiny_trainer(tmp_path, rounds=2, prompts_per_round=6, rollouts_per_prompt=5)  # pool of 30
     assert trainer.args.gradient_accumulation_steps == 2 and trainer.args.max_steps == 1  # 16 = 2 x 8
@@ -248,7 +248,7 @@ def test_each_round_takes_one_optimizer_step_on_the_step_batch_cycling_through_t
 
 
 def test_draw_order_is_seeded_passes_of_fresh_permutations():
-    from alpacafarm_trl.quark_trainer import draw_order
+    from alpacafarm_methods.quark.trainer import draw_order
 
     order = draw_order(128, 256, seed=3)
     assert sorted(order[:128]) == sorted(order[128:]) == list(range(128))  # the released 256 from 128
@@ -267,7 +267,7 @@ def test_gradient_accumulation_is_derived_from_the_step_batch(tmp_path: Path):
 
 
 def test_learning_rate_decays_to_zero_over_all_rounds(tmp_path: Path):
-    from alpacafarm_trl.quark_trainer import run_rounds
+    from alpacafarm_methods.quark.trainer import run_rounds
 
     trainer = tiny_trainer(tmp_path, rounds=4, lr_scheduler_type="linear", warmup_steps=0)
     stats = run_rounds(trainer, INSTRUCTIONS[:8], e_share, out_dir=tmp_path)
@@ -279,7 +279,7 @@ def test_learning_rate_decays_to_zero_over_all_rounds(tmp_path: Path):
 
 
 def test_learning_rate_warms_up_over_the_first_five_rounds_by_default(tmp_path: Path):
-    from alpacafarm_trl.quark_trainer import run_rounds
+    from alpacafarm_methods.quark.trainer import run_rounds
 
     trainer = tiny_trainer(tmp_path, rounds=7, prompts_per_round=2, rollouts_per_prompt=4, max_new_tokens=4,
                            step_batch_size=8)
@@ -290,7 +290,7 @@ def test_learning_rate_warms_up_over_the_first_five_rounds_by_default(tmp_path: 
 
 
 def test_the_pool_is_rebuilt_every_round(tmp_path: Path):
-    from alpacafarm_trl.quark_trainer import run_rounds
+    from alpacafarm_methods.quark.trainer import run_rounds
 
     trainer = tiny_trainer(tmp_path, rounds=3, prompts_per_round=4)
     datasets, scored = [], []
@@ -324,7 +324,7 @@ def test_the_pool_is_rebuilt_every_round(tmp_path: Path):
 
 
 def test_mean_pool_reward_rises_across_rounds(tmp_path: Path):
-    from alpacafarm_trl.quark_trainer import run_rounds
+    from alpacafarm_methods.quark.trainer import run_rounds
 
     trainer = tiny_trainer(tmp_path, rounds=8, prompts_per_round=16, top_quantile=0.25, max_new_tokens=12,
                            steps_per_round=4, step_batch_size=8, lr_scheduler_type="constant")
@@ -343,10 +343,10 @@ def test_lora_policy_has_no_reference_copy(tiny_model_dir: str, tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch):
     import torch
 
-    import alpacafarm.modeling as modeling
-    from alpacafarm.modeling import load_tokenizer
-    from alpacafarm_trl.quark import load_policy_and_reference
-    from alpacafarm_trl.quark_trainer import build_quark_trainer, run_rounds
+    import alpacafarm.model_loading as modeling
+    from alpacafarm.model_loading import load_tokenizer
+    from alpacafarm_methods.quark.method import load_policy_and_reference
+    from alpacafarm_methods.quark.trainer import build_quark_trainer, run_rounds
 
     loads = []
     real = modeling.load_causal_lm
@@ -374,9 +374,9 @@ def test_policy_trains_float32_master_weights_against_a_reference_in_the_model_d
                                                                                        tmp_path: Path):
     import torch
 
-    from alpacafarm.modeling import load_tokenizer
-    from alpacafarm_trl.quark import load_policy_and_reference
-    from alpacafarm_trl.quark_trainer import build_quark_trainer, run_rounds
+    from alpacafarm.model_loading import load_tokenizer
+    from alpacafarm_methods.quark.method import load_policy_and_reference
+    from alpacafarm_methods.quark.trainer import build_quark_trainer, run_rounds
 
     args = quark_args(tmp_path, rounds=1, prompts_per_round=4)
     spec = ModelSpec(name=tiny_model_dir, dtype="bfloat16")
@@ -401,7 +401,7 @@ def test_sft_adapters_are_merged_into_the_policy_base(tiny_model_dir: str, tmp_p
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from alpacafarm_trl.quark import load_policy_and_reference
+    from alpacafarm_methods.quark.method import load_policy_and_reference
 
     sft = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
                          LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
@@ -463,10 +463,10 @@ def test_4bit_policy_trains_adapters_against_the_reward_model(tiny_model_dir: st
     pytest.importorskip("bitsandbytes")
     import torch
 
-    from alpacafarm.modeling import load_tokenizer, save_model
+    from alpacafarm.model_loading import load_tokenizer, save_model
     from alpacafarm.rewards import RewardScorer
-    from alpacafarm_trl.quark import load_policy_and_reference
-    from alpacafarm_trl.quark_trainer import build_quark_trainer, run_rounds
+    from alpacafarm_methods.quark.method import load_policy_and_reference
+    from alpacafarm_methods.quark.trainer import build_quark_trainer, run_rounds
 
     spec = ModelSpec.model_validate({"name": tiny_model_dir, "quantization": "4bit",
                                      "lora": {"r": 4, "alpha": 8}})
@@ -485,7 +485,7 @@ def test_4bit_policy_trains_adapters_against_the_reward_model(tiny_model_dir: st
 
 def test_quantization_without_lora_is_a_clear_error(tiny_model_dir: str, tmp_path: Path):
     from alpacafarm.errors import UserError
-    from alpacafarm_trl.quark import load_policy_and_reference
+    from alpacafarm_methods.quark.method import load_policy_and_reference
 
     spec = ModelSpec.model_validate({"name": tiny_model_dir, "quantization": "4bit"})
     with pytest.raises(UserError, match="add lora"):
@@ -516,7 +516,7 @@ def test_round_checkpoints_hold_the_trained_tensors_optimizer_and_stats_and_resu
     from safetensors.torch import load_file
 
     from alpacafarm.training import checkpoint_problem, resume_checkpoint
-    from alpacafarm_trl.quark_trainer import run_rounds
+    from alpacafarm_methods.quark.trainer import run_rounds
 
     settings = {"rounds": 3, "prompts_per_round": 4, "warmup_steps": 1}
     whole = tiny_trainer(tmp_path / "a", **settings)
@@ -559,7 +559,7 @@ def test_round_checkpoints_hold_the_trained_tensors_optimizer_and_stats_and_resu
 
 def test_resume_refuses_where_the_launch_config_shards_the_optimizer(tmp_path: Path):
     from alpacafarm.errors import UserError
-    from alpacafarm_trl.quark_trainer import run_rounds
+    from alpacafarm_methods.quark.trainer import run_rounds
 
     trainer = tiny_trainer(tmp_path, rounds=1, prompts_per_round=2)
     run_rounds(trainer, INSTRUCTIONS, e_share, out_dir=tmp_path / "run")
@@ -576,7 +576,7 @@ def test_step_metrics_go_to_the_report_to_trackers(tmp_path: Path):
     files (in the pipeline ``output_dir`` is the stage folder)."""
 
 
-    from alpacafarm_trl.quark_trainer import run_rounds
+    from alpacafarm_methods.quark.trainer import run_rounds
 
     trainer = tiny_trainer(tmp_path, rounds=2, prompts_per_round=4, report_to=["tensorboard"])
     train = trainer.train
@@ -603,7 +603,7 @@ DIE_IN_ROUND_2 = """
 import os, sys
 import torch
 torch.set_num_threads(1)
-import alpacafarm_trl.quark_trainer as quark_trainer
+import alpacafarm_methods.quark.trainer as quark_trainer
 from alpacafarm.testing import run_recipe
 sample_pool, calls = quark_trainer.sample_pool, []
 def sample_or_die(*args, **kwargs):
@@ -623,7 +623,7 @@ def test_a_killed_stage_resumes_after_its_last_round_and_ends_with_the_uninterru
 
     from safetensors.torch import load_file
 
-    import alpacafarm_trl.quark_trainer as quark_trainer
+    import alpacafarm_methods.quark.trainer as quark_trainer
 
     recipe = quark_recipe(tmp_path, tiny_model_dir)
     recipe.write_text(recipe.read_text().replace("rounds: 2,", "rounds: 3, warmup_steps: 1,"))
@@ -665,9 +665,9 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_to_the_same_adapt
                                                                                       tmp_path: Path):
     from safetensors.torch import load_file
 
-    from alpacafarm.modeling import load_tokenizer
-    from alpacafarm_trl.quark import load_policy_and_reference
-    from alpacafarm_trl.quark_trainer import build_quark_trainer, run_rounds
+    from alpacafarm.model_loading import load_tokenizer
+    from alpacafarm_methods.quark.method import load_policy_and_reference
+    from alpacafarm_methods.quark.trainer import build_quark_trainer, run_rounds
 
     spec = ModelSpec.model_validate({"name": tiny_model_dir, "lora": {"r": 4, "alpha": 8}})
     args = quark_args(tmp_path, rounds=2, prompts_per_round=4, learning_rate=5e-2, warmup_steps=0)

@@ -381,7 +381,7 @@ def test_registration_hooks_run_through_pluggys_caller_so_hookwrappers_see_each_
     register_test_plugin(LazyPlugin(), "lazy")
     loaded = get_plugins()
     implementing = {p.name for p in loaded.plugins if "method" in loaded.registry.by_plugin().get(p.name, {})}
-    assert sorted(calls) == sorted(implementing) and {"data", "trl", "lazy"} <= implementing
+    assert sorted(calls) == sorted(implementing) and {"data", "methods", "lazy"} <= implementing
     assert not [p for p in loaded.plugins if p.name == "watcher" and p.error]
 
 

@@ -27,7 +27,7 @@ def stages(name: str) -> dict[str, dict[str, Any]]:
 
 
 def test_ppo_follows_the_paper_kl_and_the_released_warmup_and_prompt_filter(tmp_path: Path):
-    from alpacafarm_trl.ppo_config import PPOMethodConfig
+    from alpacafarm_methods.ppo.config import PPOMethodConfig
 
     config = PPOMethodConfig(output_dir=str(tmp_path), report_to="none")
     assert config.kl_coef == 0.002  # paper B.1 (simulated feedback), not the released script's 0.0067
@@ -51,7 +51,7 @@ def test_reward_model_batch_is_the_released_16(name: str):
 
 
 def test_reward_model_docs_name_the_released_script_not_the_paper():
-    from alpacafarm_trl.reward_model import RewardModelConfig
+    from alpacafarm_methods.reward_model.method import RewardModelConfig
 
     docs = " ".join(RewardModelConfig.__doc__.split())
     assert "reward_modeling.sh" in docs and "paper states no reward-model settings" in docs and "16" in docs
@@ -62,8 +62,8 @@ def test_best_of_n_expert_iteration_and_evaluation_sample_at_the_released_top_p(
     """The released decoding (HFDecodingArguments: top_p 0.9) for best-of-n, expert iteration and evaluation;
     the paper states the temperatures (1.0 for best-of-n, 0.7 for evaluation) and no top_p for its models."""
     from alpacafarm_generation.stage import GenerateOutputsConfig
-    from alpacafarm_trl.best_of_n import BestOfNConfig
-    from alpacafarm_trl.expert_iteration import ExpertIterationConfig
+    from alpacafarm_methods.sampling.best_of_n import BestOfNConfig
+    from alpacafarm_methods.sampling.expert_iteration import ExpertIterationConfig
 
     best_of_n = BestOfNConfig().sampling
     assert (best_of_n.temperature, best_of_n.top_p) == (1.0, 0.9)

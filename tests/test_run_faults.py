@@ -146,7 +146,7 @@ def test_json_files_never_hold_nan_and_the_error_names_the_key(tmp_path: Path):
 def test_diverged_weights_are_never_saved_and_a_nan_reward_model_never_scores(tmp_path: Path):
     import torch
 
-    from alpacafarm.modeling import save_model
+    from alpacafarm.model_loading import save_model
     from alpacafarm.rewards import RewardScorer
     from alpacafarm.testing import tiny_causal_lm, tiny_tokenizer
 
@@ -173,7 +173,7 @@ def test_diverged_weights_are_never_saved_and_a_nan_reward_model_never_scores(tm
 def test_a_full_disk_while_saving_a_model_is_one_line(tmp_path: Path):
     code = ("import resource, signal, sys\n"
             "from alpacafarm.testing import tiny_causal_lm, tiny_tokenizer\n"
-            "from alpacafarm.modeling import save_model\n"
+            "from alpacafarm.model_loading import save_model\n"
             "from alpacafarm.errors import UserError\n"
             "tokenizer = tiny_tokenizer(); model = tiny_causal_lm(tokenizer)\n"
             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
@@ -292,7 +292,7 @@ def test_a_lone_surrogate_and_an_unknown_template_are_one_line(tmp_path: Path):
 
 
 def test_a_killed_conversion_leaves_no_temporary_folder_for_good(tmp_path: Path, monkeypatch):
-    from alpacafarm.models import resolve_model_path
+    from alpacafarm.model_sources import resolve_model_path
 
     monkeypatch.setenv("ALPACAFARM_CACHE_DIR", str(tmp_path / "cache"))
     models = tmp_path / "cache" / "models"

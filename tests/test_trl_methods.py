@@ -75,9 +75,9 @@ def test_sft_recipe_trains_logs_and_saves_a_loadable_model(tiny_model_dir: str, 
 
 
 def test_sft_loss_covers_the_response_only(tiny_model_dir: str, tmp_path: Path):
-    from alpacafarm.modeling import load_tokenizer
+    from alpacafarm.model_loading import load_tokenizer
     from alpacafarm.prompts import format_prompt
-    from alpacafarm_trl.sft import SFTMethodConfig, build_sft_trainer
+    from alpacafarm_methods.supervised.sft import SFTMethodConfig, build_sft_trainer
 
     spec = ModelSpec(name=tiny_model_dir)
     config = SFTMethodConfig(output_dir=str(tmp_path), max_steps=1, save_strategy="no")
@@ -292,7 +292,7 @@ def test_reward_model_trains_only_the_top_blocks_when_asked(tiny_model_dir: str,
     assert not any(k.startswith(("model.layers.0.", "model.embed_tokens.")) for k in changed)
     assert "score.weight" in after  # the new head was trained and saved
 
-    from alpacafarm_trl.reward_model import RewardModelConfig
+    from alpacafarm_methods.reward_model.method import RewardModelConfig
     with pytest.raises(ValueError, match="trainable_layers"):
         RewardModelConfig(output_dir=str(tmp_path), trainable_layers=-1)
 
@@ -301,7 +301,7 @@ def test_inference_dtype_applies_to_sampling_and_scoring_only(tiny_model_dir: st
     import torch
 
     from alpacafarm.generation import TransformersGenerator
-    from alpacafarm.modeling import load_causal_lm
+    from alpacafarm.model_loading import load_causal_lm
     from alpacafarm.rewards import RewardScorer
 
     spec = ModelSpec(name=tiny_model_dir, dtype="float32", inference_dtype="bfloat16")
@@ -344,9 +344,9 @@ def test_head_only_reward_model_learns_with_a_frozen_backbone(tiny_model_dir: st
 
     before, after = state_dict(tiny_model_dir), state_dict(artifact.path)
     assert all(torch.equal(before[k], after[k]) for k in before if k in after and k != "lm_head.weight")
-    from alpacafarm.modeling import load_classifier, load_tokenizer
+    from alpacafarm.model_loading import load_classifier, load_tokenizer
     from alpacafarm.rewards import RewardScorer
-    from alpacafarm_trl.reward_head import last_token_features
+    from alpacafarm_methods.reward_model.head import last_token_features
 
     spec = ModelSpec(name=tiny_model_dir)
     scorer = RewardScorer.from_path(artifact.path, spec)

@@ -39,7 +39,7 @@ __all__ = ["COND_TOKENS", "LM_FEATURES", "LM_MODEL", "PMI_TOKENS", "LMScorer", "
 
 T = TypeVar("T")
 
-#: the model alias (see :mod:`alpacafarm.models`)
+#: the model alias (see :mod:`alpacafarm.model_sources`)
 LM_MODEL = "smollm2-135m-instruct"
 COND_TOKENS = 64
 PMI_TOKENS = 32
@@ -78,7 +78,7 @@ class LMScorer:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from alpacafarm.models import resolve_model_path
+        from alpacafarm.model_sources import resolve_model_path
 
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
@@ -245,7 +245,7 @@ def lm_generator() -> Any:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from alpacafarm.generation import TransformersGenerator
-    from alpacafarm.models import resolve_model_path
+    from alpacafarm.model_sources import resolve_model_path
 
     model_path = resolve_model_path(LM_MODEL)
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")

@@ -50,7 +50,7 @@ class LocalJudge(Annotator):
         if self._model is None:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            from alpacafarm.models import resolve_model_path
+            from alpacafarm.model_sources import resolve_model_path
 
             path = resolve_model_path(self.config.model)
             self._tokenizer = AutoTokenizer.from_pretrained(path)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from alpacafarm.errors import MissingPackageError, UserError
 from alpacafarm.generation import GenerationProgress, Generator, SamplingConfig, TransformersGenerator
-from alpacafarm.models import resolve_model_path
+from alpacafarm.model_sources import resolve_model_path
 from alpacafarm.prompts import PromptFormat, user_message
 from alpacafarm.seeding import stable_seed
 
@@ -32,7 +32,7 @@ def prompt_format_for(spec: Any, model_path: str | None) -> PromptFormat:
     tokenizer, loaded from the model folder (or hub ID)."""
     tokenizer = None
     if spec.prompt_format == "chat_template":
-        from alpacafarm.modeling import load_tokenizer
+        from alpacafarm.model_loading import load_tokenizer
 
         tokenizer = load_tokenizer(spec, model_path)
     location = resolve_model_path(model_path) if model_path else None

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from alpacafarm.errors import MissingPackageError, UserError
 from alpacafarm.generation import GenerationProgress, Generator, SamplingConfig
-from alpacafarm.models import resolve_model_path
+from alpacafarm.model_sources import resolve_model_path
 from alpacafarm.prompts import PromptFormat
 
 EXTRA = "pip install 'alpacafarm[fast-cpu]'"
@@ -176,7 +176,7 @@ def openvino_backend(config: OpenVINOBackendConfig, spec: Any, model_path: str) 
     require_openvino()
     import openvino_genai
 
-    from alpacafarm.modeling import load_tokenizer
+    from alpacafarm.model_loading import load_tokenizer
     from alpacafarm_generation.openvino_export import INFO_FILE, exported_model
 
     config = config or OpenVINOBackendConfig()

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from alpacafarm.errors import UserError
-from alpacafarm.models import resolve_model_path
+from alpacafarm.model_sources import resolve_model_path
 from alpacafarm.paths import cache_dir
 
 #: Bump when the exported layout changes, so caches written by older code are not reused.
@@ -144,7 +144,7 @@ def _export(spec: Any, location: str, target: Path) -> None:
     import openvino as ov
     from openvino_tokenizers import convert_tokenizer
 
-    from alpacafarm.modeling import load_merged_causal_lm, load_tokenizer
+    from alpacafarm.model_loading import load_merged_causal_lm, load_tokenizer
 
     spec = spec.model_copy(update={"dtype": "float32", "inference_dtype": None, "quantization": None,
                                    "device": "cpu", "lora": None})

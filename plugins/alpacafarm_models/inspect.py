@@ -31,8 +31,8 @@ class InspectModel(Method):
     def run(self, context: StageContext) -> Artifact:
         import torch
 
-        from alpacafarm.modeling import load_causal_lm, load_tokenizer
-        from alpacafarm.models import resolve_model_path
+        from alpacafarm.model_loading import load_causal_lm, load_tokenizer
+        from alpacafarm.model_sources import resolve_model_path
         from alpacafarm.prompts import format_prompt
 
         config: InspectModelConfig = self.config

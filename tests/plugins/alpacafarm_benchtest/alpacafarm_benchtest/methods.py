@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from alpacafarm.method import Artifact, Method, StageContext
-from alpacafarm_trl.best_of_n import BestOfN
+from alpacafarm_methods.sampling.best_of_n import BestOfN
 
 
 class WorstOfN(BestOfN):

@@ -17,8 +17,8 @@ copy of the reward model's score head instead, so that values are raw reward sco
   on its backbone (:class:`RewardModelCritic`), and the rewards are scored by that backbone with the adapter off.
   No adapter is switched while a gradient is computed, so activation checkpointing recomputes exactly what ran.
 
-The layouts are built from folders by :mod:`alpacafarm_trl.ppo_build`; the trainer
-(:mod:`alpacafarm_trl.ppo_trainer`) only talks to the :class:`PolicyAndValue` interface.
+The layouts are built from folders by :mod:`alpacafarm_methods.ppo.build`; the trainer
+(:mod:`alpacafarm_methods.ppo.trainer`) only talks to the :class:`PolicyAndValue` interface.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from alpacafarm.errors import UserError
-from alpacafarm_trl.ppo_core import Batch
+from alpacafarm_methods.ppo.core import Batch
 
 #: The adapters of the LoRA layout: the policy's on the shared SFT base, the critic's on the reward model.
 POLICY, VALUE = "policy", "value"
@@ -156,7 +156,8 @@ class PolicyAndValue:
         return None
 
     def policy_export(self, policy: Any) -> Any:
-        """What :func:`alpacafarm.modeling.save_model` saves as the trained policy (``policy``: the unwrapped one)."""
+        """What :func:`alpacafarm.model_loading.save_model` saves as the trained policy (``policy``: the unwrapped
+        one)."""
         return policy
 
     def frozen_modules(self) -> list[nn.Module]:

@@ -87,7 +87,7 @@ def train_head_only(config: Any, spec: Any, model_path: str, rows: list[dict[str
     """
     import torch
 
-    from alpacafarm.modeling import load_classifier, load_tokenizer
+    from alpacafarm.model_loading import load_classifier, load_tokenizer
 
     tokenizer = load_tokenizer(spec, model_path)
     eos = tokenizer.eos_token

@@ -3,7 +3,8 @@
 Paper Section 3.4 and Appendix A.1: OpenAI's FeedME fine-tunes on outputs that labellers rated 7/7; its pairwise
 adaptation ("binary FeedME") continues supervised fine-tuning of the SFT model on the chosen response of each
 pair. Pairs without a ranking (ties, unparsed annotations) are dropped and counted. The paper gives no separate
-hyperparameters for it, so the defaults are those of the SFT step (:class:`~alpacafarm_trl.sft.SFTMethodConfig`).
+hyperparameters for it, so the defaults are those of the SFT step
+(:class:`~alpacafarm_methods.supervised.sft.SFTMethodConfig`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any
 from alpacafarm.kit import build_sft_trainer_on_rows, prompt_completion_rows, train_and_save_policy
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.training import limit, stage_training_args
-from alpacafarm_trl.pairs import preferred_demonstrations
-from alpacafarm_trl.sft import SFTMethodConfig
+from alpacafarm_methods.pairs import preferred_demonstrations
+from alpacafarm_methods.supervised.sft import SFTMethodConfig
 
 
 @dataclass
@@ -40,7 +41,7 @@ def build_feedme_trainer(
     callbacks: list[Any] | None = None,
 ) -> tuple[Any, int]:
     """A ready ``SFTTrainer`` on the preferred outputs of ``records``, and how many pairs had no preference."""
-    from alpacafarm.modeling import load_tokenizer
+    from alpacafarm.model_loading import load_tokenizer
 
     demonstrations, dropped = preferred_demonstrations(records)
     rows = prompt_completion_rows(

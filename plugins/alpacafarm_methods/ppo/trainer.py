@@ -13,13 +13,13 @@ Appendices A.2 and B.1) from the algorithm, checked against the released impleme
   estimate);
 * the shaped rewards are whitened over the whole rollout batch padded to ``max_new_tokens`` columns, their mean
   kept, and GAE (``gamma = lambda = 1``) runs over every column, as released: returns do not depend on a
-  response's length (:func:`~alpacafarm_trl.ppo_core.advantages_and_returns`); advantages are whitened over the
+  response's length (:func:`~alpacafarm_methods.ppo.core.advantages_and_returns`); advantages are whitened over the
   whole rollout batch (the paper's first modification); the critic is the reward model's backbone with a new
-  zero-initialised value head (its second, as released: :mod:`alpacafarm_trl.ppo_models`);
+  zero-initialised value head (its second, as released: :mod:`alpacafarm_methods.ppo.models`);
 * the policy and the critic then take ``ppo_epochs`` passes of clipped-loss updates over mini-batches, one
   loss and one backward for both.
 
-**Several processes.** The policy and critic are one :class:`~alpacafarm_trl.ppo_models.ActorCritic` module
+**Several processes.** The policy and critic are one :class:`~alpacafarm_methods.ppo.models.ActorCritic` module
 prepared once by an ``accelerate.Accelerator`` with the optimizer: the launch config alone picks DDP, FSDP2 or
 DeepSpeed ZeRO-2/3, and this file names none of them. Every rank samples a share of each rollout batch's
 generation batches (the batches one process forms, so the responses are one process's), scores and evaluates an
@@ -30,7 +30,7 @@ mini-batch's token mean: one process's step. With the same global batch, 1 and N
 weights up to floating-point summation order (``tests/test_ppo_distributed.py``).
 
 The trainer follows ``transformers.Trainer``'s conventions: a ``TrainingArguments`` subclass for its config
-(:mod:`alpacafarm_trl.ppo_config`), ``TrainerState``/``log_history``, ``TrainerCallback`` events, per-step
+(:mod:`alpacafarm_methods.ppo.config`), ``TrainerState``/``log_history``, ``TrainerCallback`` events, per-step
 metrics through ``accelerator.log`` to the ``report_to`` trackers, ``checkpoint-N`` folders written with
 ``accelerator.save_state`` every ``save_steps`` and ``train(resume_from_checkpoint=...)``.
 """
@@ -53,10 +53,10 @@ from alpacafarm.rewards import RewardFunction
 from alpacafarm.sampling import Sample, sample, stop_token_ids, tokenize_prompts
 from alpacafarm.seeding import stable_seed
 from alpacafarm.training import rotate_checkpoints
-from alpacafarm_trl import ppo_core
-from alpacafarm_trl.ppo_config import PPOMethodConfig
-from alpacafarm_trl.ppo_core import Rollouts, collate
-from alpacafarm_trl.ppo_models import PolicyAndValue
+from alpacafarm_methods.ppo import core as ppo_core
+from alpacafarm_methods.ppo.config import PPOMethodConfig
+from alpacafarm_methods.ppo.core import Rollouts, collate
+from alpacafarm_methods.ppo.models import PolicyAndValue
 
 #: Keys of every per-step log entry (besides ``step``), in the order they are documented. ``kl`` is the sampled
 #: KL of a response from the reference (sum of ``log p - log p_ref`` over its tokens), ``penalized_kl`` the

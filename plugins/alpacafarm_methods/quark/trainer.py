@@ -3,7 +3,7 @@
 :class:`QuarkTrainer` is a ``transformers.Trainer`` whose loss on the kept samples is
 ``NLL + kl_coef * KL(policy || reference)``, the KL being the exact per-token divergence of the two
 next-token distributions at each response position, averaged over response tokens. :func:`run_rounds` is the
-loop of the best-quantile variant (see :mod:`alpacafarm_trl.quark`): each round samples a fresh pool with the
+loop of the best-quantile variant (see :mod:`alpacafarm_methods.quark.method`): each round samples a fresh pool with the
 one core sampler (:func:`alpacafarm.sampling.sample`) on prompts written by
 :class:`alpacafarm.prompts.PromptFormat`, scores it with a reward function, keeps the top ``top_quantile``
 (rounded down) and takes ``steps_per_round`` optimizer steps of ``step_batch_size`` examples drawn by cycling
@@ -41,7 +41,7 @@ from alpacafarm.prompts import PromptFormat
 from alpacafarm.rewards import RewardFunction
 from alpacafarm.sampling import Sample, sample, tokenize_prompts
 from alpacafarm.seeding import stable_seed
-from alpacafarm_trl.quark_config import QuarkMethodConfig
+from alpacafarm_methods.quark.config import QuarkMethodConfig
 
 IGNORE_INDEX = -100
 #: Files of a round checkpoint (see the module docstring); trainer_state.json is written last, as trainers do.

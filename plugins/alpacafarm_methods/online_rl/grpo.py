@@ -4,7 +4,7 @@ Each prompt gets ``num_generations`` sampled completions; a completion's advanta
 group's mean (divided by the group's standard deviation, ``scale_rewards: group``), and the policy takes clipped
 policy-gradient steps with a KL penalty ``beta`` to the SFT model. No value model (unlike PPO). The reward is
 the recipe's reward model, rule rewards and/or the recipe's annotator asked while training (see
-:mod:`alpacafarm_trl.online_rl` and :mod:`alpacafarm_trl.annotator_reward`).
+:mod:`alpacafarm_methods.online_rl.base` and :mod:`alpacafarm_methods.online_rl.annotator_reward`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from trl import GRPOConfig
 
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
-from alpacafarm_trl.online_rl import OnlineRLOptions, run_online_rl
+from alpacafarm_methods.online_rl.base import OnlineRLOptions, run_online_rl
 
 
 @dataclass

@@ -318,11 +318,11 @@ class OnlineDPO(Method):
         """DPO steps on round ``r``'s labelled pairs from ``policy_path``; saves ``round_<r>/model``."""
         from alpacafarm import distributed
         from alpacafarm.data import write_json
-        from alpacafarm.modeling import load_tokenizer
-        from alpacafarm.train_progress import training_progress
+        from alpacafarm.model_loading import load_tokenizer
         from alpacafarm.training import save_policy, stage_seed, stage_training_args, train_summary
-        from alpacafarm_trl.dpo import REWARD_METRICS, build_dpo_trainer, last_logged
-        from alpacafarm_trl.pairs import preference_rows
+        from alpacafarm.training_progress import training_progress
+        from alpacafarm_methods.pairs import preference_rows
+        from alpacafarm_methods.preference.dpo import REWARD_METRICS, build_dpo_trainer, last_logged
 
         spec = context.recipe.model
         reference_path = sft_path if config.reference == "sft" else policy_path

@@ -19,7 +19,6 @@ from trl import SFTConfig
 from alpacafarm.errors import UserError
 from alpacafarm.kit import build_sft_trainer_on_rows, prompt_completion_rows
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
-from alpacafarm.train_progress import training_progress
 from alpacafarm.training import (
     TrainingDefaults,
     limit,
@@ -28,6 +27,7 @@ from alpacafarm.training import (
     stage_training_args,
     train_summary,
 )
+from alpacafarm.training_progress import training_progress
 
 
 @dataclass
@@ -63,7 +63,7 @@ def build_sft_trainer(config: SFTMethodConfig, spec: Any, model_path: str, recor
     ``model_path`` may be an adapter folder (a LoRA SFT stage): its adapters are merged first, so training
     continues from it (see :mod:`alpacafarm.kit`). Shared by the methods and the overhead benchmark.
     """
-    from alpacafarm.modeling import load_tokenizer
+    from alpacafarm.model_loading import load_tokenizer
 
     tokenizer = load_tokenizer(spec, model_path)
     rows = prompt_completion_rows(limit(records, config.max_examples), response_field=config.response_field,

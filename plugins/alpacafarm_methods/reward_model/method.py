@@ -16,9 +16,8 @@ from trl import RewardConfig
 
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
-from alpacafarm.modeling import load_classifier
+from alpacafarm.model_loading import load_classifier
 from alpacafarm.rewards import RewardScorer
-from alpacafarm.train_progress import training_progress
 from alpacafarm.training import (
     TrainingDefaults,
     fp32_master_weights,
@@ -29,7 +28,8 @@ from alpacafarm.training import (
     stage_training_args,
     train_summary,
 )
-from alpacafarm_trl.pairs import preference_rows, split_pairs
+from alpacafarm.training_progress import training_progress
+from alpacafarm_methods.pairs import preference_rows, split_pairs
 
 
 @dataclass
@@ -106,7 +106,7 @@ def build_reward_trainer(config: RewardModelConfig, spec: Any, model_path: str, 
     from transformers import set_seed
     from trl import RewardTrainer
 
-    from alpacafarm.modeling import load_tokenizer, lora_config
+    from alpacafarm.model_loading import load_tokenizer, lora_config
 
     tokenizer = load_tokenizer(spec, model_path)
     # The score head (and LoRA adapters) are drawn before the Trainer seeds itself: seed first, or the reward
@@ -135,7 +135,7 @@ class RewardModel(Method):
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json
-        from alpacafarm.modeling import load_tokenizer
+        from alpacafarm.model_loading import load_tokenizer
 
         spec = context.recipe.model
         args = stage_training_args(self.config, context)
@@ -176,7 +176,7 @@ class RewardModel(Method):
         """``trainable_layers: 0``: features once per distinct text, then the head (see ``reward_head``).
         No trainer: it runs on the main process alone."""
         from alpacafarm.data import write_json
-        from alpacafarm_trl.reward_head import train_head_only
+        from alpacafarm_methods.reward_model.head import train_head_only
 
         spec = context.recipe.model
         if spec.lora is not None or spec.quantization is not None:

@@ -1,5 +1,5 @@
 """PPO's models from the recipe's model block and the SFT and reward-model folders (the layouts of
-:mod:`alpacafarm_trl.ppo_models`), the critic on the reward model's backbone in every layout.
+:mod:`alpacafarm_methods.ppo.models`), the critic on the reward model's backbone in every layout.
 
 Precision follows the project rule: what trains (the full policy and value model, or the LoRA adapters and the
 value head) holds float32 master weights; the frozen copies (reference, reward model, a LoRA layout's bases) stay
@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from alpacafarm.errors import UserError
-from alpacafarm.modeling import enable_activation_checkpointing
+from alpacafarm.model_loading import enable_activation_checkpointing
 from alpacafarm.training import fp32_master_weights
-from alpacafarm_trl.ppo_models import (
+from alpacafarm_methods.ppo.models import (
     POLICY,
     PolicyAndValue,
     RewardModelCritic,
@@ -43,7 +43,7 @@ def build_models(spec: Any, sft_path: str, reward_path: str, *, gradient_checkpo
 def build_separate_models(spec: Any, sft_path: str, reward_path: str, *, gradient_checkpointing: bool,
                           value_head_init: str = "zero", logger: Any = None) -> SeparateModels:
     """Full fine-tuning: the policy and the critic (a copy of the reward model's backbone) train, in float32."""
-    from alpacafarm.modeling import load_classifier, load_merged_causal_lm
+    from alpacafarm.model_loading import load_classifier, load_merged_causal_lm
 
     policy = load_merged_causal_lm(spec, sft_path, trainable=True)
     reference = load_merged_causal_lm(spec, sft_path)
@@ -62,13 +62,14 @@ def build_shared_models(spec: Any, sft_path: str, reward_path: str, *, gradient_
                         value_head_init: str = "zero", logger: Any = None) -> SharedBaseModels:
     """One frozen base (the SFT model, quantized if asked) with a ``policy`` adapter, and the critic: the reward
     model (frozen; reward adapters are loaded merged into their base, as :class:`~alpacafarm.rewards.RewardScorer`
-    loads them) with a fresh ``value`` adapter and value head (:class:`~alpacafarm_trl.ppo_models.RewardModelCritic`),
+    loads them) with a fresh ``value`` adapter and value head
+    (:class:`~alpacafarm_methods.ppo.models.RewardModelCritic`),
     which also scores the rewards with the adapter off.
     """
     from peft import PeftConfig, get_peft_model, prepare_model_for_kbit_training
 
-    from alpacafarm.modeling import is_adapter_folder, load_classifier, load_merged_causal_lm, lora_config
-    from alpacafarm.models import resolve_model_path
+    from alpacafarm.model_loading import is_adapter_folder, load_classifier, load_merged_causal_lm, lora_config
+    from alpacafarm.model_sources import resolve_model_path
 
     # An un-merged LoRA SFT stage is merged into its base, so "adapters off" means the SFT model.
     base = load_merged_causal_lm(spec, sft_path)

@@ -3,8 +3,8 @@
 Each prompt gets ``num_generations`` (k) sampled completions; a completion's baseline is the mean reward of the
 other k - 1 (Ahmadian et al. 2024), and the KL to the SFT model is subtracted from the sequence reward with
 coefficient ``beta`` before the baseline. No value model (unlike PPO). The reward is the recipe's reward model,
-rule rewards and/or the recipe's annotator asked while training (see :mod:`alpacafarm_trl.online_rl` and
-:mod:`alpacafarm_trl.annotator_reward`).
+rule rewards and/or the recipe's annotator asked while training (see :mod:`alpacafarm_methods.online_rl.base` and
+:mod:`alpacafarm_methods.online_rl.annotator_reward`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from trl import RLOOConfig
 
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
-from alpacafarm_trl.online_rl import OnlineRLOptions, run_online_rl
+from alpacafarm_methods.online_rl.base import OnlineRLOptions, run_online_rl
 
 
 @dataclass

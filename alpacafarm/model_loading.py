@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from alpacafarm.errors import MissingPackageError, UserError
-from alpacafarm.models import resolve_model_path
+from alpacafarm.model_sources import resolve_model_path
 
 if TYPE_CHECKING:
     from alpacafarm.recipe import ModelSpec

@@ -8,7 +8,8 @@ them with ``reward_funcs`` and updates the policy against a per-prompt baseline.
   :data:`~alpacafarm.rewards.RewardFunction` ``(records, completions) -> scores``. :class:`TRLReward` adapts one to
   TRL's convention (keyword arguments: the completions and the dataset's columns), summed with ``reward_weights``.
   ``use_annotator: true`` adds the recipe's annotator itself (P(completion beats a reference answer), asked while
-  training; cached, in the ledger, budgeted: :mod:`alpacafarm_trl.annotator_reward`, with its cost per step).
+  training; cached, in the ledger, budgeted:
+  :mod:`alpacafarm_methods.online_rl.annotator_reward`, with its cost per step).
 * Prompts: the SFT model folder's :class:`~alpacafarm.prompts.PromptFormat` (with its conditioning), as plain
   strings (TRL's "standard" format), so training samples exactly the prompts generation and scoring use.
 """
@@ -97,7 +98,7 @@ def reward_sources(context: StageContext, config: Any) -> list[Any]:
         name = target if name in [s.__name__ for s in sources] else name
         sources.append(TRLReward(name, import_target(target, what=f"stage {context.stage!r}: rule_rewards")))
     if config.use_annotator:
-        from alpacafarm_trl.annotator_reward import AnnotatorReward
+        from alpacafarm_methods.online_rl.annotator_reward import AnnotatorReward
 
         context.annotator_ref("feedback")  # a recipe without an annotator fails here, before any model loads
         sources.append(AnnotatorReward(context, config.max_unlabelled_fraction))
@@ -129,9 +130,8 @@ def run_online_rl(context: StageContext, config: Any, trainer_class: Any, algori
     from transformers import set_seed
 
     from alpacafarm.data import write_json
-    from alpacafarm.modeling import is_adapter_folder, load_merged_causal_lm, load_tokenizer, lora_config
+    from alpacafarm.model_loading import is_adapter_folder, load_merged_causal_lm, load_tokenizer, lora_config
     from alpacafarm.prompts import PromptFormat
-    from alpacafarm.train_progress import training_progress
     from alpacafarm.training import (
         fp32_master_weights,
         limit,
@@ -140,7 +140,8 @@ def run_online_rl(context: StageContext, config: Any, trainer_class: Any, algori
         stage_training_args,
         train_summary,
     )
-    from alpacafarm_trl.annotator_reward import AnnotatorReward, attach_references
+    from alpacafarm.training_progress import training_progress
+    from alpacafarm_methods.online_rl.annotator_reward import AnnotatorReward, attach_references
 
     spec, model_path = context.recipe.model, context.input("sft_model").path
     args = stage_training_args(config, context)

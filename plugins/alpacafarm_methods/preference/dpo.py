@@ -22,8 +22,7 @@ from trl import DPOConfig
 
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
-from alpacafarm.modeling import load_merged_causal_lm
-from alpacafarm.train_progress import training_progress
+from alpacafarm.model_loading import load_merged_causal_lm
 from alpacafarm.training import (
     TrainingDefaults,
     fp32_master_weights,
@@ -33,7 +32,8 @@ from alpacafarm.training import (
     stage_training_args,
     train_summary,
 )
-from alpacafarm_trl.pairs import preference_rows, split_pairs
+from alpacafarm.training_progress import training_progress
+from alpacafarm_methods.pairs import preference_rows, split_pairs
 
 #: Implicit-reward statistics TRL logs; their last logged values go into the stage's metrics.
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
@@ -92,7 +92,7 @@ def build_dpo_trainer(
     from transformers import set_seed
     from trl import DPOTrainer
 
-    from alpacafarm.modeling import load_tokenizer, lora_config
+    from alpacafarm.model_loading import load_tokenizer, lora_config
 
     if not rows:
         raise UserError("there is nothing to train on: no preference pair has a usable preference")
@@ -137,7 +137,7 @@ class DPO(Method):
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json
-        from alpacafarm.modeling import load_tokenizer
+        from alpacafarm.model_loading import load_tokenizer
 
         spec = context.recipe.model
         args = stage_training_args(self.config, context)

@@ -37,9 +37,9 @@ from alpacafarm.errors import UserError
 from alpacafarm.generation import SamplingConfig
 from alpacafarm.kit import build_sft_trainer_on_rows, mark_finished, mean, score_groups, select, training_rows
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
-from alpacafarm.train_progress import training_progress
 from alpacafarm.training import save_policy, stage_training_args, train_summary
-from alpacafarm_trl.sft import SFTMethodConfig
+from alpacafarm.training_progress import training_progress
+from alpacafarm_methods.supervised.sft import SFTMethodConfig
 
 ROUND_DONE = "round_complete.json"
 TRUNCATED_WINNERS = ("keep", "drop")
@@ -119,7 +119,7 @@ class ExpertIteration(Method):
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm import distributed
         from alpacafarm.data import write_json, write_jsonl
-        from alpacafarm.modeling import load_tokenizer
+        from alpacafarm.model_loading import load_tokenizer
 
         config: ExpertIterationConfig = self.config
         spec = context.recipe.model

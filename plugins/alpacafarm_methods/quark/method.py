@@ -23,19 +23,19 @@ schedule span the whole run (the peak rate decays linearly to 0 over all rounds)
 
 The policy trains on float32 master weights (full fine-tuning loads it in float32; LoRA adapters are cast to
 float32 on a base kept in the model block's ``dtype``); the frozen reference keeps ``dtype``. The saved model
-is written in the block's save dtype (:func:`alpacafarm.modeling.save_dtype`).
+is written in the block's save dtype (:func:`alpacafarm.model_loading.save_dtype`).
 
 With ``lora:`` in the model block the policy is the SFT model plus fresh LoRA adapters and the reference is
 the same network with the adapters switched off (``with model.disable_adapter():``): there is no second copy
 of the model. Without LoRA a frozen copy of the SFT model is the reference.
 
-Where the pieces live, as in TRL: the config in :mod:`alpacafarm_trl.quark_config`, the trainer and the rounds
-in :mod:`alpacafarm_trl.quark_trainer`; this module loads the models and runs the stage.
+Where the pieces live, as in TRL: the config in :mod:`alpacafarm_methods.quark.config`, the trainer and the rounds
+in :mod:`alpacafarm_methods.quark.trainer`; this module loads the models and runs the stage.
 
 Files: ``round_<r>/pool.jsonl`` (every rollout of round ``r``, 1-based, with its reward and whether it was
 kept), ``checkpoint-<r>/`` every ``save_rounds`` rounds (the newest ``save_total_limit`` kept; a killed stage
 re-run by the pipeline resumes after the newest readable one, see
-:meth:`alpacafarm_trl.quark_trainer.QuarkTrainer.save_round`), ``metrics.json`` (per-round statistics, the
+:meth:`alpacafarm_methods.quark.trainer.QuarkTrainer.save_round`), ``metrics.json`` (per-round statistics, the
 trainer's log history and the round a resumed attempt started after) and ``model/`` (with the SFT folder's prompt
 conditioning file, if it had one: the policy was trained behind it).
 """
@@ -48,10 +48,10 @@ from typing import Any
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.prompts import PromptConditioning, PromptFormat
-from alpacafarm.train_progress import training_progress
 from alpacafarm.training import resume_checkpoint, stage_training_args
-from alpacafarm_trl.quark_config import QuarkMethodConfig
-from alpacafarm_trl.quark_trainer import build_quark_trainer, run_rounds
+from alpacafarm.training_progress import training_progress
+from alpacafarm_methods.quark.config import QuarkMethodConfig
+from alpacafarm_methods.quark.trainer import build_quark_trainer, run_rounds
 
 
 def load_policy_and_reference(spec: Any, sft_path: str, args: QuarkMethodConfig) -> tuple[Any, Any, bool]:
@@ -60,9 +60,9 @@ def load_policy_and_reference(spec: Any, sft_path: str, args: QuarkMethodConfig)
     Full fine-tuning: the policy (float32 master weights) and a second, frozen copy of the SFT model in the
     block's ``dtype``. LoRA/QLoRA: the SFT model with new trainable adapters (float32), and no reference model
     (the trainer disables the adapters to get the reference). An SFT adapter folder is merged into its base
-    first (:func:`alpacafarm.modeling.load_merged_causal_lm`).
+    first (:func:`alpacafarm.model_loading.load_merged_causal_lm`).
     """
-    from alpacafarm.modeling import is_adapter_folder, load_merged_causal_lm, lora_config
+    from alpacafarm.model_loading import is_adapter_folder, load_merged_causal_lm, lora_config
     from alpacafarm.training import fp32_master_weights
 
     if spec.quantization is not None and spec.lora is None:
@@ -100,7 +100,7 @@ class Quark(Method):
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json
-        from alpacafarm.modeling import load_tokenizer
+        from alpacafarm.model_loading import load_tokenizer
         from alpacafarm.training import save_policy
 
         spec = context.recipe.model

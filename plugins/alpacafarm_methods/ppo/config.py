@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from alpacafarm.training import TrainingDefaults
-from alpacafarm_trl.ppo_core import KL_PENALTIES
-from alpacafarm_trl.ppo_models import VALUE_HEAD_INITS
+from alpacafarm_methods.ppo.core import KL_PENALTIES
+from alpacafarm_methods.ppo.models import VALUE_HEAD_INITS
 
 
 @dataclass

@@ -5,11 +5,11 @@ The method wires the stage: the SFT model, the reward model and the unlabeled in
 resumes from the stage's last ``checkpoint-N``, and the trained policy is saved as ``model/`` with
 ``metrics.json`` (and the SFT folder's prompt conditioning, if it has one: the policy was trained behind it).
 
-Where the pieces live, as in TRL: the config in :mod:`alpacafarm_trl.ppo_config`, the trainer (rollouts,
-advantages, updates, checkpoints) in :mod:`alpacafarm_trl.ppo_trainer`, the model layouts (separate models, or
+Where the pieces live, as in TRL: the config in :mod:`alpacafarm_methods.ppo.config`, the trainer (rollouts,
+advantages, updates, checkpoints) in :mod:`alpacafarm_methods.ppo.trainer`, the model layouts (separate models, or
 one LoRA base with the policy adapter, and a critic that starts as the reward model) in
-:mod:`alpacafarm_trl.ppo_models`, built from the stage's folders by :mod:`alpacafarm_trl.ppo_build`, the
-arithmetic in :mod:`alpacafarm_trl.ppo_core`. Trained weights are float32 master copies; the saved policy is
+:mod:`alpacafarm_methods.ppo.models`, built from the stage's folders by :mod:`alpacafarm_methods.ppo.build`, the
+arithmetic in :mod:`alpacafarm_methods.ppo.core`. Trained weights are float32 master copies; the saved policy is
 written in the model block's save dtype.
 """
 
@@ -20,20 +20,21 @@ from pathlib import Path
 from typing import Any
 
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
-from alpacafarm.modeling import loading_whole
+from alpacafarm.model_loading import loading_whole
 from alpacafarm.prompts import PromptConditioning, PromptFormat
 from alpacafarm.rewards import RewardFunction
-from alpacafarm.train_progress import training_progress
 from alpacafarm.training import limit, resume_checkpoint, stage_training_args
-from alpacafarm_trl.ppo_build import build_models
-from alpacafarm_trl.ppo_config import PPOMethodConfig
-from alpacafarm_trl.ppo_trainer import PPOTrainer
+from alpacafarm.training_progress import training_progress
+from alpacafarm_methods.ppo.build import build_models
+from alpacafarm_methods.ppo.config import PPOMethodConfig
+from alpacafarm_methods.ppo.trainer import PPOTrainer
 
 
 def save_trained_policy(trainer: Any, spec: Any, sft_path: str, directory: str | Path,
                         state_dict: dict[str, Any] | None) -> bool:
     """Save the trained policy through :func:`alpacafarm.training.save_trained`; returns whether adapters were
-    merged. ``state_dict``: the policy's full weights (:meth:`~alpacafarm_trl.ppo_trainer.PPOTrainer.policy_state_dict`,
+    merged. ``state_dict``: the policy's full weights
+    (:meth:`~alpacafarm_methods.ppo.trainer.PPOTrainer.policy_state_dict`,
     gathered whole whatever the launch config)."""
     from alpacafarm.training import save_trained
 
@@ -55,7 +56,7 @@ def build_ppo_trainer(config: PPOMethodConfig, spec: Any, sft_path: str, reward_
     """
     from transformers import set_seed
 
-    from alpacafarm.modeling import load_classifier, load_tokenizer
+    from alpacafarm.model_loading import load_classifier, load_tokenizer
     from alpacafarm.rewards import RewardScorer
 
     set_seed(config.seed)  # new adapters are randomly initialised: same seed, same run
@@ -84,7 +85,7 @@ class PPO(Method):
     description = ("PPO against the surrogate reward model with a per-token KL penalty to the SFT model "
                    "(our trainer)")
     #: Under several processes every rank rolls out its share of each rollout batch and the policy and critic train
-    #: through one accelerate Accelerator (see :mod:`alpacafarm_trl.ppo_trainer`); the main process saves.
+    #: through one accelerate Accelerator (see :mod:`alpacafarm_methods.ppo.trainer`); the main process saves.
     ranks = Ranks.ALL
 
     def run(self, context: StageContext) -> Artifact:

@@ -8,7 +8,7 @@ is charged on the per-token KL clamped at zero by default, as the released Alpac
 (:func:`kl_penalized_rewards`).
 
 :class:`Batch` and :func:`collate` pack prompt and response token ids into the tensors that every forward
-pass of the trainer and of the model layouts (:mod:`alpacafarm_trl.ppo_models`) reads; :class:`Rollouts` holds
+pass of the trainer and of the model layouts (:mod:`alpacafarm_methods.ppo.models`) reads; :class:`Rollouts` holds
 one PPO step's samples and the per-token tensors computed from them.
 """
 

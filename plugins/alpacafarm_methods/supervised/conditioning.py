@@ -30,8 +30,8 @@ from alpacafarm.kit import build_sft_trainer_on_rows, train_and_save_policy
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.prompts import PromptConditioning
 from alpacafarm.training import limit, stage_training_args
-from alpacafarm_trl.pairs import preference_rows
-from alpacafarm_trl.sft import SFTMethodConfig
+from alpacafarm_methods.pairs import preference_rows
+from alpacafarm_methods.supervised.sft import SFTMethodConfig
 
 GOOD_TOKEN = "<good>"
 BAD_TOKEN = "<bad>"
@@ -102,7 +102,7 @@ def build_conditioning_trainer(
     callbacks: list[Any] | None = None,
 ) -> tuple[Any, int]:
     """A ready ``SFTTrainer`` on the control-token rows of ``records``, and how many pairs had no preference."""
-    from alpacafarm.modeling import load_tokenizer
+    from alpacafarm.model_loading import load_tokenizer
 
     rows, dropped = conditioned_rows(
         records,

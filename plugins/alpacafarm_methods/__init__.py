@@ -1,0 +1,45 @@
+"""Built-in plugin: the learning methods, one folder per kind of method.
+
+- ``supervised/``: supervised fine-tuning on demonstrations (``sft``) and on preference data turned into
+  demonstrations (``binary_feedme``, ``binary_reward_conditioning``); TRL's ``SFTTrainer``.
+- ``reward_model/``: the Bradley-Terry reward model (TRL's ``RewardTrainer``) that the reward-driven methods use.
+- ``preference/``: learning from the pairs directly: ``dpo`` and its online, iterative form ``online_dpo``
+  (TRL's ``DPOTrainer``).
+- ``sampling/``: methods that sample and keep what the reward model prefers: ``best_of_n`` (at decoding time) and
+  ``expert_iteration`` (then SFT on the winners).
+- ``ppo/`` and ``quark/``: the paper's RL methods as released (our own trainers on one accelerate Accelerator).
+- ``online_rl/``: TRL's ``GRPOTrainer`` and ``RLOOTrainer``, rewarded by the reward model, rules or the annotator.
+- ``pairs.py``: the preference pairs every pairwise method reads.
+
+Targets are lazy strings: TRL takes seconds to import, so it is loaded only when a recipe names one of these.
+"""
+
+from alpacafarm import hookimpl
+
+
+@hookimpl
+def register_methods(register):
+    register("sft", "alpacafarm_methods.supervised.sft:SFT",
+             description="supervised fine-tuning on demonstrations (TRL SFTTrainer, response-only loss)")
+    register("reward_model", "alpacafarm_methods.reward_model.method:RewardModel",
+             description="Bradley-Terry reward model on pairwise preferences, initialised from the SFT model")
+    register("best_of_n", "alpacafarm_methods.sampling.best_of_n:BestOfN",
+             description="best-of-n sampling with the reward model; one run evaluates every n <= N on prefixes")
+    register("expert_iteration", "alpacafarm_methods.sampling.expert_iteration:ExpertIteration",
+             description="expert iteration: best-of-n on unlabeled instructions, then SFT on the best samples")
+    register("ppo", "alpacafarm_methods.ppo.method:PPO",
+             description="PPO against the reward model with a per-token KL penalty to the SFT model (our trainer)")
+    register("dpo", "alpacafarm_methods.preference.dpo:DPO",
+             description="Direct Preference Optimization on pairwise preferences, reference = the SFT model")
+    register("binary_feedme", "alpacafarm_methods.supervised.feedme:BinaryFeedME",
+             description="binary FeedME: supervised fine-tuning on the preferred output of each pair")
+    register("binary_reward_conditioning", "alpacafarm_methods.supervised.conditioning:BinaryRewardConditioning",
+             description="SFT on both outputs behind good/bad control tokens; generation conditioned on good")
+    register("grpo", "alpacafarm_methods.online_rl.grpo:GRPO",
+             description="GRPO (TRL GRPOTrainer): group-relative advantages, reward from the reward model and/or rules")
+    register("rloo", "alpacafarm_methods.online_rl.rloo:RLOO",
+             description="RLOO (TRL RLOOTrainer): leave-one-out baselines, reward from the reward model and/or rules")
+    register("online_dpo", "alpacafarm_methods.preference.online_dpo:OnlineDPO",
+             description="online / iterative DPO: rounds of sampling the policy, annotating the pairs, DPO steps")
+    register("quark", "alpacafarm_methods.quark.method:Quark",
+             description="Quark (best quantile, fresh pool per round): top-reward rollouts, NLL + KL to the SFT model")

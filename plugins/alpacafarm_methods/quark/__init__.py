@@ -1,0 +1,1 @@
+"""Quark as released by AlpacaFarm: configuration, the trainer (reward-quantile tokens), the method."""

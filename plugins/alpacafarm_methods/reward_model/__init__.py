@@ -1,0 +1,1 @@
+"""The Bradley-Terry reward model: the method and its scoring head."""

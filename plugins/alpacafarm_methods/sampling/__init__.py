@@ -1,0 +1,1 @@
+"""Sampling from the SFT model and keeping what the reward model prefers: best-of-n, expert iteration."""
