@@ -102,7 +102,7 @@ def test_the_checks_see_the_code():  # the rules above would pass vacuously on a
 
 
 #: The core's layers, lowest first: a module imports only from its own layer or the ones below it, so the data
-#: flows one way (docs/architecture.md draws them). A new core module must be placed here.
+#: flows one way (docs/architecture.md describes them). A new core module must be placed here.
 LAYERS: dict[str, set[str]] = {
     "foundation": {"alpacafarm", "alpacafarm.errors", "alpacafarm.types", "alpacafarm.console", "alpacafarm.seeding",
                    "alpacafarm.paths", "alpacafarm.hookspecs", "alpacafarm.code_identity", "alpacafarm.prompts",
