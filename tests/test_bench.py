@@ -462,3 +462,28 @@ def test_a_method_whose_code_changed_under_the_same_version_re_runs_and_fails(ti
     assert forced.returncode == 1, forced.stderr
     assert "split (split_instructions) — forced (--force)" in forced.stderr
     assert "unchanged, skipped" not in forced.stderr
+
+
+def test_probe_labels_within_float_noise_keep_the_baseline_and_a_moved_label_makes_it_stale():
+    """The judge fingerprint hashes its probe labels, so float noise from a batched forward pass (the offline judge
+    batches its language-model reads) changed the digest and made every baseline stale with '0 of 24 differ'."""
+    from alpacafarm_evaluation.bench_baseline import BenchRun, digest, stale_reasons
+
+    labels = [1.0 + i / 50 for i in range(24)]
+    judge = {"annotator": {"name": "offline", "config": {"continuous": True}}, "plugin": "annotators"}
+    baseline = {"fingerprints": {"judge": digest({**judge, "probe_labels": labels}), "data": "d", "recipe": "r"},
+                "judge": {**judge, "probe_labels": labels}, "systems": {"best_of_1": {}}}
+
+    def run_with(new_labels: list[float]) -> BenchRun:
+        new_judge = {**judge, "probe_labels": new_labels}
+        return BenchRun(recipe="b.yaml", recipe_name="b", overrides=[], run_dir="run", systems={"best_of_1": None},
+                        fingerprints={"judge": digest(new_judge), "data": "d", "recipe": "r"}, judge=new_judge,
+                        protocol={}, probe=[], versions={}, plugin_versions={}, seconds=0.0)
+
+    assert stale_reasons(run_with(labels), baseline) == []
+    assert stale_reasons(run_with([x + 3e-7 for x in labels]), baseline) == []
+    moved = [*labels[:5], labels[5] + 0.01, *labels[6:]]
+    assert stale_reasons(run_with(moved), baseline) == [
+        "judge changed: same name and config, but it labels 1 of 24 probe pairs differently (its code or model "
+        "changed)"]
+    assert stale_reasons(run_with(labels[:23]), baseline) != []  # a lost probe pair is not the same judge

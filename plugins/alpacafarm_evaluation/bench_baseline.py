@@ -30,6 +30,9 @@ from alpacafarm.paths import read_text
 BASELINE_FORMAT = "alpacafarm-bench-baseline/1"
 #: Judged pairs kept in a baseline to fingerprint the judge by its behaviour.
 PROBE_SIZE = 24
+#: How far a continuous probe label may move and still be the same judge: float noise (a batched forward pass, a
+#: reordered sum) moves labels by ~1e-7; a judge whose code or model changed moves some label by far more.
+PROBE_TOLERANCE = 1e-4
 
 
 def digest(payload: Any) -> str:
@@ -202,6 +205,12 @@ def read_baseline(path: Path) -> dict[str, Any]:
     return data
 
 
+def same_label(old: Any, new: Any) -> bool:
+    """Whether a probe pair got the same label: equal, or continuous labels within :data:`PROBE_TOLERANCE`."""
+    numbers = all(isinstance(x, int | float) and not isinstance(x, bool) for x in (old, new))
+    return abs(old - new) <= PROBE_TOLERANCE if numbers else old == new
+
+
 def stale_reasons(run: BenchRun, baseline: dict[str, Any]) -> list[str]:
     """Why the baseline does not describe this benchmark any more (empty: it does)."""
     reasons = []
@@ -212,10 +221,11 @@ def stale_reasons(run: BenchRun, baseline: dict[str, Any]) -> list[str]:
                 {k: v for k, v in run.judge.items() if k != "probe_labels"}:
             reasons.append(f"judge changed: {before.get('annotator')} -> {run.judge['annotator']}")
         else:
-            labels = list(zip(before.get("probe_labels") or [], run.judge["probe_labels"], strict=False))
-            differ = sum(a != b for a, b in labels)
-            reasons.append(f"judge changed: same name and config, but it labels {differ} of {len(labels)} "
-                           "probe pairs differently (its code or model changed)")
+            old_labels, new_labels = before.get("probe_labels") or [], run.judge["probe_labels"]
+            differ = sum(not same_label(a, b) for a, b in zip(old_labels, new_labels, strict=False))
+            if differ or len(old_labels) != len(new_labels):
+                reasons.append(f"judge changed: same name and config, but it labels {differ} of {len(new_labels)} "
+                               "probe pairs differently (its code or model changed)")
     if old["data"] != run.fingerprints["data"]:
         reasons.append("data changed: the evaluated instructions or their reference outputs differ")
     if old["recipe"] != run.fingerprints["recipe"]:
