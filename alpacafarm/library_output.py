@@ -125,7 +125,7 @@ def _configure_installed_libraries(verbose: bool) -> None:
             getattr(importlib.import_module(bars_module), disable)()
 
 
-def _name_deepspeed_accelerator() -> None:
+def name_deepspeed_accelerator() -> None:
     """DeepSpeed, where installed, picks its accelerator when first imported (transformers and accelerate import it)
     and, finding no GPU, warns on stdout through a handler it adds in that same import, before anything can route
     it. Where torch sees no CUDA device, name the CPU accelerator it falls back to (``DS_ACCELERATOR=cpu``): the
@@ -167,6 +167,6 @@ def route_library_output(verbose: bool = False) -> None:
         run_logger.addHandler(handlers[-1])
     logging.captureWarnings(True)
     _configure_installed_libraries(verbose)
-    _name_deepspeed_accelerator()
+    name_deepspeed_accelerator()
     for name in LIBRARY_LOGGERS:
         _disown_library_handlers(name, handlers)

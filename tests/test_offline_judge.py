@@ -160,6 +160,7 @@ def test_reference_head_is_used_and_symmetric(judge, answered) -> None:
     assert judge.judge([(ins, good, other, reference), (ins, other, good, reference)]) == [1, 2]
 
 
+@pytest.mark.slow
 @needs_data
 @needs_model
 def test_refit_is_reproducible_and_loads(tmp_path: Path) -> None:

@@ -127,9 +127,12 @@ def generate_model_outputs(args: argparse.Namespace) -> str:
     import yaml
 
     from alpacafarm.generation import SamplingConfig, generate_records, write_completions
+    from alpacafarm.library_output import name_deepspeed_accelerator
     from alpacafarm.plugins import get_registry
     from alpacafarm.recipe import ModelSpec
     from alpacafarm_evaluation.pairing import load_references
+
+    name_deepspeed_accelerator()  # stdout is --json's: DeepSpeed's "Setting accelerator to CPU" must not reach it
 
     if not args.annotator:
         raise UserError("--model needs --annotator NAME (e.g. --annotator offline)")
