@@ -300,7 +300,7 @@ def test_the_example_plugin_and_the_scaffold_import_only_public_alpacafarm_names
     # the scaffold's method is built from the public kit, which the built-ins use too
     method = (scaffold / "kit_user" / "method.py").read_text(encoding="utf-8")
     assert ("alpacafarm.kit", "score_groups") in imported_names(method)
-    builtin = (REPO_ROOT / "plugins" / "alpacafarm_methods" / "best_of_n.py").read_text(encoding="utf-8")
+    builtin = (REPO_ROOT / "plugins" / "alpacafarm_methods" / "sampling" / "best_of_n.py").read_text(encoding="utf-8")
     assert ("alpacafarm.kit", "score_groups") in imported_names(builtin)
     # the check itself sees what it must refuse
     assert private_imports("from alpacafarm_methods.sampling.best_of_n import BestOfN\nfrom alpacafarm.x import _y\n"

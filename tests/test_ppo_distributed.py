@@ -230,12 +230,13 @@ def test_the_trainer_accelerator_starts_from_the_state_its_arguments_set_up(tmp_
 
 
 GUARDED = ("deepspeed", "accelerate", "torch.distributed", "transformers", "trl")
-PPO_AND_QUARK = sorted((REPO_ROOT / "plugins/alpacafarm_methods").glob("ppo*.py")) + \
-    sorted((REPO_ROOT / "plugins/alpacafarm_methods").glob("quark*.py"))
+PPO_AND_QUARK = sorted((REPO_ROOT / "plugins/alpacafarm_methods/ppo").glob("*.py")) + \
+    sorted((REPO_ROOT / "plugins/alpacafarm_methods/quark").glob("*.py"))
 #: Where trainers meet accelerate, DeepSpeed and transformers: every ``obj._y`` is refused there (``strict``).
 #: alpacafarm/distributed.py is checked for the libraries' names only: it calls the standard library's
 #: ``os._exit`` and ``atexit._run_exitfuncs`` on purpose and marks exceptions with an attribute of its own.
-TRAINER_LAYER = [REPO_ROOT / "alpacafarm/training.py", *sorted((REPO_ROOT / "plugins/alpacafarm_methods").glob("*.py"))]
+TRAINER_LAYER = [REPO_ROOT / "alpacafarm/training.py",
+                 *sorted((REPO_ROOT / "plugins/alpacafarm_methods").rglob("*.py"))]
 
 
 def private_uses(source: str, *, strict: bool) -> list[str]:
