@@ -13,7 +13,7 @@ instruction. From the token log-probabilities:
   nothing from the instruction.
 
 The judge reads these only through hinges that *penalise* text below the level of real answers
-(:mod:`judge_fit`), never reward text above it: an LM finds its own samples more probable than human answers, so
+(:mod:`.features`), never reward text above it: an LM finds its own samples more probable than human answers, so
 a policy sharing its weights must not earn credit for that. Values are cached in memory and, optionally, on disk
 (keyed by the SHA-1 of instruction and output); texts are scored shortest first in a fixed order so that the same
 set of texts gives the same values.
@@ -22,22 +22,16 @@ set of texts gives the same values.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from alpacafarm.data import write_json
-from alpacafarm.errors import UserError
-from alpacafarm.paths import read_text
-from alpacafarm_annotators.judge_features import load_chunks, save_chunk
+from alpacafarm_annotators.offline_judge.vector_cache import load_chunks, save_chunk
 
-__all__ = ["COND_TOKENS", "LM_FEATURES", "LM_MODEL", "PMI_TOKENS", "LMScorer", "cached_json"]
-
-T = TypeVar("T")
+__all__ = ["COND_TOKENS", "LM_FEATURES", "LM_MODEL", "PMI_TOKENS", "LMScorer"]
 
 #: the model alias (see :mod:`alpacafarm.models`)
 LM_MODEL = "smollm2-135m-instruct"
@@ -172,92 +166,3 @@ class LMScorer:
             values.append(np.round(np.array([mean, surprise, pmi]), _DECIMALS))
         assert all(math.isfinite(v) for row in values for v in row)
         return values
-
-
-#: temperatures of the language model's own hot samples, a negative family of the fit (cycled over instructions)
-HOT_TEMPERATURES = (1.2, 1.35, 1.5)
-HOT_TOKENS = 96
-
-
-def _sample_cache(cache_dir: str | Path | None, prefix: str, determinants: list[Any]) -> Path | None:
-    """``<cache_dir>/<prefix>_<hash of determinants>.json`` (None without a folder)."""
-    if cache_dir is None:
-        return None
-    key = hashlib.sha256(json.dumps(determinants).encode()).hexdigest()[:20]
-    return Path(cache_dir) / f"{prefix}_{key}.json"
-
-
-def cached_json(path: Path | None, draw: Callable[[], T]) -> T:
-    """The JSON value cached at ``path``, or ``draw()`` written there atomically (a run killed mid-write leaves no
-    half file). No ``path``: drawn every time. A cache file that is not valid JSON is a one-line UserError naming it."""
-    if path is not None and path.is_file():
-        try:
-            return json.loads(read_text(path, "sample cache"))
-        except json.JSONDecodeError as exc:
-            raise UserError(f"sample cache {path} is not valid JSON ({exc}): delete it to draw the samples "
-                            "again") from None
-    value = draw()
-    if path is not None:
-        write_json(path, value)
-    return value
-
-
-def hot_samples(instructions: Sequence[str], seed: int, cache_dir: str | Path | None = None,
-                temperatures: Sequence[float] = HOT_TEMPERATURES) -> list[str]:
-    """One answer per instruction sampled from the judge's LM at a high temperature (``temperatures`` cycled):
-    text that reads as fluent word by word but drifts into nonsense, which best-of-n on the judge's score would
-    otherwise find. Drawn with the project's transformers sampler (fixed batches and seed: the same on every run
-    on a machine) and cached under ``cache_dir`` by a hash of everything that determines them."""
-    def draw() -> list[str]:
-        samples = [""] * len(instructions)
-        generator = lm_generator()
-        for k, temperature in enumerate(temperatures):
-            chosen = list(range(k, len(instructions), len(temperatures)))
-            outs = sample_answers([instructions[i] for i in chosen], temperature, 1, HOT_TOKENS, seed + k,
-                                  batch_size=16, generator=generator)
-            for i, out in zip(chosen, outs, strict=True):
-                samples[i] = out[0]
-        return samples
-
-    path = _sample_cache(cache_dir, "hot_samples",
-                         [LM_MODEL, list(instructions), list(temperatures), seed, HOT_TOKENS])
-    return cached_json(path, draw)
-
-
-#: the pool mined for the adversarial round of the fit: many samples per instruction at the temperature of
-#: ``benchmarks/offline_judge_agreement.py``'s best-of-n, of which the judge's favourites become rivals
-POOL_TEMPERATURE = 1.2
-POOL_SIZE = 16
-
-
-def sample_pool(instructions: Sequence[str], seed: int, cache_dir: str | Path | None = None,
-                n: int = POOL_SIZE, temperature: float = POOL_TEMPERATURE) -> list[list[str]]:
-    """``n`` answers per instruction sampled from the judge's LM at ``temperature`` (cached like
-    :func:`hot_samples`): the candidates a best-of-n policy would choose among."""
-    path = _sample_cache(cache_dir, "pool", [LM_MODEL, list(instructions), n, temperature, seed, HOT_TOKENS])
-    return cached_json(path, lambda: sample_answers(instructions, temperature, n, HOT_TOKENS, seed,
-                                                    batch_size=max(1, 64 // n)))
-
-
-def lm_generator() -> Any:
-    """The judge's LM behind the project's transformers sampler (float32)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from alpacafarm.generation import TransformersGenerator
-    from alpacafarm.models import resolve_model_path
-
-    model_path = resolve_model_path(LM_MODEL)
-    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
-    return TransformersGenerator(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), tokenizer)
-
-
-def sample_answers(instructions: Sequence[str], temperature: float, n: int, max_new_tokens: int, seed: int,
-                   batch_size: int, generator: Any = None) -> list[list[str]]:
-    """``n`` answers per instruction from the judge's LM (``generator``: one from :func:`lm_generator`, else loaded)."""
-    from alpacafarm.generation import SamplingConfig
-
-    generator = generator or lm_generator()
-    prompts = generator.prompt_format.records([{"instruction": ins, "input": ""} for ins in instructions])
-    return generator.generate(prompts, SamplingConfig(n=n, temperature=temperature, max_new_tokens=max_new_tokens,
-                                                      batch_size=batch_size, seed=seed))
