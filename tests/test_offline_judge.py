@@ -482,3 +482,33 @@ def test_the_weights_file_is_replaced_atomically(tmp_path: Path) -> None:
     assert judge_weights.load_weights(path)["fit"]["seed"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.json"]
 
+
+@needs_model
+def test_batched_language_model_reads_give_the_one_at_a_time_scores() -> None:
+    """The language model reads answers in batches behind their instruction's prompt, read once; one answer at a
+    time (prompt included) is the definition. On 16 real pairs (empty to past-the-window answers, several per
+    instruction, in batches of 16 and of 3) the scores agree within 1e-4 and no label changes."""
+    records = read_records(BUILTIN_DIR / "alpaca_eval_sample.jsonl")
+    pairs = []
+    for k in range(4):
+        record, other = records[3 * k], records[3 * k + 1]
+        instruction = f"{record['instruction']}\n\n{record['input']}" if record["input"] else record["instruction"]
+        answer = record["reference"]
+        answers = [answer, " ".join(answer.split()[:12]), other["reference"],
+                   f"{answer}\n\n{other['reference']}", "Yes.", ""]
+        pairs += [(instruction, answers[0], answers[j], None) for j in (1, 2, 3)]
+        pairs.append((instruction, answers[4], answers[5] if k % 2 == 0 else answers[1], None))
+    lengths = [len(out.split()) for _, _, out, _ in pairs]
+    assert len(pairs) == 16 and min(lengths) == 0 and max(lengths) > 100
+    one = OfflineJudge(lm_batch_size=1)
+    expected_scores = one.score_batch([(ins, out, ref) for ins, o1, o2, ref in pairs for out in (o1, o2)])
+    expected_labels = one.judge(pairs)
+    expected_lm = one.lm.features([(ins, out) for ins, o1, o2, _ in pairs for out in (o1, o2)])
+    for batch_size in (16, 3):
+        batched = OfflineJudge(lm_batch_size=batch_size)
+        scores = batched.score_batch([(ins, out, ref) for ins, o1, o2, ref in pairs for out in (o1, o2)])
+        assert scores == pytest.approx(expected_scores, abs=1e-4, rel=0), batch_size
+        assert batched.judge(pairs) == expected_labels, batch_size
+        lm = batched.lm.features([(ins, out) for ins, o1, o2, _ in pairs for out in (o1, o2)])
+        assert abs(lm - expected_lm).max() < 1e-4, batch_size
+    assert set(expected_labels) == {1, 2}  # both sides win somewhere: the comparison is not vacuous

@@ -6,7 +6,7 @@ Where to look:
 * :mod:`.judge` — :class:`~.judge.OfflineJudge`: a score per output, a verdict per pair;
 * :mod:`.features` — the feature vector its linear head reads, built from
   :mod:`.text_features` (text statistics, n-gram fluency, key-word coverage), :mod:`.embeddings` (MiniLM) and
-  :mod:`.language_model` (a small LM's reading of the output);
+  :mod:`.language_model` (a small LM's reading of the output; its batched reads in :mod:`.token_logprobs`);
 * :mod:`.vector_cache` — embeddings and LM readings kept on disk between runs (``cache_dir``);
 * :mod:`.weights` — the weights file's format and fingerprint; ``weights.json`` holds the shipped weights.
 

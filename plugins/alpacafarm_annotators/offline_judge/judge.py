@@ -50,12 +50,15 @@ class OfflineJudge:
         cache_size: int = 50_000,
         weights_file: str | Path = WEIGHTS_FILE,
         cache_dir: str | Path | None = None,
+        lm_batch_size: int = 16,
     ) -> None:
         """Configure the judge; the embedding model is loaded lazily on first use.
 
         ``max_length`` is the number of MiniLM tokens embedded from the start of each text (the fit used 128).
         ``cache_size`` bounds the number of embeddings kept in memory between calls (about 1.5 kB each);
-        ``cache_dir`` keeps them (and the LM readings) on disk instead.
+        ``cache_dir`` keeps them (and the LM readings) on disk instead. ``lm_batch_size`` is the number of outputs
+        the language model reads per forward pass (1: each read alone, its prompt included; see
+        :class:`~.language_model.LMScorer`).
         """
         from alpacafarm_annotators.offline_judge.features import Featurizer
         from alpacafarm_annotators.offline_judge.language_model import LMScorer
@@ -68,7 +71,8 @@ class OfflineJudge:
                          for name, values in self.document["weights"].items()}
         self.embedder = MiniLMEmbedder(embedding_model_dir, max_length=max_length, num_threads=num_threads,
                                        cache_dir=cache_dir, cache_size=cache_size, batch_size=batch_size)
-        self.lm = LMScorer(num_threads=num_threads, cache_dir=cache_dir, cache_size=cache_size)
+        self.lm = LMScorer(num_threads=num_threads, batch_size=lm_batch_size, cache_dir=cache_dir,
+                           cache_size=cache_size)
         self._featurize = Featurizer(NGramTables.from_dict(self.document["ngrams"]), self.embedder, self.lm)
 
     def embed(self, texts: Sequence[str]) -> Any:

@@ -15,8 +15,8 @@ instruction. From the token log-probabilities:
 The judge reads these only through hinges that *penalise* text below the level of real answers
 (:mod:`.features`), never reward text above it: an LM finds its own samples more probable than human answers, so
 a policy sharing its weights must not earn credit for that. Values are cached in memory and, optionally, on disk
-(keyed by the SHA-1 of instruction and output); texts are scored shortest first in a fixed order so that the same
-set of texts gives the same values.
+(keyed by the SHA-1 of instruction and output). The reads (:mod:`.token_logprobs`) are batched behind each
+instruction's prompt, read once, in a fixed order, so that the same set of texts gives the same values.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from alpacafarm_annotators.offline_judge.token_logprobs import token_logprobs, use_float64_attention
 from alpacafarm_annotators.offline_judge.vector_cache import load_chunks, save_chunk
 
 __all__ = ["COND_TOKENS", "LM_FEATURES", "LM_MODEL", "PMI_TOKENS", "LMScorer"]
@@ -43,7 +44,6 @@ SURPRISE_LOGPROB = -10.0
 LOGPROB_FLOOR = -12.0
 LM_FEATURES = ("lm_logprob", "lm_surprise", "lm_pmi")
 _SYSTEM = "Answer the instruction."
-_DECIMALS = 4  # values are rounded: batching changes float sums in the last bits, never the 4th decimal
 
 
 def pair_key(instruction: str, output: str) -> str:
@@ -51,9 +51,13 @@ def pair_key(instruction: str, output: str) -> str:
 
 
 class LMScorer:
-    """LM features (:data:`LM_FEATURES`) of (instruction, output) pairs; the model loads on first use."""
+    """LM features (:data:`LM_FEATURES`) of (instruction, output) pairs; the model loads on first use.
 
-    def __init__(self, model: str = LM_MODEL, num_threads: int | None = None, batch_size: int = 8,
+    ``batch_size`` outputs are read per forward pass behind their instruction's prompt (1: each output read alone,
+    prompt included, the definition the batched reads are tested against; see :mod:`.token_logprobs`).
+    """
+
+    def __init__(self, model: str = LM_MODEL, num_threads: int | None = None, batch_size: int = 16,
                  cache_dir: str | Path | None = None, cache_size: int = 200_000) -> None:
         self.model_name = model
         self.num_threads = num_threads
@@ -79,6 +83,7 @@ class LMScorer:
         path = resolve_model_path(self.model_name)
         self._tokenizer = AutoTokenizer.from_pretrained(path)
         self._model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        use_float64_attention(self._model)
 
     def _prompt(self, instruction: str) -> list[int]:
         tok = self._tokenizer
@@ -97,25 +102,10 @@ class LMScorer:
 
     # -- scoring ----------------------------------------------------------------------------------------------
     def _token_logprobs(self, sequences: list[tuple[list[int], list[int]]]) -> list[np.ndarray]:
-        """Log-probabilities of each continuation's tokens after its prompt, batched shortest first."""
-        import torch
-
-        order = sorted(range(len(sequences)), key=lambda i: (len(sequences[i][0]) + len(sequences[i][1]), i))
-        out: list[np.ndarray] = [np.zeros(0)] * len(sequences)
+        """Log-probabilities of each continuation's tokens after its prompt (:func:`.token_logprobs.token_logprobs`:
+        ``batch_size`` continuations per forward pass behind their shared prompt, or with 1 each read alone)."""
         pad = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
-        with torch.inference_mode():
-            for start in range(0, len(order), self.batch_size):
-                chunk = order[start:start + self.batch_size]
-                full = [sequences[i][0] + sequences[i][1] for i in chunk]
-                width = max(len(s) for s in full)
-                ids = torch.tensor([s + [pad] * (width - len(s)) for s in full])
-                mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in full])
-                logits = self._model(input_ids=ids, attention_mask=mask).logits.float()
-                logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
-                for row, i in enumerate(chunk):
-                    prompt_len, n = len(sequences[i][0]), len(sequences[i][1])
-                    out[i] = logprobs[row, prompt_len - 1:prompt_len - 1 + n].numpy().astype(np.float64)
-        return out
+        return token_logprobs(self._model, pad, sequences, self.batch_size)
 
     def features(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
         """A (len(pairs), len(LM_FEATURES)) array for (instruction, output) pairs."""
@@ -163,6 +153,9 @@ class LMScorer:
             mean = max(LOGPROB_FLOOR, float(lp.mean()))
             surprise = float((lp < SURPRISE_LOGPROB).mean())
             pmi = float((lp[:PMI_TOKENS] - lp_free).mean())
-            values.append(np.round(np.array([mean, surprise, pmi]), _DECIMALS))
+            # Not rounded: batching changes float sums in their last bits, and rounding to a few decimals turned
+            # that noise into whole steps whenever a value sat near a rounding boundary (a step of 1e-4 in the PMI
+            # moves a score by up to 3e-3 through the hinges and the gate).
+            values.append(np.array([mean, surprise, pmi]))
         assert all(math.isfinite(v) for row in values for v in row)
         return values
