@@ -38,20 +38,20 @@ def float64_attention(module: Any, query: Any, key: Any, value: Any, attention_m
     """Scaled dot-product attention computed in float64 and rounded back (transformers' attention signature)."""
     import torch
 
-    groups = getattr(module, "num_key_value_groups", 1)
-    keys = key.double().repeat_interleave(groups, dim=1)
-    values = value.double().repeat_interleave(groups, dim=1)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    scores = torch.matmul(query.double(), keys.transpose(2, 3)) * scale
-    q_length, kv_length = scores.shape[-2], scores.shape[-1]
+    batch, heads, q_length, dim = query.shape
+    kv_heads, kv_length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads  # grouped-query attention: each key/value head serves `groups` query heads
+    queries = query.double().reshape(batch, kv_heads, groups * q_length, dim)
+    scale = scaling if scaling is not None else dim ** -0.5
+    scores = torch.matmul(queries, key.double().transpose(2, 3)) * scale
     if attention_mask is not None:
-        mask = attention_mask[:, :, :, :kv_length]
+        mask = attention_mask[:, :, :, :kv_length].repeat(1, 1, groups, 1)
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.double()
     elif q_length > 1:  # causal: query i is position kv_length - q_length + i
         future = torch.ones(q_length, kv_length, dtype=torch.bool).triu(kv_length - q_length + 1)
-        scores = scores.masked_fill(future, float("-inf"))
-    output = torch.matmul(torch.softmax(scores, dim=-1), values).to(query.dtype)
-    return output.transpose(1, 2).contiguous(), None
+        scores = scores.masked_fill(future.repeat(groups, 1), float("-inf"))
+    output = torch.matmul(torch.softmax(scores, dim=-1), value.double()).to(query.dtype)
+    return output.reshape(batch, heads, q_length, dim).transpose(1, 2).contiguous(), None
 
 
 def use_float64_attention(model: Any) -> None:
