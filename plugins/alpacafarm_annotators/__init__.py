@@ -20,9 +20,9 @@ def register_annotators(register):
         register(f"alpaca_eval:{name}", "alpacafarm_annotators.alpaca_eval_source:AlpacaEvalSource", args=(name,),
                  runtime=("cache", "budget"),
                  description=f"AlpacaEval's evaluators_configs/{name}, run by this engine (extra: alpaca-eval)")
-    register("offline", "alpacafarm_annotators.offline:OfflineAnnotator",
+    register("offline", "alpacafarm_annotators.offline_judge.annotator:OfflineAnnotator",
              description="offline judge: a head on a small LM's reading, MiniLM and text features; no network, $0",
-             identity="alpacafarm_annotators.offline_judge:weights_identity")
+             identity="alpacafarm_annotators.offline_judge.weights:weights_identity")
     register("local_judge", "alpacafarm_annotators.local_judge:LocalJudge",
              description="a local causal LM's log-probabilities of the answer labels, both orders averaged")
 
@@ -48,5 +48,3 @@ def alpaca_eval_configs() -> list[str]:
 @hookimpl
 def register_commands(register):
     register("annotate", "alpacafarm_annotators.cli:main", description="annotate pairs of outputs with an annotator")
-    register("offline-judge", "alpacafarm_annotators.judge_fit:main",
-             description="offline-judge fit --data DIR --out FILE: refit the offline judge's weights")

@@ -2,10 +2,10 @@
 
 Columns (:data:`FEATURE_NAMES`, then ``cos_ref`` for the reference head):
 
-* text statistics (:func:`judge_features.text_stats`), with length and layout (:data:`GATED_STATS`) multiplied by
+* text statistics (:func:`.text_features.text_stats`), with length and layout (:data:`GATED_STATS`) multiplied by
   a gate in [0, 1] that is open only for an output that is on topic and fluent;
 * relevance from MiniLM: the cosine to the instruction and hinges below :data:`RELEVANCE_LEVELS`;
-* the language model's view (:mod:`judge_lm`), through hinges that only penalise: how far the output's mean token
+* the language model's view (:mod:`.language_model`), through hinges that only penalise: how far the output's mean token
   log-probability falls below :data:`LOGPROB_LEVELS`, the share of nearly impossible tokens, and how far the
   instruction's help in predicting the output (PMI) falls below :data:`PMI_LEVELS`. Nothing rewards text for being
   *more* probable than real answers, so a policy that shares the LM's weights gains nothing from its own taste;
@@ -26,10 +26,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from alpacafarm_annotators.judge_features import EMBED_DIM, STAT_NAMES, MiniLMEmbedder, NGramTables, text_stats
-from alpacafarm_annotators.judge_lm import LMScorer
+from alpacafarm_annotators.offline_judge.embeddings import EMBED_DIM, MiniLMEmbedder
+from alpacafarm_annotators.offline_judge.language_model import LMScorer
+from alpacafarm_annotators.offline_judge.text_features import STAT_NAMES, NGramTables, text_stats
 
-__all__ = ["FEATURE_NAMES", "GATED_STATS", "Featurizer", "feature_settings"]
+__all__ = ["FEATURE_NAMES", "FIRST_EMBEDDING", "GATED_STATS", "Featurizer", "feature_settings"]
 
 #: hinge features of relevance: how far below each level the output's similarity to the instruction falls
 RELEVANCE_LEVELS = (0.2, 0.35, 0.5)

