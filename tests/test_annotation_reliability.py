@@ -256,6 +256,7 @@ class FlakyJudge:
         return "Output (1)"
 
 
+@pytest.mark.slow
 def test_a_preference_stage_with_failed_labels_is_never_complete_and_a_rerun_asks_only_the_missing(
         tiny_model_dir: str, tmp_path: Path, env):
     judge_endpoint = FlakyJudge()

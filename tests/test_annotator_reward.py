@@ -40,6 +40,7 @@ def test_scores_are_the_probability_that_the_completion_wins():
         preference_score(3)
 
 
+@pytest.mark.slow
 def test_grpo_with_the_offline_pool_as_reward(tiny_model_dir: str, tmp_path: Path):
     from safetensors.torch import load_file
 
@@ -136,6 +137,7 @@ def test_sft_references_are_sampled_once_and_judged_against(tiny_model_dir: str,
     assert artifact.metadata["annotator"]["reference"] == "sft"
 
 
+@pytest.mark.slow
 def test_the_budget_stops_the_annotator_reward_with_one_line(tiny_model_dir: str, tmp_path: Path):
     from conftest import run_cli
 

@@ -358,6 +358,7 @@ def benchtest_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work / "site"
 
 
+@pytest.mark.slow
 def test_the_command_exits_1_on_fail_with_json_and_a_report(tiny_bench: dict, benchtest_site: Path,
                                                             tmp_path: Path):
     report_file = tmp_path / "gate.md"
@@ -371,6 +372,7 @@ def test_the_command_exits_1_on_fail_with_json_and_a_report(tiny_bench: dict, be
     assert report_file.read_text(encoding="utf-8").startswith("## ❌ alpacafarm bench: FAIL")
 
 
+@pytest.mark.slow
 def test_the_command_exits_4_on_a_stale_baseline_and_update_baseline_writes_a_new_one(
         tiny_bench: dict, benchtest_site: Path, tmp_path: Path):
     env = {"PYTHONPATH": str(benchtest_site)}
@@ -428,6 +430,7 @@ def test_a_missing_or_bad_baseline_is_a_one_line_user_error(tmp_path: Path):
     assert result.returncode == 2 and "--margin must be positive" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_method_whose_code_changed_under_the_same_version_re_runs_and_fails(tiny_bench: dict, tmp_path: Path):
     """The plugin's version is not bumped: only its source changes. The gate must not reuse the old outputs."""
     import shutil

@@ -113,6 +113,7 @@ def loop_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> d
             "artifacts": {o.name: o.artifact for o in first}}
 
 
+@pytest.mark.slow
 def test_the_loop_runs_every_stage_and_rerunning_skips_them_all(loop_run: dict[str, Any]):
     names = ["split", "preferences", "reward_model", "outputs", "best_of_n", "expert_iteration",
              "expert_iteration_outputs", "evaluate"]

@@ -158,6 +158,7 @@ def test_bad_annotation_file_is_a_user_error(tmp_path: Path):
         evaluate_annotations(str(tmp_path / "missing.json"))
 
 
+@pytest.mark.slow
 def test_model_option_generates_then_evaluates(tiny_model_dir: str, tmp_path: Path):
     out = tmp_path / "eval"
     result = run_cli("evaluate", "--model", tiny_model_dir, "--annotator", "offline", "--max-instructions", "4",
@@ -191,6 +192,7 @@ def _truncated_outputs(n: int, merged: bool = False) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_evaluate_outputs_end_to_end(tmp_path: Path):
     outputs = _truncated_outputs(20, merged=True)
     outputs += [{"instruction": "An instruction nobody wrote a reference for", "output": "x"},

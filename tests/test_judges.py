@@ -25,6 +25,7 @@ def offline() -> OfflineAnnotator:
     return OfflineAnnotator(OfflineAnnotatorConfig(references=DataSource(builtin="alpaca_eval_sample")))
 
 
+@pytest.mark.slow
 def test_offline_is_order_independent_and_deterministic(offline, sample_pairs):
     forward = offline.annotate(sample_pairs)
     backward = offline.annotate([p.swapped() for p in sample_pairs])
@@ -66,6 +67,7 @@ def test_offline_pool_preset_adds_the_papers_noise(sample_pairs):
     assert all(a.annotator == "offline" and a.swapped in (True, False) for a in annotations if not a.noise)
 
 
+@pytest.mark.slow
 def test_replicates_of_the_offline_judge_are_equal_and_of_its_noisy_pool_are_not(offline, sample_pairs):
     pairs = [Pair(f"{p.instruction} (variant {k})", p.output_1, p.output_2, p.input) for k in range(4)
              for p in sample_pairs[:6]]

@@ -130,6 +130,7 @@ def test_a_non_numeric_column_is_an_error_naming_the_file(tmp_path: Path, value)
         build_leaderboard([path])
 
 
+@pytest.mark.slow
 def test_cli_over_real_quickstart_style_runs(tmp_path: Path, tiny_model_dir: str):
     """``alpacafarm leaderboard runs/*/`` (the README's command) over two real runs that each evaluated two
     policies: one row per system and run."""

@@ -108,6 +108,7 @@ def outcomes_table(run_dir: Path) -> list[str]:
     return manifest["artifact"]["metadata"]["table"]["columns"]
 
 
+@pytest.mark.slow
 def test_weighted_win_rate_in_a_pipeline_is_judged_apart_from_hard_labels(tmp_path: Path, register_test_plugin):
     from alpacafarm.pipeline import Pipeline
     from alpacafarm.recipe import load_recipe

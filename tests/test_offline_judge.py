@@ -133,6 +133,7 @@ def test_edited_or_foreign_weights_fail_loudly(tmp_path: Path) -> None:
         judge_weights.load_weights(truncated)
 
 
+@pytest.mark.slow
 @needs_model
 def test_every_degenerate_family_loses(judge, answered) -> None:
     pairs, families = [], []
@@ -155,6 +156,7 @@ def test_on_topic_beats_a_longer_fluent_off_topic_answer(judge) -> None:
     assert judge.judge([(instruction, right, off_topic, None), (instruction, off_topic, right, None)]) == [1, 2]
 
 
+@pytest.mark.slow
 @needs_model
 def test_symmetric_deterministic_and_ties(judge, answered) -> None:
     pairs = [(ins, a, answered[(k + 1) % len(answered)][1][:200] + " " + a[:100], None)
@@ -435,6 +437,7 @@ def test_the_fit_holds_gated_length_and_layout_weights_at_zero_or_above() -> Non
         assert int(np.argmax(head)) == cos  # the rest is refitted: relevance still carries the preference
 
 
+@pytest.mark.slow
 @needs_model
 def test_scoring_a_pair_never_imports_the_fitting_code() -> None:
     """The judge (and the registered annotator) score without the maintainers' fit: nothing from tools/ is loaded."""
@@ -483,6 +486,7 @@ def test_the_weights_file_is_replaced_atomically(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.json"]
 
 
+@pytest.mark.slow
 @needs_model
 def test_batched_language_model_reads_give_the_one_at_a_time_scores() -> None:
     """The language model reads answers in batches behind their instruction's prompt, read once; one answer at a

@@ -116,6 +116,7 @@ def offline_run(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -
     return {"recipe": recipe, "run": tmp_path / "run", "artifacts": artifacts}
 
 
+@pytest.mark.slow
 def test_each_round_labels_its_own_samples_and_trains_on_them(offline_run: dict[str, Any], tiny_model_dir: str):
     run = offline_run["run"]
     train = [r["instruction"] for r in rows(run / "stages/split/train.jsonl")]
@@ -243,6 +244,7 @@ def env(tmp_path: Path) -> dict[str, str]:
             "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.slow
 def test_a_server_fault_after_round_one_fails_loudly_and_the_rerun_pays_only_the_rest(
         tiny_model_dir: str, tmp_path: Path, env: dict[str, str]):
     judge = Judge("fail", after=4)  # round 1's 4 pairs are answered, then every request fails
@@ -267,6 +269,7 @@ def test_a_server_fault_after_round_one_fails_loudly_and_the_rerun_pays_only_the
     assert metrics["annotation_cost_usd"] > 0
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_at_its_round_without_paying_again(tiny_model_dir: str, tmp_path: Path,
                                                                  env: dict[str, str]):
     judge = Judge("hang", after=4)  # round 2's requests hang: the process is killed while they are in flight
@@ -293,6 +296,7 @@ def test_a_killed_run_resumes_at_its_round_without_paying_again(tiny_model_dir: 
     assert "round 1 already complete, kept" in (out / "run.log").read_text()
 
 
+@pytest.mark.slow
 def test_the_budget_stops_online_dpo_with_one_line(tiny_model_dir: str, tmp_path: Path, env: dict[str, str]):
     """Half of what the whole run costs stops it in one line; with a larger budget the rerun pays only the rest."""
     with FakeOpenAIServer(Judge()) as server:

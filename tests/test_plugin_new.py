@@ -49,6 +49,7 @@ def run_python(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.Complet
 # ------------------------------------------------------------------------------------------ plugin new
 
 
+@pytest.mark.slow
 def test_plugin_new_writes_a_repository_whose_test_and_recipe_check_pass(tmp_path: Path):
     result = run_cli("plugin", "new", "my-rerank", "--dir", str(tmp_path))
     assert result.returncode == 0, result.stderr

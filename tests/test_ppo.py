@@ -267,6 +267,7 @@ def _train_on_token_reward(kl_coef: float) -> list[dict[str, Any]]:
     return [e for e in trainer.state.log_history if "score" in e]
 
 
+@pytest.mark.slow
 def test_reward_rises_while_the_kl_penalty_bounds_the_drift():
     penalised = _train_on_token_reward(kl_coef=0.02)
     free = _train_on_token_reward(kl_coef=0.0)

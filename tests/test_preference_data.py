@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from conftest import run_cli
 
 from alpacafarm_data.preferences import make_pairs
@@ -16,6 +17,7 @@ def test_pairing_drops_duplicates_and_empty_samples():
     assert make_pairs(["a", "b", "c"], "all") == [("a", "b"), ("a", "c"), ("b", "c")]
 
 
+@pytest.mark.slow
 def test_preference_stage_in_a_recipe(tiny_model_dir: str, tmp_path: Path):
     recipe = tmp_path / "prefs.yaml"
     recipe.write_text(

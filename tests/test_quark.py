@@ -616,6 +616,7 @@ run_recipe(sys.argv[1], sys.argv[2])
 """
 
 
+@pytest.mark.slow
 def test_a_killed_stage_resumes_after_its_last_round_and_ends_with_the_uninterrupted_weights(
         tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     import subprocess

@@ -65,6 +65,7 @@ def test_expert_iteration_and_best_of_n_sample_through_the_configured_backend(tm
     assert [b["output"] for b in best] == [w["output"] for w in winners]
 
 
+@pytest.mark.slow
 def test_evaluate_model_generates_through_the_chosen_backend(tmp_path: Path, tiny_model_dir: str):
     import json
 

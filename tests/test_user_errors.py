@@ -104,6 +104,7 @@ def test_a_data_file_that_is_not_utf8_names_the_file(tmp_path: Path, cli):
 # --------------------------------------------------------------------------------------------- paths and disks
 
 
+@pytest.mark.slow
 def test_a_run_directory_that_is_a_file(tmp_path: Path, cli):
     blocker = tmp_path / "taken"
     blocker.write_text("a file, not a run directory\n")
@@ -160,6 +161,7 @@ def test_a_full_disk_names_the_path_and_enospc(tmp_path: Path, cli):
     one_error_line(result, f"cannot write {full}", "no space left on device (ENOSPC)")
 
 
+@pytest.mark.slow
 def test_annotate_into_a_full_disk_names_the_path(tmp_path: Path, cli):
     """The atomic writer writes straight into a device it cannot replace (``-o /dev/stdout`` works too)."""
     full = full_device(tmp_path)

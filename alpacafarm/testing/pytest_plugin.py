@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,20 @@ def pytest_configure(config: pytest.Config) -> None:
     root = Path(_session_tmp.name)
     os.environ.update(offline_environment(root / "hf_home"))
     os.environ.setdefault("ALPACAFARM_CACHE_DIR", str(root / "cache"))
+    os.environ.update(worker_threads(getattr(config, "workerinput", None), os.cpu_count() or 1, os.environ))
+
+
+def worker_threads(workerinput: dict[str, Any] | None, cpus: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """Thread variables for a pytest-xdist worker: the cores shared out between the workers (at least one each).
+
+    Two workers that each run torch with every core's thread oversubscribe the machine, and OpenMP threads that
+    spin-wait for a busy core make a tiny model train many times slower. Set before torch loads (this runs in
+    ``pytest_configure``, and the test processes a worker starts inherit it). Nothing outside xdist, and nothing
+    when the caller set ``OMP_NUM_THREADS`` itself."""
+    if workerinput is None or "OMP_NUM_THREADS" in environ:
+        return {}
+    threads = str(max(1, cpus // max(1, int(workerinput.get("workercount", 1)))))
+    return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
