@@ -203,15 +203,17 @@ class StageContext:
         return self.registry.create("annotator", ref.name, config)
 
     def generator(self, backend: str = "transformers", backend_config: Any = None, *,
-                  model_input: str = "sft_model") -> Generator:
+                  model_input: str = "sft_model", model_path: str | Path | None = None) -> Generator:
         """The generation backend ``backend`` for the model of input ``model_input`` (the recipe's model block
-        says how to load it and how to write its prompts)."""
+        says how to load it and how to write its prompts); ``model_path``: another folder of that input's model
+        (e.g. one of its snapshots) instead of the one the input points at."""
         return self.registry.create("generation_backend", backend, backend_config, spec=self.recipe.model,
-                                    model_path=self.input(model_input).path,
+                                    model_path=str(model_path) if model_path else self.input(model_input).path,
                                     path=("stages", self.stage, "config", "backend_config"))
 
     def generate_on_ranks(self, backend: str, backend_config: Any, records: list[dict[str, Any]],
-                          sampling: SamplingConfig, description: str) -> tuple[list[dict[str, Any]], int]:
+                          sampling: SamplingConfig, description: str, *,
+                          model_path: str | Path | None = None) -> tuple[list[dict[str, Any]], int]:
         """``(rows, tokens generated)`` for ``records`` on every rank, the same whatever the number of processes
         (rows as :func:`alpacafarm.generation.generate_records` writes them; the generator is closed before this
         returns, so the policy's memory is free for what comes next).
@@ -219,7 +221,7 @@ class StageContext:
         The ``transformers`` backend shards its batches across ranks (:attr:`TransformersGenerator.sharded
         <alpacafarm.generation.TransformersGenerator.sharded>`: the same batches and seeds as one process); any other
         backend (a server, vLLM) runs on the main process only and its rows reach the others. Under several
-        processes it needs the method's ``ranks = Ranks.ALL``.
+        processes it needs the method's ``ranks = Ranks.ALL``. ``model_path``: as in :meth:`generator`.
         """
         from alpacafarm import distributed
         from alpacafarm.errors import UserError
@@ -233,7 +235,7 @@ class StageContext:
         sharded = backend == "transformers"
 
         def generate() -> tuple[list[dict[str, Any]], int]:
-            generator = self.generator(backend, backend_config)
+            generator = self.generator(backend, backend_config, model_path=model_path)
             if sharded and isinstance(generator, TransformersGenerator):
                 generator.sharded = True  # every rank samples its share of the batches; all get every row
             try:

@@ -146,6 +146,8 @@ def test_the_loop_writes_the_results_table_and_the_curve(loop_run: dict[str, Any
     csv_lines = (evaluation / "results.csv").read_text().splitlines()
     assert csv_lines[0].startswith("system,stage,n,win_rate") and len(csv_lines) == 6
     assert (evaluation / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (evaluation / "systems.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # one bar per system
+    assert loop_run["artifacts"]["evaluate"].metadata["results"]["systems_png"] == str(evaluation / "systems.png")
     table = loop_run["artifacts"]["evaluate"].metadata["table"]
     assert [row[0] for row in table["rows"]] == [r["system"] for r in rows]
     for row in rows:  # each system has its own judged annotations

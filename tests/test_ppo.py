@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import shlex
 import shutil
@@ -717,3 +718,82 @@ def test_step_metrics_go_to_the_report_to_trackers(tmp_path: Path):
         assert len(tags[f"ppo/{key}"]) == 2, (key, sorted(tags))
     with pytest.raises(UserError, match="report_to: 'nosuchtracker' is not a tracker accelerate can log to"):
         build(["nosuchtracker"])
+
+
+# ------------------------------------------------------------------------------- snapshots over training
+
+
+class _LongerAnswerJudge:
+    """Prefers the longer output (ties: the first): a judge with no model, for the evaluation's plumbing."""
+
+    def __init__(self, config: Any = None) -> None:
+        self.name = "longer"
+
+    async def aannotate(self, pairs: Any, progress: Any = None, *, replicate: int = 0) -> list[Any]:
+        from alpacafarm.types import Annotation
+
+        return [Annotation(1 if len(p.output_1) >= len(p.output_2) else 2, self.name) for p in pairs]
+
+
+def test_snapshots_are_saved_sampled_and_judged_step_by_step(one_torch_thread: None, tiny_model_dir: str,
+                                                             tmp_path: Path, register_test_plugin):
+    import alpacafarm
+    from alpacafarm.annotation import Annotator
+
+    judge = type("LongerAnswerJudge", (_LongerAnswerJudge, Annotator), {})
+
+    class Plugin:
+        @alpacafarm.hookimpl
+        def register_annotators(self, register):
+            register("longer_answer", judge)
+
+    register_test_plugin(Plugin(), "snapshot-test")
+    references = write_records(tmp_path / "refs.jsonl", [{**p, "output": "A reference answer."} for p in PROMPTS])
+    recipe = ppo_recipe(tmp_path, tiny_model_dir)
+    text = recipe.read_text().replace("save_steps: 2,", "save_steps: 2, snapshot_steps: 1,")
+    text = text.replace("config: {split: eval, sampling:", "config: {split: eval, snapshots: true, sampling:")
+    recipe.write_text(text + "evaluation:\n  evaluator: win_rate\n  annotator: longer_answer\n  policy: outputs\n"
+                      f"  config: {{references: {{path: {references}}}, reference_field: output}}\n")
+    artifacts = run_recipe(recipe, tmp_path / "run")
+
+    stage = tmp_path / "run" / "stages" / "ppo"
+    listed = artifacts["ppo"].metadata["snapshots"]
+    assert listed == {"1": "snapshots/step-1", "2": "snapshots/step-2", "3": "snapshots/step-3", "4": "model"}
+    weights = [load_weights(stage / folder) for folder in listed.values()]
+    assert all(not torch.equal(a, b) for a, b in itertools.pairwise(weights))  # each step moved it
+    assert not list((stage / "snapshots").glob("*.partial"))
+
+    outputs = tmp_path / "run" / "stages" / "outputs"
+    systems = artifacts["outputs"].metadata["systems"]
+    assert systems == {f"outputs@{s}": {"outputs": "outputs.jsonl" if s == 4 else f"step-{s}.jsonl", "step": s}
+                       for s in (1, 2, 3, 4)}
+    for info in systems.values():
+        assert len((outputs / info["outputs"]).read_text().splitlines()) == 4
+
+    evaluation = tmp_path / "run" / "stages" / "evaluate"
+    rows = json.loads((evaluation / "results.json").read_text())["rows"]
+    assert [(r["system"], r["step"]) for r in rows] == [(f"outputs@{s}", s) for s in (1, 2, 3, 4)]
+    assert all(isinstance(r["proxy_reward"], float) for r in rows)
+    assert (evaluation / "over_training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def load_weights(folder: Path) -> torch.Tensor:
+    """Every weight of a saved model folder, flattened into one vector."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    return torch.cat([tensors[k].flatten().float() for k in sorted(tensors)])
+
+
+def test_snapshots_of_a_stage_that_wrote_none_is_one_line(tiny_model_dir: str, tmp_path: Path):
+    from alpacafarm.errors import UserError
+
+    recipe = tmp_path / "r.yaml"
+    instructions = write_records(tmp_path / "instructions.jsonl", PROMPTS[:6])
+    recipe.write_text(f"name: no-snapshots\nmodel: {{name: {tiny_model_dir}}}\n"
+                      f"data:\n  instructions: {{path: {instructions}}}\n"
+                      "stages:\n  - {name: split, method: split_instructions, config: {eval_size: 2}}\n"
+                      "  - {name: outputs, method: generate_outputs,"
+                      " config: {snapshots: true, sampling: {max_new_tokens: 2, batch_size: 2}}}\n")
+    with pytest.raises(UserError, match="lists no snapshots"):
+        run_recipe(recipe, tmp_path / "run")

@@ -23,7 +23,7 @@ logger = logging.getLogger("alpacafarm")
 
 COLUMNS = ("system", "stage", "n", "win_rate", "standard_error", "length_controlled_win_rate", "n_wins", "n_wins_base",
            "n_draws", "n_total", "avg_length", "proxy_reward", "delta_vs_smallest_n", "paired_standard_error",
-           "vs_system", "delta_vs_system", "paired_se_vs_system", "significant", "continuous_preferences")
+           "vs_system", "delta_vs_system", "paired_se_vs_system", "significant", "continuous_preferences", "step")
 #: A paired difference counts as significant beyond this many paired standard errors (about p < 0.05, two-sided).
 SIGNIFICANCE_SES = 2.0
 
@@ -95,7 +95,8 @@ def results_rows(evaluated: Sequence[tuple[Any, dict[str, Any], dict[str, float]
         rows.append({"system": system.name, "stage": system.stage, "n": system.info.get("n"),
                      **{k: metrics.get(k) for k in COLUMNS[3:11]}, "proxy_reward": reward,
                      "delta_vs_smallest_n": delta, "paired_standard_error": paired_se, **versus,
-                     "continuous_preferences": bool(metrics.get("continuous_preferences"))})
+                     "continuous_preferences": bool(metrics.get("continuous_preferences")),
+                     "step": system.info.get("step")})
     return rows
 
 
@@ -128,7 +129,9 @@ def results_table(rows: list[dict[str, Any]], title: str) -> dict[str, Any]:
 
 
 def write_results(rows: list[dict[str, Any]], directory: Path) -> dict[str, str]:
-    """``results.csv``, ``results.json`` and, when some row has an ``n``, ``results.png``; returns their paths."""
+    """``results.csv``, ``results.json``, ``results.png`` when some row has an ``n`` (the curve against n), and
+    ``systems.png`` when there are several systems (win-rate ± SE per system), ``over_training.png`` when systems
+    carry a training ``step`` (policy snapshots); returns their paths."""
     files = {"csv": str(directory / "results.csv"), "json": str(directory / "results.json")}
     with open(files["csv"], "w", encoding="utf-8", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(COLUMNS))
@@ -138,7 +141,82 @@ def write_results(rows: list[dict[str, Any]], directory: Path) -> dict[str, str]
     if any(r["n"] is not None for r in rows):
         files["png"] = str(directory / "results.png")
         plot_curve(rows, Path(files["png"]))
+    if len([r for r in rows if r["win_rate"] is not None]) > 1:
+        files["systems_png"] = str(directory / "systems.png")
+        plot_systems(rows, Path(files["systems_png"]))
+    if any(r.get("step") is not None for r in rows):
+        files["over_training_png"] = str(directory / "over_training.png")
+        plot_over_training(rows, Path(files["over_training_png"]))
     return files
+
+
+def plot_over_training(rows: list[dict[str, Any]], path: Path) -> None:
+    """Win-rate (± SE, left) and mean proxy reward (right) against the training step, one line per stage whose
+    systems carry a ``step`` (the paper's Figure 5: over-optimisation shows as a win-rate that turns down while
+    the proxy reward keeps rising)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row.get("step") is not None and row["win_rate"] is not None:
+            stages.setdefault(row["stage"], []).append(row)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    try:
+        for stage, points in stages.items():
+            points.sort(key=lambda r: r["step"])
+            left.errorbar([r["step"] for r in points], [r["win_rate"] for r in points],
+                          yerr=[r["standard_error"] or 0.0 for r in points], marker="o", capsize=3, label=stage)
+            rewarded = [r for r in points if r["proxy_reward"] is not None]
+            right.plot([r["step"] for r in rewarded], [r["proxy_reward"] for r in rewarded], marker="s",
+                       label=stage)
+        rate = "weighted win-rate" if any(r.get("continuous_preferences") for r in rows) else "win-rate"
+        left.set_xlabel("training step")
+        left.set_ylabel(f"{rate} vs reference (%) ± SE")
+        right.set_xlabel("training step")
+        right.set_ylabel("mean proxy reward (reward model)")
+        left.legend(fontsize=8)
+        right.legend(fontsize=8)
+        fig.suptitle("win-rate and proxy reward over training")
+        fig.tight_layout()
+        fig.savefig(path, format="png", dpi=100)
+    finally:
+        plt.close(fig)
+
+
+def plot_systems(rows: list[dict[str, Any]], path: Path) -> None:
+    """One horizontal bar per system, in the table's order: win-rate ± SE, the first system's win-rate as a dashed
+    line, and each other bar labelled with its paired difference to it (``*`` and a dark bar beyond 2 paired SE)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r["win_rate"] is not None]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(shown) + 1.6))
+    try:
+        ys = list(range(len(shown)))[::-1]
+        colors = ["#4C72B0" if r.get("significant") else "#A6B8D6" for r in shown]
+        ax.barh(ys, [r["win_rate"] for r in shown], xerr=[r["standard_error"] or 0.0 for r in shown],
+                color=colors, capsize=3)
+        ax.set_yticks(ys, [r["system"] for r in shown], fontsize=8)
+        ax.axvline(shown[0]["win_rate"], linestyle="--", linewidth=1, color="#555555")
+        for y, row in zip(ys, shown, strict=True):
+            if row.get("delta_vs_system") is not None:
+                se = row.get("paired_se_vs_system")
+                text = f"{row['delta_vs_system']:+.1f}" + (f" ± {se:.1f}" if se is not None else "")
+                ax.text(row["win_rate"] + (row["standard_error"] or 0.0) + 0.5, y,
+                        text + (" *" if row.get("significant") else ""), va="center", fontsize=7)
+        rate = "weighted win-rate" if any(r.get("continuous_preferences") for r in shown) else "win-rate"
+        ax.set_xlabel(f"{rate} vs reference (%) ± SE; labels: Δ vs {shown[0]['system']} ± paired SE "
+                      f"(* beyond {SIGNIFICANCE_SES:g})", fontsize=8)
+        ax.set_xlim(0, max(r["win_rate"] + (r["standard_error"] or 0.0) for r in shown) * 1.25 + 1)
+        fig.tight_layout()
+        fig.savefig(path, format="png", dpi=100)
+    finally:
+        plt.close(fig)
 
 
 def plot_curve(rows: list[dict[str, Any]], path: Path) -> None:

@@ -29,10 +29,19 @@ class GenerateOutputsConfig(BaseModel):
                     "SamplingConfig's own defaults, top_p 1.0)")
     backend: str = "transformers"
     backend_config: dict[str, Any] = Field(default_factory=dict, description="the backend's own options")
+    snapshots: bool = Field(False, description=(
+        "also sample every snapshot the model's stage listed (e.g. PPO's snapshot_steps): one system per step for "
+        "the evaluation, so win-rate and proxy reward can be followed over training"))
 
 
 class GenerateOutputs(Method):
-    """Writes ``outputs.jsonl`` (instruction, input, output, sample_index, ...) for the chosen split."""
+    """Writes ``outputs.jsonl`` (instruction, input, output, sample_index, ...) for the chosen split.
+
+    With ``snapshots: true`` it samples each snapshot of the ``sft_model`` input too (its artifact's ``snapshots``:
+    ``{step: folder relative to that stage's folder}``) into ``step-<N>.jsonl``, with the same seed for every
+    step, and lists them as the artifact's ``systems`` (``<stage>@<step>``, each with its ``step``): the
+    evaluation judges each and plots win-rate and proxy reward against the step. ``outputs.jsonl`` holds the
+    final model's samples either way."""
 
     config_class = GenerateOutputsConfig
     requires = ("sft_model", "instruction_splits")
@@ -50,6 +59,36 @@ class GenerateOutputs(Method):
         path = context.stage_dir / OUTPUTS_FILE
         if context.is_main:
             write_completions(path, rows)
-        return Artifact("outputs", str(path), {"n_instructions": len(records), "n_outputs": len(rows),
-                                               "seconds": round(seconds, 2),
-                                               "tokens_per_second": round(tokens / seconds, 1) if tokens else None})
+        metadata = {"n_instructions": len(records), "n_outputs": len(rows), "seconds": round(seconds, 2),
+                    "tokens_per_second": round(tokens / seconds, 1) if tokens else None}
+        if config.snapshots:
+            metadata["systems"] = self.sample_snapshots(context, records, sampling)
+            return Artifact("outputs", str(context.stage_dir), {**metadata, "outputs": OUTPUTS_FILE})
+        return Artifact("outputs", str(path), metadata)
+
+    def sample_snapshots(self, context: StageContext, records: list[dict[str, Any]],
+                         sampling: Any) -> dict[str, dict[str, Any]]:
+        """Sample every snapshot of the ``sft_model`` input; ``{system name: {"outputs", "step"}}`` by step."""
+        from pathlib import Path
+
+        from alpacafarm.errors import UserError
+
+        model = context.input("sft_model")
+        listed = model.metadata.get("snapshots")
+        if not listed:
+            raise UserError(f"stage {context.stage!r}: snapshots: true, but the model's stage lists no snapshots "
+                            "(PPO writes them with snapshot_steps)")
+        stage_folder = Path(model.path).parent
+        systems: dict[str, dict[str, Any]] = {}
+        for step, folder in sorted(listed.items(), key=lambda item: int(item[0])):
+            if folder == "model":  # the final policy: sampled above
+                name = OUTPUTS_FILE
+            else:
+                name = f"step-{step}.jsonl"
+                rows, _ = context.generate_on_ranks(self.config.backend, self.config.backend_config, records,
+                                                    sampling, f"generating step {step} ({self.config.backend})",
+                                                    model_path=stage_folder / folder)
+                if context.is_main:
+                    write_completions(context.stage_dir / name, rows)
+            systems[f"{context.stage}@{step}"] = {"outputs": name, "step": int(step)}
+        return systems

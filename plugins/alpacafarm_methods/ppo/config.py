@@ -76,6 +76,10 @@ class PPOMethodConfig(TrainingDefaults, TrainingArguments):
     max_prompt_length: int | None = field(default=192, metadata={
         "help": "skip prompts with more tokens (released: query_len 192); None: keep every prompt"})
     score_batch_size: int = field(default=8, metadata={"help": "batch size of reward-model scoring"})
+    snapshot_steps: int | None = field(default=None, metadata={
+        "help": "every N PPO steps, save the policy as a model folder snapshots/step-N/ (listed in the artifact), "
+                "so generate_outputs (snapshots: true) can follow win-rate and proxy reward over training (the "
+                "paper's over-optimisation, Figure 5); None: only the final policy"})
     value_head_init: str = field(default="zero", metadata={
         "help": "how the critic's head on the reward model's backbone starts: 'zero' = a new head with weight and "
                 "bias 0 (the released AlpacaFarm implementation: values start at 0, in the whitened units of the "
@@ -107,7 +111,7 @@ class PPOMethodConfig(TrainingDefaults, TrainingArguments):
             raise ValueError(f"kl_penalty must be one of {', '.join(KL_PENALTIES)}, not {self.kl_penalty!r}")
         if self.kl_coef < 0 or self.cliprange <= 0 or self.cliprange_value <= 0 or self.vf_coef < 0:
             raise ValueError("kl_coef and vf_coef must be >= 0; cliprange and cliprange_value > 0")
-        for name in ("max_instructions", "total_episodes", "max_prompt_length"):
+        for name in ("max_instructions", "total_episodes", "max_prompt_length", "snapshot_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.fp16:

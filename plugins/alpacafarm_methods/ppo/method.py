@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from transformers import TrainerCallback
+
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.model_loading import loading_whole
 from alpacafarm.prompts import PromptConditioning, PromptFormat
@@ -41,6 +43,51 @@ def save_trained_policy(trainer: Any, spec: Any, sft_path: str, directory: str |
     policy = trainer.accelerator.unwrap_model(trainer.model).policy
     return save_trained(trainer.models.policy_export(policy), trainer.tokenizer, spec, sft_path, directory,
                         state_dict=state_dict)
+
+
+#: the stage's folder of policy snapshots (``snapshot_steps``)
+SNAPSHOTS = "snapshots"
+
+
+def save_policy_folder(trainer: Any, spec: Any, sft_path: str, directory: Path, is_main: bool) -> None:
+    """The policy as it is now, as a model folder at ``directory`` (written under a temporary name and renamed when
+    whole). Call on every rank: sharded weights are gathered; the main process writes."""
+    import shutil
+
+    full_state = trainer.policy_state_dict()
+    if not is_main:
+        return
+    partial = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    save_trained_policy(trainer, spec, sft_path, partial, state_dict=full_state)
+    if trainer.prompt_format.conditioning != PromptConditioning():
+        trainer.prompt_format.conditioning.save(partial)
+    shutil.rmtree(directory, ignore_errors=True)
+    partial.rename(directory)
+
+
+class PolicySnapshots(TrainerCallback):
+    """A trainer callback that saves the policy every ``every`` PPO steps as ``<folder>/step-<N>/`` (not at the
+    last step: that one is the stage's ``model/``). A resumed stage keeps the snapshots written before the kill."""
+
+    def __init__(self, every: int | None, folder: Path, is_main: bool) -> None:
+        super().__init__()
+        self.every, self.folder, self.is_main = every, folder, is_main
+        self.save: Any = None  # set once the trainer exists: save(directory)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.every and state.global_step % self.every == 0 and state.global_step < state.max_steps:
+            self.save(self.folder / f"step-{state.global_step}")
+        return control
+
+    def listed(self, final_step: int) -> dict[str, str]:
+        """``{step: folder relative to the stage folder}`` of every whole snapshot, by step; the final policy
+        (``model/``) under ``final_step``."""
+        if not self.every:
+            return {}
+        found = {int(p.name.removeprefix("step-")): f"{SNAPSHOTS}/{p.name}" for p in self.folder.glob("step-*")
+                 if p.is_dir() and not p.name.endswith(".partial") and (p / "config.json").is_file()}
+        return {str(step): found[step] for step in sorted(found)} | {str(final_step): "model"}
 
 
 def build_ppo_trainer(config: PPOMethodConfig, spec: Any, sft_path: str, reward_path: str,
@@ -97,7 +144,11 @@ class PPO(Method):
         sft_path = context.input("sft_model").path
         reward_path = context.input("reward_model").path
         records = limit(context.records("instruction_splits", args.split), args.max_instructions)
-        trainer = build_ppo_trainer(args, spec, sft_path, reward_path, records, logger=context.logger)
+        snapshots = PolicySnapshots(args.snapshot_steps, Path(context.stage_dir) / SNAPSHOTS, context.is_main)
+        trainer = build_ppo_trainer(args, spec, sft_path, reward_path, records, logger=context.logger,
+                                    callbacks=[snapshots] if args.snapshot_steps else None)
+        snapshots.save = lambda directory: save_policy_folder(trainer, spec, sft_path, directory,
+                                                              context.is_main)
         context.logger.info("stage %s: PPO for %d steps of %d rollouts on %d prompts "
                             "(%d skipped as too long)", context.stage, trainer.max_steps,
                             args.rollout_batch_size, len(trainer.queries), trainer.n_skipped)
@@ -110,6 +161,7 @@ class PPO(Method):
         merge = save_trained_policy(trainer, spec, sft_path, model_dir, state_dict=full_state)
         if trainer.prompt_format.conditioning != PromptConditioning():  # trained behind it: sample behind it
             trainer.prompt_format.conditioning.save(model_dir)
+        snapshot_dirs = snapshots.listed(int(trainer.state.global_step))
         steps = [e for e in trainer.state.log_history if "score" in e]
         metrics: dict[str, Any] = {
             "steps": int(trainer.state.global_step), "train_loss": round(float(result.training_loss), 6),
@@ -120,6 +172,8 @@ class PPO(Method):
             "final_kl": steps[-1]["kl"] if steps else None, "lora": spec.lora is not None, "merged": merge,
             "world_size": distributed.world_size(),
         }
+        if snapshot_dirs:  # relative to the stage folder; the final policy is model/ itself
+            metrics["snapshots"] = snapshot_dirs
         write_json(Path(context.stage_dir) / "metrics.json",
                    {**metrics, "log_history": trainer.state.log_history})
         return Artifact("model", str(model_dir), metrics)
