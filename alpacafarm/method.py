@@ -191,15 +191,20 @@ class StageContext:
         """The recipe's annotator for ``role``: ``feedback`` (training labels) or ``evaluation``."""
         from alpacafarm.errors import RecipeError
 
-        ref = self.recipe.annotator_for(role)
+        ref = self.recipe.annotator_for(role, self.stage)
         if ref is None:
             raise RecipeError(f"stage {self.stage!r} needs an annotator: set 'annotator:' in the recipe")
         return ref
 
     def make_annotator(self, role: str = "feedback") -> Annotator:
-        """Build the recipe's annotator for ``role`` through the registry, from the config validated at load time."""
+        """Build the annotator for ``role`` (the stage's own, else the recipe's) through the registry, from the
+        config validated at load time."""
+        from alpacafarm.recipe import stage_annotator_key
+
         ref = self.annotator_ref(role)
-        config = self.annotator_configs.get(role, ref.config)
+        own = stage_annotator_key(self.stage)
+        config = self.annotator_configs[own] if own in self.annotator_configs else self.annotator_configs.get(
+            role, ref.config)
         return self.registry.create("annotator", ref.name, config)
 
     def generator(self, backend: str = "transformers", backend_config: Any = None, *,

@@ -210,7 +210,7 @@ class Pipeline:
         role = getattr(stage.method_cls, "annotator_role", None)
         if role is None:
             return None
-        ref = self.recipe.annotator_for(role)
+        ref = self.recipe.annotator_for(role, stage.name)
         if ref is None:
             return None
         from alpacafarm.annotation import label_identity
@@ -232,7 +232,7 @@ class Pipeline:
             "plugin_version": self.registry.plugin_versions.get(stage.plugin),
             "model": self.recipe.model.model_dump(mode="json") if self.recipe.model else None,
             "inputs": identities, "annotator": self._annotator_identity(stage),
-            "code": stage_code_identity(stage.method_cls, self.recipe, self.registry),
+            "code": stage_code_identity(stage.method_cls, self.recipe, self.registry, stage.name),
         }
 
     def _read_manifest(self, stage: PlannedStage) -> dict[str, Any] | None:

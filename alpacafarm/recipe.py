@@ -134,6 +134,9 @@ class StageSpec(_Strict):
     enabled: bool = True
     config: dict[str, Any] = Field(default_factory=dict)
     inputs: dict[str, str] = Field(default_factory=dict)
+    #: this stage's annotator, instead of the recipe's, for the role its method labels in (e.g. two preference
+    #: stages, one with the paper's label noise and one without)
+    annotator: PluginRef | None = None
 
     @field_validator("name")
     @classmethod
@@ -178,11 +181,20 @@ class Recipe(_Strict):
     evaluation: EvaluationSpec | None = None
     launch: LaunchSpec | None = None  # launch defaults; not part of any stage's fingerprint (outputs do not depend)
 
-    def annotator_for(self, role: str) -> PluginRef | None:
-        """The annotator for ``role``: ``evaluation`` uses ``evaluation.annotator`` if set; otherwise ``annotator``."""
+    def annotator_for(self, role: str, stage: str | None = None) -> PluginRef | None:
+        """The annotator for ``role``: stage ``stage``'s own ``annotator`` if it has one; for ``evaluation``,
+        ``evaluation.annotator`` if set; otherwise ``annotator``."""
+        own = next((s.annotator for s in self.stages if s.name == stage and s.annotator is not None), None)
+        if own is not None:
+            return own
         if role == "evaluation" and self.evaluation is not None and self.evaluation.annotator is not None:
             return self.evaluation.annotator
         return self.annotator
+
+
+def stage_annotator_key(stage: str) -> str:
+    """The key of a stage's own annotator config in :attr:`LoadedRecipe.annotator_configs`."""
+    return f"stage:{stage}"
 
 
 @dataclasses.dataclass
@@ -272,6 +284,12 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
                     f"method {stage.method!r} has no input {requirement!r} (inputs: {', '.join(accepted) or 'none'})",
                 )
     roles = [("feedback", recipe.annotator, ("annotator",))]
+    for i, stage in enumerate(recipe.stages):
+        if stage.annotator is not None:
+            if getattr(registry.get("method", stage.method), "annotator_role", None) is None:
+                raise doc.error(("stages", i, "annotator"),
+                                f"method {stage.method!r} asks no annotator: this stage's annotator would be unused")
+            roles.append((stage_annotator_key(stage.name), stage.annotator, ("stages", i, "annotator")))
     if recipe.evaluation is not None:
         evaluation = recipe.evaluation
         _check_name(registry, "evaluator", evaluation.evaluator, doc, ("evaluation", "evaluator"))

@@ -287,6 +287,38 @@ def test_stages_build_the_recipes_annotators_with_validated_configs(tmp_path: Pa
     assert outcomes["label"].status == "skipped" and outcomes["evaluate"].status == "ran"
 
 
+def test_a_stage_with_its_own_annotator_labels_with_it_and_reruns_when_only_it_changes(tmp_path: Path,
+                                                                                      register_test_plugin):
+    class Plugin:
+        @alpacafarm.hookimpl
+        def register_annotators(self, register):
+            register("judge", Judge)
+
+        @alpacafarm.hookimpl
+        def register_methods(self, register):
+            register("annotating", AnnotatingMethod)
+            register("make_numbers", MakeNumbers)
+
+    register_test_plugin(Plugin(), "stage-annotator-test")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: a\nannotator: {name: judge, config: {prefer: 2}}\n"
+                      "stages:\n  - {name: noisy, method: annotating}\n"
+                      "  - {name: clean, method: annotating, annotator: {name: judge, config: {prefer: '7'}}}\n")
+    outcomes = run(recipe, tmp_path / "run")
+    assert outcomes["noisy"].artifact.metadata["feedback"] == 2
+    clean = outcomes["clean"].artifact.metadata
+    assert (clean["feedback"], clean["evaluation"]) == (7, 7)  # coerced by its config class; every role it asks
+    outcomes = run(recipe, tmp_path / "run", "stages.clean.annotator.config.prefer=8")
+    assert outcomes["noisy"].status == "skipped" and outcomes["clean"].status == "ran"
+    assert outcomes["clean"].artifact.metadata["feedback"] == 8
+    with pytest.raises(RecipeError, match="prefer"):
+        run(recipe, tmp_path / "run", "stages.clean.annotator.config.prefer=many")
+    unused = tmp_path / "unused.yaml"
+    unused.write_text("name: b\nstages:\n  - {name: n, method: make_numbers, annotator: judge}\n")
+    with pytest.raises(RecipeError, match="asks no annotator"):
+        run(unused, tmp_path / "run-b")
+
+
 # ------------------------------------------------------------------------------ optional stages, several policies
 
 
