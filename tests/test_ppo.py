@@ -765,8 +765,11 @@ def test_snapshots_are_saved_sampled_and_judged_step_by_step(one_torch_thread: N
 
     outputs = tmp_path / "run" / "stages" / "outputs"
     systems = artifacts["outputs"].metadata["systems"]
-    assert systems == {f"outputs@{s}": {"outputs": "outputs.jsonl" if s == 4 else f"step-{s}.jsonl", "step": s}
-                       for s in (1, 2, 3, 4)}
+    scores = artifacts["ppo"].metadata["snapshot_scores"]
+    logged = steps_of(json.loads((stage / "metrics.json").read_text())["log_history"])
+    assert scores == {str(s): logged[s]["score"] for s in (1, 2, 3, 4)}
+    assert systems == {f"outputs@{s}": {"outputs": "outputs.jsonl" if s == 4 else f"step-{s}.jsonl", "step": s,
+                                        "train_reward": scores[str(s)]} for s in (1, 2, 3, 4)}
     for info in systems.values():
         assert len((outputs / info["outputs"]).read_text().splitlines()) == 4
 
@@ -774,6 +777,7 @@ def test_snapshots_are_saved_sampled_and_judged_step_by_step(one_torch_thread: N
     rows = json.loads((evaluation / "results.json").read_text())["rows"]
     assert [(r["system"], r["step"]) for r in rows] == [(f"outputs@{s}", s) for s in (1, 2, 3, 4)]
     assert all(isinstance(r["proxy_reward"], float) for r in rows)
+    assert [r["train_reward"] for r in rows] == [scores[str(s)] for s in (1, 2, 3, 4)]
     assert (evaluation / "over_training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -23,7 +23,8 @@ logger = logging.getLogger("alpacafarm")
 
 COLUMNS = ("system", "stage", "n", "win_rate", "standard_error", "length_controlled_win_rate", "n_wins", "n_wins_base",
            "n_draws", "n_total", "avg_length", "proxy_reward", "delta_vs_smallest_n", "paired_standard_error",
-           "vs_system", "delta_vs_system", "paired_se_vs_system", "significant", "continuous_preferences", "step")
+           "vs_system", "delta_vs_system", "paired_se_vs_system", "significant", "continuous_preferences", "step",
+           "train_reward")
 #: A paired difference counts as significant beyond this many paired standard errors (about p < 0.05, two-sided).
 SIGNIFICANCE_SES = 2.0
 
@@ -96,7 +97,7 @@ def results_rows(evaluated: Sequence[tuple[Any, dict[str, Any], dict[str, float]
                      **{k: metrics.get(k) for k in COLUMNS[3:11]}, "proxy_reward": reward,
                      "delta_vs_smallest_n": delta, "paired_standard_error": paired_se, **versus,
                      "continuous_preferences": bool(metrics.get("continuous_preferences")),
-                     "step": system.info.get("step")})
+                     "step": system.info.get("step"), "train_reward": system.info.get("train_reward")})
     return rows
 
 
@@ -151,9 +152,10 @@ def write_results(rows: list[dict[str, Any]], directory: Path) -> dict[str, str]
 
 
 def plot_over_training(rows: list[dict[str, Any]], path: Path) -> None:
-    """Win-rate (± SE, left) and mean proxy reward (right) against the training step, one line per stage whose
-    systems carry a ``step`` (the paper's Figure 5: over-optimisation shows as a win-rate that turns down while
-    the proxy reward keeps rising)."""
+    """Win-rate (± SE, left) and reward (right) against the training step, one line per stage whose systems carry
+    a ``step`` (the paper's Figure 5: over-optimisation shows as a win-rate that turns down while the proxy reward
+    keeps rising). The reward is each stage's own training reward at that step (``train_reward``: PPO's mean
+    rollout reward under the reward model it optimises) where recorded, else the evaluation's proxy reward."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,14 +171,16 @@ def plot_over_training(rows: list[dict[str, Any]], path: Path) -> None:
             points.sort(key=lambda r: r["step"])
             left.errorbar([r["step"] for r in points], [r["win_rate"] for r in points],
                           yerr=[r["standard_error"] or 0.0 for r in points], marker="o", capsize=3, label=stage)
-            rewarded = [r for r in points if r["proxy_reward"] is not None]
-            right.plot([r["step"] for r in rewarded], [r["proxy_reward"] for r in rewarded], marker="s",
-                       label=stage)
+            own = all(r.get("train_reward") is not None for r in points)
+            key = "train_reward" if own else "proxy_reward"
+            rewarded = [r for r in points if r[key] is not None]
+            right.plot([r["step"] for r in rewarded], [r[key] for r in rewarded], marker="s",
+                       label=f"{stage} ({'its training reward' if own else 'proxy reward'})")
         rate = "weighted win-rate" if any(r.get("continuous_preferences") for r in rows) else "win-rate"
         left.set_xlabel("training step")
         left.set_ylabel(f"{rate} vs reference (%) ± SE")
         right.set_xlabel("training step")
-        right.set_ylabel("mean proxy reward (reward model)")
+        right.set_ylabel("mean reward (reward model)")
         left.legend(fontsize=8)
         right.legend(fontsize=8)
         fig.suptitle("win-rate and proxy reward over training")

@@ -39,7 +39,8 @@ class GenerateOutputs(Method):
 
     With ``snapshots: true`` it samples each snapshot of the ``sft_model`` input too (its artifact's ``snapshots``:
     ``{step: folder relative to that stage's folder}``) into ``step-<N>.jsonl``, with the same seed for every
-    step, and lists them as the artifact's ``systems`` (``<stage>@<step>``, each with its ``step``): the
+    step, and lists them as the artifact's ``systems`` (``<stage>@<step>``, each with its ``step`` and the
+    ``train_reward`` its stage recorded there, e.g. PPO's mean rollout reward at that step): the
     evaluation judges each and plots win-rate and proxy reward against the step. ``outputs.jsonl`` holds the
     final model's samples either way."""
 
@@ -79,6 +80,7 @@ class GenerateOutputs(Method):
             raise UserError(f"stage {context.stage!r}: snapshots: true, but the model's stage lists no snapshots "
                             "(PPO writes them with snapshot_steps)")
         stage_folder = Path(model.path).parent
+        train_rewards = model.metadata.get("snapshot_scores") or {}
         systems: dict[str, dict[str, Any]] = {}
         for step, folder in sorted(listed.items(), key=lambda item: int(item[0])):
             if folder == "model":  # the final policy: sampled above
@@ -90,5 +92,6 @@ class GenerateOutputs(Method):
                                                     model_path=stage_folder / folder)
                 if context.is_main:
                     write_completions(context.stage_dir / name, rows)
-            systems[f"{context.stage}@{step}"] = {"outputs": name, "step": int(step)}
+            systems[f"{context.stage}@{step}"] = {"outputs": name, "step": int(step),
+                                                  "train_reward": train_rewards.get(step)}
         return systems

@@ -173,7 +173,9 @@ class PPO(Method):
             "world_size": distributed.world_size(),
         }
         if snapshot_dirs:  # relative to the stage folder; the final policy is model/ itself
+            scores = {str(e["step"]): e["score"] for e in steps}  # the rollouts' mean reward at each step
             metrics["snapshots"] = snapshot_dirs
+            metrics["snapshot_scores"] = {step: scores.get(step) for step in snapshot_dirs}
         write_json(Path(context.stage_dir) / "metrics.json",
                    {**metrics, "log_history": trainer.state.log_history})
         return Artifact("model", str(model_dir), metrics)
