@@ -289,3 +289,16 @@ def test_this_repositorys_gate_workflow_installs_the_extras_it_needs_and_gates(t
     assert gate["rc"] == 0 and run.outputs["gate"]["code"] == "0", gate["stderr"][-3000:]
     assert verdict["rc"] == 0
     assert verdict_step(run, "3")["rc"] == 3 and verdict_step(run, "1")["rc"] == 1
+
+
+def test_this_repositorys_gate_workflow_gates_every_benchmark_with_a_committed_baseline():
+    """One matrix job per benchmark (the steps above run each with its RECIPE and BASELINE): every recipe checks and
+    every baseline is a baseline of that recipe."""
+    (job,) = yaml.safe_load(REPO_WORKFLOW.read_text(encoding="utf-8"))["jobs"].values()
+    assert job["env"] == {"RECIPE": "${{ matrix.recipe }}", "BASELINE": "${{ matrix.baseline }}"}
+    benchmarks = job["strategy"]["matrix"]["include"]
+    assert {b["recipe"] for b in benchmarks} >= {"recipes/bench/best_of_n.yaml", "recipes/compare.yaml"}
+    for benchmark in benchmarks:
+        baseline = json.loads((REPO_ROOT / benchmark["baseline"]).read_text(encoding="utf-8"))
+        assert baseline["recipe"] == benchmark["recipe"], benchmark
+        assert (REPO_ROOT / benchmark["recipe"]).is_file()
