@@ -516,3 +516,21 @@ def test_batched_language_model_reads_give_the_one_at_a_time_scores() -> None:
         lm = batched.lm.features([(ins, out) for ins, o1, o2, _ in pairs for out in (o1, o2)])
         assert abs(lm - expected_lm).max() < 1e-4, batch_size
     assert set(expected_labels) == {1, 2}  # both sides win somewhere: the comparison is not vacuous
+
+
+def test_the_vector_cache_reads_the_disk_once_keeps_what_it_adds_and_bounds_memory_without_a_folder(tmp_path: Path):
+    import numpy as np
+
+    from alpacafarm_annotators.offline_judge.vector_cache import VectorCache
+
+    on_disk = VectorCache(tmp_path, "t", size=1)
+    assert on_disk.missing(["a", "b"]) == {"a", "b"}
+    on_disk.add(["a", "b"], [np.ones(2), np.zeros(2)])
+    on_disk.make_room(5)  # with a folder nothing is dropped
+    again = VectorCache(tmp_path, "t", size=1)  # a new process: the chunk is read back
+    assert again.missing(["a", "b", "c"]) == {"c"}
+    np.testing.assert_array_equal(again.stack(["b", "a"]), [[0, 0], [1, 1]])
+    in_memory = VectorCache(None, "t", size=2)
+    in_memory.add(["a", "b"], [np.ones(2), np.ones(2)])
+    in_memory.make_room(1)  # 3 would exceed 2: emptied
+    assert in_memory.missing(["a"]) == {"a"} and not list(tmp_path.glob("t_*.npz"))[1:]

@@ -257,21 +257,23 @@ class AnnotatingMethod(Method):
         return Artifact("labels", None, {"feedback": judge.config.prefer, "evaluation": evaluation_judge.config.prefer})
 
 
+class AnnotatingPlugin:
+    @alpacafarm.hookimpl
+    def register_annotators(self, register):
+        register("judge", Judge)
+
+    @alpacafarm.hookimpl
+    def register_methods(self, register):
+        register("annotating", AnnotatingMethod)
+        register("make_numbers", MakeNumbers)
+
+    @alpacafarm.hookimpl
+    def register_evaluators(self, register):
+        register("counting", CountingEvaluator)
+
+
 def test_stages_build_the_recipes_annotators_with_validated_configs(tmp_path: Path, register_test_plugin):
-    class Plugin:
-        @alpacafarm.hookimpl
-        def register_annotators(self, register):
-            register("judge", Judge)
-
-        @alpacafarm.hookimpl
-        def register_methods(self, register):
-            register("annotating", AnnotatingMethod)
-
-        @alpacafarm.hookimpl
-        def register_evaluators(self, register):
-            register("counting", CountingEvaluator)
-
-    register_test_plugin(Plugin(), "annotating-test")
+    register_test_plugin(AnnotatingPlugin(), "annotating-test")
     recipe = tmp_path / "r.yaml"
     recipe.write_text("name: a\nannotator: {name: judge, config: {prefer: '2'}}\n"
                       "stages:\n  - {name: label, method: annotating}\n"
@@ -289,17 +291,7 @@ def test_stages_build_the_recipes_annotators_with_validated_configs(tmp_path: Pa
 
 def test_a_stage_with_its_own_annotator_labels_with_it_and_reruns_when_only_it_changes(tmp_path: Path,
                                                                                       register_test_plugin):
-    class Plugin:
-        @alpacafarm.hookimpl
-        def register_annotators(self, register):
-            register("judge", Judge)
-
-        @alpacafarm.hookimpl
-        def register_methods(self, register):
-            register("annotating", AnnotatingMethod)
-            register("make_numbers", MakeNumbers)
-
-    register_test_plugin(Plugin(), "stage-annotator-test")
+    register_test_plugin(AnnotatingPlugin(), "stage-annotator-test")
     recipe = tmp_path / "r.yaml"
     recipe.write_text("name: a\nannotator: {name: judge, config: {prefer: 2}}\n"
                       "stages:\n  - {name: noisy, method: annotating}\n"

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from alpacafarm_annotators.offline_judge.vector_cache import load_chunks, save_chunk
+from alpacafarm_annotators.offline_judge.vector_cache import VectorCache
 
 __all__ = ["EMBED_DIM", "MiniLMEmbedder", "minilm_model_dir"]
 
@@ -64,8 +64,7 @@ class MiniLMEmbedder:
         self.batch_size = batch_size
         self._model: Any = None
         self._tokenizer: Any = None
-        self._cache: dict[str, np.ndarray] = {}
-        self._disk_loaded = False
+        self._cache = VectorCache(self.cache_dir, "chunk", cache_size)
 
     def _load(self) -> None:
         if self._model is not None:
@@ -79,26 +78,16 @@ class MiniLMEmbedder:
         self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._model = AutoModel.from_pretrained(model_dir).eval()
 
-    def _load_disk(self) -> None:
-        if self._disk_loaded or self.cache_dir is None:
-            return
-        self._disk_loaded = True
-        self._cache.update(load_chunks(self.cache_dir, "chunk"))
-
-    def _save_disk(self, keys: list[str], vecs: list[np.ndarray]) -> None:
-        save_chunk(self.cache_dir, "chunk", keys, vecs)
-
     def embed(self, texts: Sequence[str], progress_every: int = 0) -> np.ndarray:
         """Return a (len(texts), 384) float32 array of unit-norm embeddings."""
-        self._load_disk()
         keys = [text_key(t) for t in texts]
-        missing = sorted({k: t for k, t in zip(keys, texts, strict=True) if k not in self._cache}.items())
+        absent = self._cache.missing(keys)
+        missing = sorted({k: t for k, t in zip(keys, texts, strict=True) if k in absent}.items())
         if missing:
             self._load()
             import torch
 
-            if self.cache_dir is None and len(self._cache) + len(missing) > self.cache_size:
-                self._cache.clear()
+            self._cache.make_room(len(missing))
             new_keys: list[str] = []
             new_vecs: list[np.ndarray] = []
             # Shortest first (least padding), in a fixed order: the same set of texts always gives the same
@@ -113,16 +102,14 @@ class MiniLMEmbedder:
                     mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                     pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
                     pooled = torch.nn.functional.normalize(pooled, dim=-1).numpy().astype(np.float32)
-                    for (key, _), vec in zip(chunk, pooled, strict=True):
-                        self._cache[key] = vec
-                        new_keys.append(key)
-                        new_vecs.append(vec)
+                    new_keys.extend(key for key, _ in chunk)
+                    new_vecs.extend(pooled)
                     if len(new_keys) >= 500:
-                        self._save_disk(new_keys, new_vecs)
+                        self._cache.add(new_keys, new_vecs)
                         new_keys, new_vecs = [], []
                     if progress_every and (start // self.batch_size) % progress_every == 0:
                         print(f"embedded {start + len(chunk)}/{len(missing)}", flush=True)
-            self._save_disk(new_keys, new_vecs)
+            self._cache.add(new_keys, new_vecs)
         if not texts:
             return np.zeros((0, EMBED_DIM), dtype=np.float32)
-        return np.stack([self._cache[k] for k in keys])
+        return self._cache.stack(keys)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from alpacafarm_annotators.offline_judge.token_logprobs import token_logprobs, use_float64_attention
-from alpacafarm_annotators.offline_judge.vector_cache import load_chunks, save_chunk
+from alpacafarm_annotators.offline_judge.vector_cache import VectorCache
 
 __all__ = ["COND_TOKENS", "LM_FEATURES", "LM_MODEL", "PMI_TOKENS", "LMScorer"]
 
@@ -66,8 +66,7 @@ class LMScorer:
         self.cache_size = cache_size
         self._model: Any = None
         self._tokenizer: Any = None
-        self._cache: dict[str, np.ndarray] = {}
-        self._disk_loaded = False
+        self._cache = VectorCache(self.cache_dir, "lm", cache_size)
 
     # -- model and prompts ----------------------------------------------------------------------------------
     def _load(self) -> None:
@@ -93,13 +92,6 @@ class LMScorer:
                                          tokenize=False, add_generation_prompt=True)
         return tok(prompt, add_special_tokens=False)["input_ids"]
 
-    # -- disk cache -------------------------------------------------------------------------------------------
-    def _load_disk(self) -> None:
-        if self._disk_loaded or self.cache_dir is None:
-            return
-        self._disk_loaded = True
-        self._cache.update(load_chunks(self.cache_dir, "lm"))
-
     # -- scoring ----------------------------------------------------------------------------------------------
     def _token_logprobs(self, sequences: list[tuple[list[int], list[int]]]) -> list[np.ndarray]:
         """Log-probabilities of each continuation's tokens after its prompt (:func:`.token_logprobs.token_logprobs`:
@@ -109,28 +101,18 @@ class LMScorer:
 
     def features(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
         """A (len(pairs), len(LM_FEATURES)) array for (instruction, output) pairs."""
-        self._load_disk()
         keys = [pair_key(ins, out) for ins, out in pairs]
-        missing = dict(sorted({k: p for k, p in zip(keys, pairs, strict=True) if k not in self._cache}.items()))
-        if missing:
+        absent = self._cache.missing(keys)
+        items = sorted({k: p for k, p in zip(keys, pairs, strict=True) if k in absent}.items())
+        if items:
             self._load()
-            if self.cache_dir is None and len(self._cache) + len(missing) > self.cache_size:
-                self._cache.clear()
-            items = list(missing.items())
-            new_keys: list[str] = []
-            new_vecs: list[np.ndarray] = []
+            self._cache.make_room(len(items))
             for start in range(0, len(items), 512):  # bounded memory, and the disk cache grows as it goes
                 chunk = items[start:start + 512]
-                values = self._compute([p for _, p in chunk])
-                for (key, _), vec in zip(chunk, values, strict=True):
-                    self._cache[key] = vec
-                    new_keys.append(key)
-                    new_vecs.append(vec)
-                save_chunk(self.cache_dir, "lm", new_keys, new_vecs)
-                new_keys, new_vecs = [], []
+                self._cache.add([key for key, _ in chunk], self._compute([p for _, p in chunk]))
         if not pairs:
             return np.zeros((0, len(LM_FEATURES)))
-        return np.stack([self._cache[k] for k in keys])
+        return self._cache.stack(keys)
 
     def _compute(self, pairs: Sequence[tuple[str, str]]) -> list[np.ndarray]:
         tok = self._tokenizer

@@ -70,9 +70,9 @@ class PolicySnapshots(TrainerCallback):
     """A trainer callback that saves the policy every ``every`` PPO steps as ``<folder>/step-<N>/`` (not at the
     last step: that one is the stage's ``model/``). A resumed stage keeps the snapshots written before the kill."""
 
-    def __init__(self, every: int | None, folder: Path, is_main: bool) -> None:
+    def __init__(self, every: int | None, folder: Path) -> None:
         super().__init__()
-        self.every, self.folder, self.is_main = every, folder, is_main
+        self.every, self.folder = every, folder
         self.save: Any = None  # set once the trainer exists: save(directory)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -144,7 +144,7 @@ class PPO(Method):
         sft_path = context.input("sft_model").path
         reward_path = context.input("reward_model").path
         records = limit(context.records("instruction_splits", args.split), args.max_instructions)
-        snapshots = PolicySnapshots(args.snapshot_steps, Path(context.stage_dir) / SNAPSHOTS, context.is_main)
+        snapshots = PolicySnapshots(args.snapshot_steps, Path(context.stage_dir) / SNAPSHOTS)
         trainer = build_ppo_trainer(args, spec, sft_path, reward_path, records, logger=context.logger,
                                     callbacks=[snapshots] if args.snapshot_steps else None)
         snapshots.save = lambda directory: save_policy_folder(trainer, spec, sft_path, directory,
