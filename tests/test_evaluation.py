@@ -368,3 +368,21 @@ def test_results_mark_differences_to_the_first_system_beyond_two_paired_ses():
     assert cells == ["-", f"+75.0 ± {sd / math.sqrt(40):.1f} *", f"+33.3 ± {rows[2]['paired_se_vs_system']:.1f}",
                      "+0.0 ± 0.0"]
     assert "* beyond 2 SE" in table["title"]
+
+
+def test_the_over_training_plot_reads_snapshots_against_the_system_they_start_from():
+    """Figure 5's shape needs the starting point: the first system without a step is drawn as the start line."""
+    from alpacafarm_evaluation.results import over_training_lines
+
+    def row(system, stage, step, win_rate=30.0):
+        return {"system": system, "stage": stage, "step": step, "win_rate": win_rate, "standard_error": 2.0}
+
+    rows = [row("sft_outputs", "sft_outputs", None), row("ppo_outputs@8", "ppo_outputs", 8),
+            row("ppo_outputs@4", "ppo_outputs", 4), row("clean@4", "clean", 4),
+            row("clean@8", "clean", 8, win_rate=None)]
+    lines, start = over_training_lines(rows)
+    assert start is rows[0]
+    assert {stage: [r["step"] for r in points] for stage, points in lines.items()} == {"ppo_outputs": [4, 8],
+                                                                                       "clean": [4]}
+    # a table that starts with a snapshot has no starting system to read the lines against
+    assert over_training_lines(rows[1:])[1] is None

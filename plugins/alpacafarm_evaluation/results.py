@@ -151,24 +151,36 @@ def write_results(rows: list[dict[str, Any]], directory: Path) -> dict[str, str]
     return files
 
 
+def over_training_lines(rows: list[dict[str, Any]]) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any] | None]:
+    """What ``over_training.png`` draws: the rows of each stage whose systems carry a ``step``, in step order, and
+    the starting point they are read against: the table's first system when it has no step (in a recipe such as
+    ``recipes/overoptimization.yaml``, the SFT model every run starts from), else None."""
+    stages: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row.get("step") is not None and row["win_rate"] is not None:
+            stages.setdefault(row["stage"], []).append(row)
+    for points in stages.values():
+        points.sort(key=lambda r: r["step"])
+    first = next((r for r in rows if r["win_rate"] is not None), None)
+    start = first if first is not None and first.get("step") is None else None
+    return stages, start
+
+
 def plot_over_training(rows: list[dict[str, Any]], path: Path) -> None:
     """Win-rate (± SE, left) and reward (right) against the training step, one line per stage whose systems carry
     a ``step`` (the paper's Figure 5: over-optimisation shows as a win-rate that turns down while the proxy reward
-    keeps rising). The reward is each stage's own training reward at that step (``train_reward``: PPO's mean
-    rollout reward under the reward model it optimises) where recorded, else the evaluation's proxy reward."""
+    keeps rising), the starting system (:func:`over_training_lines`) as a dashed line with its ± SE band. The reward
+    is each stage's own training reward at that step (``train_reward``: PPO's mean rollout reward under the reward
+    model it optimises) where recorded, else the evaluation's proxy reward."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    stages: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        if row.get("step") is not None and row["win_rate"] is not None:
-            stages.setdefault(row["stage"], []).append(row)
+    stages, start = over_training_lines(rows)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     try:
         for stage, points in stages.items():
-            points.sort(key=lambda r: r["step"])
             left.errorbar([r["step"] for r in points], [r["win_rate"] for r in points],
                           yerr=[r["standard_error"] or 0.0 for r in points], marker="o", capsize=3, label=stage)
             own = all(r.get("train_reward") is not None for r in points)
@@ -176,6 +188,11 @@ def plot_over_training(rows: list[dict[str, Any]], path: Path) -> None:
             rewarded = [r for r in points if r[key] is not None]
             right.plot([r["step"] for r in rewarded], [r[key] for r in rewarded], marker="s",
                        label=f"{stage} ({'its training reward' if own else 'proxy reward'})")
+        if start is not None:
+            se = start["standard_error"] or 0.0
+            left.axhline(start["win_rate"], linestyle="--", linewidth=1, color="#555555",
+                         label=f"{start['system']} (start) ± SE")
+            left.axhspan(start["win_rate"] - se, start["win_rate"] + se, color="#555555", alpha=0.12)
         rate = "weighted win-rate" if any(r.get("continuous_preferences") for r in rows) else "win-rate"
         left.set_xlabel("training step")
         left.set_ylabel(f"{rate} vs reference (%) ± SE")
