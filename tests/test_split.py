@@ -51,3 +51,19 @@ def test_validation_is_carved_from_training_and_a_tuning_run_never_sees_the_held
 def test_evaluate_on_validation_without_a_validation_split_is_refused(tmp_path: Path):
     with pytest.raises(RecipeError, match="validation_size"):
         _split(tmp_path, "bad", "stages.split.config.validation_size=0", "stages.split.config.evaluate_on=validation")
+
+
+def test_the_comparisons_tuning_recipe_starts_from_the_comparisons_data_and_judges_only_validation():
+    """docs/comparison.md says the tuning variants start from the comparison's own preferences and reward model:
+    that holds only while the shared stages, model, annotator and seed are the same, and the split differs only in
+    what eval.jsonl holds."""
+    root = Path(__file__).resolve().parents[1]
+    compare = load_recipe(root / "recipes" / "compare.yaml").recipe
+    tuning = load_recipe(root / "recipes" / "tuning" / "compare_validation.yaml").recipe
+    stages = {s.name: s for s in compare.stages}
+    tuned = {s.name: s for s in tuning.stages}
+    assert tuned["split"].config == {**stages["split"].config, "evaluate_on": "validation"}
+    for name in ("preferences", "reward_model", "sft_outputs", "sft_outputs_2"):
+        assert (tuned[name].method, tuned[name].config) == (stages[name].method, stages[name].config), name
+    assert (tuning.model, tuning.annotator, tuning.seed) == (compare.model, compare.annotator, compare.seed)
+    assert tuning.evaluation == compare.evaluation.model_copy(update={"policy": tuning.evaluation.policy})
