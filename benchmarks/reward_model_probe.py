@@ -16,6 +16,10 @@ varied), then scored two ways:
    reference) whose probabilities differ by more than ``--min-gap``: the share the head orders as the judge does
    (± its binomial SE). That is what best-of-n, expert iteration and PPO depend on.
 
+With ``--trainable-layers N`` the reward model trains its top N blocks with TRL's ``RewardTrainer`` instead (as
+the stage does with that setting; ``--learning-rate``, ``--epochs``, batch 8, cosine schedule) on all the pairs,
+and only (2) is reported (minutes per fit on a CPU, so no cross-validation).
+
 Use a judged run that evaluated validation instructions (``evaluate_on: validation``), so choosing a preference
 set with this probe never looks at the held-out instructions.
 """
@@ -27,6 +31,7 @@ import itertools
 import json
 import math
 import random
+import tempfile
 from pathlib import Path
 
 
@@ -37,6 +42,9 @@ def main() -> None:
     parser.add_argument("--weight-decay", type=float, nargs="+", default=[10.0, 1.0, 0.1])
     parser.add_argument("--folds", type=int, default=4)
     parser.add_argument("--min-gap", type=float, default=0.1, help="smallest judge-probability gap that makes a pair")
+    parser.add_argument("--trainable-layers", type=int, help="train the top N blocks instead of the head alone")
+    parser.add_argument("--learning-rate", type=float, default=2e-5, help="with --trainable-layers")
+    parser.add_argument("--epochs", type=float, default=2.0, help="with --trainable-layers")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 
@@ -45,7 +53,7 @@ def main() -> None:
     from alpacafarm.prompts import format_prompt
     from alpacafarm.recipe import load_recipe
     from alpacafarm.rewards import with_eos
-    from alpacafarm_methods.pairs import winner
+    from alpacafarm_methods.pairs import preference_rows, winner
     from alpacafarm_methods.reward_model.head import STEPS_PER_EPOCH, fit_head, last_token_features
 
     judged = Path(args.judged)
@@ -95,6 +103,24 @@ def main() -> None:
         rejected = vectors([r for _, r in pairs]) @ weight
         return float((chosen > rejected).float().mean())
 
+    def trained_accuracy(rows: list[dict[str, str]]) -> float:
+        from alpacafarm.rewards import RewardScorer
+        from alpacafarm_methods.reward_model.method import RewardModelConfig, build_reward_trainer
+
+        with tempfile.TemporaryDirectory() as tmp:
+            config = RewardModelConfig(output_dir=tmp, trainable_layers=args.trainable_layers,
+                                       learning_rate=args.learning_rate, num_train_epochs=args.epochs,
+                                       per_device_train_batch_size=8, max_length=rm_config.max_length,
+                                       lr_scheduler_type="cosine", save_strategy="no", report_to=[], seed=0)
+            trainer = build_reward_trainer(config, spec, spec.name, rows)
+            trainer.train()
+            trainer.save_model(f"{tmp}/model")
+            tokenizer.save_pretrained(f"{tmp}/model")
+            scorer = RewardScorer.from_path(f"{tmp}/model", spec, max_length=rm_config.max_length)
+            chosen = scorer.score_texts([c for c, _ in policy_pairs], batch_size=16)
+            rejected = scorer.score_texts([r for _, r in policy_pairs], batch_size=16)
+        return sum(c > r for c, r in zip(chosen, rejected, strict=True)) / len(policy_pairs)
+
     results = []
     for source in args.preferences:
         run, _, limit = source.partition(":")
@@ -104,11 +130,23 @@ def main() -> None:
             keep = set(keys[: int(limit)])
             records, keys = [r for r in records if key(r) in keep], keys[: int(limit)]
         labelled = []
+        rows, _ = preference_rows(records, style=spec.prompt_format, tokenizer=tokenizer)
         for r in records:
             won = winner(r.get("preference"))
             if won is not None:
                 labelled.append((key(r), full_text(r, r[f"output_{won}"]), full_text(r, r[f"output_{3 - won}"]),
                                  bool(r.get("noise"))))
+        if args.trainable_layers is not None:
+            on_policy = trained_accuracy(rows)
+            results.append({"preferences": source, "n_instructions": len(keys), "n_pairs": len(labelled),
+                            "trainable_layers": args.trainable_layers, "learning_rate": args.learning_rate,
+                            "epochs": args.epochs, "policy_accuracy": on_policy,
+                            "policy_se": math.sqrt(on_policy * (1 - on_policy) / len(policy_pairs)),
+                            "n_policy_pairs": len(policy_pairs)})
+            print(f"{source}: {len(keys)} instructions, {len(labelled)} pairs, top {args.trainable_layers} blocks "
+                  f"trained (lr {args.learning_rate:g}, {args.epochs:g} epochs): policy answers {on_policy:.3f} ± "
+                  f"{results[-1]['policy_se']:.3f} ({len(policy_pairs)} pairs)", flush=True)
+            continue
         shuffled = list(keys)
         random.Random(0).shuffle(shuffled)
         for weight_decay in args.weight_decay:
