@@ -63,8 +63,8 @@ def main() -> None:
     steps = rm_config.max_steps if rm_config.max_steps and rm_config.max_steps > 0 else \
         round(rm_config.num_train_epochs * STEPS_PER_EPOCH)
     tokenizer = load_tokenizer(spec, spec.name)
-    model = load_classifier(spec.for_inference(), spec.name)
     features: dict[str, object] = {}
+    backbone: list[object] = []  # the frozen model behind the head's features, loaded on first use
 
     def full_text(record: dict, output: str) -> str:
         prompt = format_prompt(record["instruction"], record.get("input") or None, style=spec.prompt_format,
@@ -79,7 +79,9 @@ def main() -> None:
 
         new = [t for t in dict.fromkeys(texts) if t not in features]
         if new:
-            computed = last_token_features(model, tokenizer, new, batch_size=16, max_length=rm_config.max_length)
+            if not backbone:
+                backbone.append(load_classifier(spec.for_inference(), spec.name))
+            computed = last_token_features(backbone[0], tokenizer, new, batch_size=16, max_length=rm_config.max_length)
             features.update(zip(new, computed, strict=True))
         return torch.stack([features[t] for t in texts])
 
@@ -90,6 +92,9 @@ def main() -> None:
             answers.setdefault(key(a), []).append((full_text(a, a["output_2"]), float(a["preference"]) - 1.0))
     policy_pairs = [(x, y) if px > py else (y, x) for group in answers.values()
                     for (x, px), (y, py) in itertools.combinations(group, 2) if abs(px - py) > args.min_gap and x != y]
+    if not policy_pairs:
+        raise SystemExit(f"{judged}: no two judged answers to one instruction differ by more than {args.min_gap} "
+                         "(is it a finished run whose evaluate stage judged several systems?)")
 
     def fit(pairs: list[tuple[str, str]], weight_decay: float):
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
@@ -105,7 +110,7 @@ def main() -> None:
 
     def trained_accuracy(rows: list[dict[str, str]]) -> float:
         from alpacafarm.rewards import RewardScorer
-        from alpacafarm_methods.reward_model.method import RewardModelConfig, build_reward_trainer
+        from alpacafarm_methods.reward_model.method import RewardModelConfig, build_reward_trainer, pairwise_accuracy
 
         with tempfile.TemporaryDirectory() as tmp:
             config = RewardModelConfig(output_dir=tmp, trainable_layers=args.trainable_layers,
@@ -117,9 +122,9 @@ def main() -> None:
             trainer.save_model(f"{tmp}/model")
             tokenizer.save_pretrained(f"{tmp}/model")
             scorer = RewardScorer.from_path(f"{tmp}/model", spec, max_length=rm_config.max_length)
-            chosen = scorer.score_texts([c for c, _ in policy_pairs], batch_size=16)
-            rejected = scorer.score_texts([r for _, r in policy_pairs], batch_size=16)
-        return sum(c > r for c, r in zip(chosen, rejected, strict=True)) / len(policy_pairs)
+            # The pairs' texts are whole (prompt, answer and EOS): an empty prompt scores them as they are.
+            return pairwise_accuracy(scorer, [{"prompt": "", "chosen": c, "rejected": r} for c, r in policy_pairs],
+                                     batch_size=16)["eval_accuracy"]
 
     results = []
     for source in args.preferences:
@@ -130,14 +135,13 @@ def main() -> None:
             keep = set(keys[: int(limit)])
             records, keys = [r for r in records if key(r) in keep], keys[: int(limit)]
         labelled = []
-        rows, _ = preference_rows(records, style=spec.prompt_format, tokenizer=tokenizer)
         for r in records:
             won = winner(r.get("preference"))
             if won is not None:
                 labelled.append((key(r), full_text(r, r[f"output_{won}"]), full_text(r, r[f"output_{3 - won}"]),
                                  bool(r.get("noise"))))
         if args.trainable_layers is not None:
-            on_policy = trained_accuracy(rows)
+            on_policy = trained_accuracy(preference_rows(records, style=spec.prompt_format, tokenizer=tokenizer)[0])
             results.append({"preferences": source, "n_instructions": len(keys), "n_pairs": len(labelled),
                             "trainable_layers": args.trainable_layers, "learning_rate": args.learning_rate,
                             "epochs": args.epochs, "policy_accuracy": on_policy,
