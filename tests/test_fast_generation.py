@@ -230,3 +230,21 @@ def test_smollm2_greedy_outputs_equal_transformers():
                                                                                 greedy)
     assert fast.last_finished == reference.last_finished
     assert os.environ["ALPACAFARM_CACHE_DIR"]  # the export went to the session cache, not the user's
+
+
+def test_bfloat16_builds_and_samples_on_this_cpu_whatever_it_computes_natively(tiny_model_dir: str):
+    """A bfloat16 model block builds on every CPU: on an AVX2-only CPU (no native bfloat16) OpenVINO 2026.4.1
+    refused the bfloat16 KV cache ("expect kvcache type f32") and the quickstart died before sampling."""
+    from alpacafarm.generation import SamplingConfig
+    from alpacafarm_generation.openvino_backend import OpenVINOBackendConfig, openvino_backend, pipeline_properties
+
+    config = OpenVINOBackendConfig(precision="bfloat16", threads=2)
+    spec = spec_for(tiny_model_dir)
+    assert pipeline_properties(config, spec, ["FP32", "INT8"])["KV_CACHE_PRECISION"] == "f32"
+    assert pipeline_properties(config, spec, ["FP32", "BF16"])["KV_CACHE_PRECISION"] == "bf16"
+    generator = openvino_backend(config, spec, tiny_model_dir)
+    try:
+        out = generator.generate(formatted(generator)[:2], SamplingConfig(max_new_tokens=4, temperature=0.0))
+    finally:
+        generator.close()
+    assert len(out) == 2 and all(len(group) == 1 for group in out)

@@ -154,9 +154,21 @@ class OpenVINOGenerator(Generator):
         self.pipeline = None
 
 
-def pipeline_properties(config: OpenVINOBackendConfig, spec: Any) -> dict[str, str]:
+def cpu_capabilities() -> list[str]:
+    """What OpenVINO's CPU plugin can compute natively on this machine (``BF16`` among them or not)."""
+    import openvino
+
+    return list(openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+
+
+def pipeline_properties(config: OpenVINOBackendConfig, spec: Any,
+                        capabilities: list[str] | None = None) -> dict[str, str]:
     """Compile properties: the precision asked for (the CPU plugin would otherwise pick bfloat16 on CPUs that
-    have it, and an 8-bit cache), and the thread count."""
+    have it, and an 8-bit cache), and the thread count.
+
+    The KV cache is bfloat16 only on a CPU that computes bfloat16 natively (``capabilities``, default: this
+    machine's): on an AVX2-only CPU, OpenVINO 2026.4.1's paged attention refuses a bfloat16 cache ("expect kvcache
+    type f32") and computes the bfloat16 hint in float32 anyway, so the cache follows what is computed."""
     import os
 
     precision = config.precision or spec.for_inference().dtype
@@ -165,7 +177,11 @@ def pipeline_properties(config: OpenVINOBackendConfig, spec: Any) -> dict[str, s
         # OpenVINO 2026.4.1's CPU plugin dies of SIGFPE compiling a bfloat16 graph for one thread.
         raise UserError("the openvino backend cannot run bfloat16 on one CPU thread (OpenVINO 2026.4.1 crashes): "
                         "set backend_config threads >= 2 or precision: float32")
-    properties = {"INFERENCE_PRECISION_HINT": hint, "KV_CACHE_PRECISION": hint}
+    if hint == "bf16" and "BF16" not in (cpu_capabilities() if capabilities is None else capabilities):
+        cache = "f32"
+    else:
+        cache = hint
+    properties = {"INFERENCE_PRECISION_HINT": hint, "KV_CACHE_PRECISION": cache}
     if config.threads:
         properties["INFERENCE_NUM_THREADS"] = str(config.threads)
     return properties
