@@ -58,8 +58,10 @@ class ModelSpec(_Strict):
     revision: str | None = None
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     #: dtype for sampling and reward scoring only (training keeps ``dtype``): ``bfloat16`` about doubles CPU
-    #: generation speed on CPUs with AVX512-BF16/AMX, where training must stay in float32.
-    inference_dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    #: generation speed on CPUs with AVX512-BF16/AMX, where training must stay in float32, and is tens of times
+    #: slower where it is emulated (AVX2-only CPUs); ``bfloat16_if_native``: bfloat16 where the device computes it
+    #: in hardware, else float32 (:mod:`alpacafarm.hardware`).
+    inference_dtype: Literal["float32", "float16", "bfloat16", "bfloat16_if_native"] | None = None
     #: dtype of the full weights a training stage writes (``null``: ``dtype``, resolved as for loading).
     #: Trainable weights always train as float32 master copies; LoRA adapters are always saved in float32.
     save_dtype: Literal["float32", "float16", "bfloat16"] | None = None
@@ -72,8 +74,16 @@ class ModelSpec(_Strict):
 
 
     def for_inference(self) -> ModelSpec:
-        """This block as used to sample and score: ``dtype`` replaced by ``inference_dtype`` when one is set."""
-        return self if self.inference_dtype is None else self.model_copy(update={"dtype": self.inference_dtype})
+        """This block as used to sample and score: ``dtype`` replaced by ``inference_dtype`` when one is set
+        (``bfloat16_if_native`` resolved on this machine: bfloat16 or float32)."""
+        if self.inference_dtype is None:
+            return self
+        dtype = self.inference_dtype
+        if dtype == "bfloat16_if_native":
+            from alpacafarm.hardware import native_bfloat16
+
+            dtype = "bfloat16" if native_bfloat16(self.device) else "float32"
+        return self.model_copy(update={"dtype": dtype, "inference_dtype": dtype})
 
     def for_training(self) -> ModelSpec:
         """This block as used to load a model whose weights all train: ``dtype`` float32 (the master copy).
