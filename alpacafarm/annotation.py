@@ -178,6 +178,16 @@ class Annotator:
         """Release clients, files and models (called by the CLI and the pipeline when done)."""
 
 
+class ScoringAnnotator(Annotator):
+    """An annotator whose preferences come from a pointwise score of each answer (a known gold function, as in a
+    gold-preference world). :meth:`score` gives the scores themselves: the evaluation then reports each system's
+    mean score, with its paired standard error against the first system, next to the win-rate."""
+
+    def score(self, records: Sequence[dict[str, Any]], answers: Sequence[str]) -> list[float]:
+        """One finite score per answer to its record's instruction (``instruction``, ``input``); higher is better."""
+        raise NotImplementedError
+
+
 # ---------------------------------------------------------------------------------------- command-line options
 # ``alpacafarm annotate`` and ``alpacafarm evaluate`` (in different plugins) take the same annotator options and
 # build the annotator the same way, through the registry.

@@ -13,8 +13,8 @@ SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_b
 
 def test_cpu_flags_are_read_from_cpuinfo_text():
     assert "avx2" in cpu_flags(AVX2_ONLY) and not BFLOAT16_CPU_FLAGS & cpu_flags(AVX2_ONLY)
-    assert BFLOAT16_CPU_FLAGS <= cpu_flags(SAPPHIRE_RAPIDS)
-    assert cpu_flags("no flags line here") == frozenset()
+    assert cpu_flags(SAPPHIRE_RAPIDS) >= BFLOAT16_CPU_FLAGS
+    assert not cpu_flags("no flags line here")
 
 
 @pytest.mark.parametrize(("native", "expected"), [(False, "float32"), (True, "bfloat16")])

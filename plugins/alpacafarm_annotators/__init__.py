@@ -23,6 +23,8 @@ def register_annotators(register):
     register("offline", "alpacafarm_annotators.offline_judge.annotator:OfflineAnnotator",
              description="offline judge: a head on a small LM's reading, MiniLM and text features; no network, $0",
              identity="alpacafarm_annotators.offline_judge.weights:weights_identity")
+    register("gold", "alpacafarm_annotators.gold:GoldAnnotator",
+             description="a known gold score as the simulated human: Bradley-Terry preferences plus label noise")
     register("local_judge", "alpacafarm_annotators.local_judge:LocalJudge",
              description="a local causal LM's log-probabilities of the answer labels, both orders averaged")
 

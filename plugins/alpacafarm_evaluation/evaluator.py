@@ -134,7 +134,9 @@ class WinRateEvaluator(Method):
         finally:
             annotator.close()
         rewards = proxy_rewards(context, [(s, pairs) for s, _, pairs, _ in evaluated])
-        rows = results_rows([(s, m, per) for s, m, _, per in evaluated], rewards)
+        golds = [gold_scores(annotator.inner, pairs) for _, _, pairs, _ in evaluated]
+        kls = [policy_kl(system) for system, _, _, _ in evaluated]
+        rows = results_rows([(s, m, per) for s, m, _, per in evaluated], rewards, golds, kls)
         files = write_results(rows, context.stage_dir)
         judge = evaluated[0][1]["annotator"]
         reference = evaluated[0][1]["reference"]
@@ -166,6 +168,31 @@ class RecordingAnnotator(Annotator):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def gold_scores(judge: Annotator, pairs: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+    """Per-instruction score of the system's answers (``output_2``) when the judge scores answers one by one (a
+    :class:`~alpacafarm.annotation.ScoringAnnotator`: the gold world's gold), else None."""
+    from alpacafarm.annotation import ScoringAnnotator
+
+    if not isinstance(judge, ScoringAnnotator):
+        return None
+    records = [{"instruction": p["instruction"], "input": p["input"]} for p in pairs]
+    values = judge.score(records, [p["output_2"] for p in pairs])
+    return {f"{p['instruction']}\x00{p['input']}": v for p, v in zip(pairs, values, strict=True)}
+
+
+def policy_kl(system: System) -> tuple[float, float | None] | None:
+    """``(KL to the reference model, its SE)`` of a system: from the log-probabilities its stage wrote with each
+    output (``generate_outputs`` with a ``kl_reference`` input), or in closed form for a best-of-n system
+    (``log n - (n - 1)/n``, SE 0); None when neither is known."""
+    from alpacafarm.divergence import best_of_n_kl, kl_estimate
+
+    if system.info.get("n") is not None:
+        return best_of_n_kl(int(system.info["n"])), 0.0
+    if system.outputs and all("logprob" in r and "reference_logprob" in r for r in system.outputs):
+        return kl_estimate([r["logprob"] for r in system.outputs], [r["reference_logprob"] for r in system.outputs])
+    return None
 
 
 def instruction_scores(annotations_path: Path) -> dict[str, float]:

@@ -24,7 +24,7 @@ logger = logging.getLogger("alpacafarm")
 COLUMNS = ("system", "stage", "n", "win_rate", "standard_error", "length_controlled_win_rate", "n_wins", "n_wins_base",
            "n_draws", "n_total", "avg_length", "proxy_reward", "delta_vs_smallest_n", "paired_standard_error",
            "vs_system", "delta_vs_system", "paired_se_vs_system", "significant", "continuous_preferences", "step",
-           "train_reward")
+           "train_reward", "gold", "gold_se", "delta_gold_vs_system", "paired_se_gold_vs_system", "kl", "kl_se")
 #: A paired difference counts as significant beyond this many paired standard errors (about p < 0.05, two-sided).
 SIGNIFICANCE_SES = 2.0
 
@@ -70,13 +70,20 @@ def paired_difference(scores: dict[str, float], baseline: dict[str, float]) -> t
 
 
 def results_rows(evaluated: Sequence[tuple[Any, dict[str, Any], dict[str, float]]],
-                 rewards: Sequence[float | None]) -> list[dict[str, Any]]:
+                 rewards: Sequence[float | None], golds: Sequence[dict[str, float] | None] | None = None,
+                 kls: Sequence[tuple[float, float | None] | None] | None = None) -> list[dict[str, Any]]:
     """One row per system, in the evaluation's order; ``evaluated`` holds (system, metrics, per-instruction scores).
 
     Systems with an ``n`` (a best-of-n sweep) also get their paired difference to the sweep's smallest n. Every
     system after the first gets its paired difference to the first (``vs_system``) and ``significant``: whether
     ``|Δ| > 2`` paired SE (None when the SE is undefined; a difference with zero spread counts when non-zero).
+    ``golds``: per system, its per-instruction gold score when the judge scores answers (the gold world), giving
+    ``gold`` ± SE and the paired difference to the first system; ``kls``: per system, its KL to the reference
+    model ± SE where known.
     """
+    golds = golds if golds is not None else [None] * len(evaluated)
+    kls = kls if kls is not None else [None] * len(evaluated)
+    first_gold = golds[0] if golds else None
     first_name, first_scores = (evaluated[0][0].name, evaluated[0][2]) if evaluated else (None, {})
     sweeps: dict[str, tuple[int, dict[str, float]]] = {}
     for system, _, scores in evaluated:
@@ -84,7 +91,7 @@ def results_rows(evaluated: Sequence[tuple[Any, dict[str, Any], dict[str, float]
         if n is not None and (system.stage not in sweeps or n < sweeps[system.stage][0]):
             sweeps[system.stage] = (n, scores)
     rows = []
-    for (system, metrics, scores), reward in zip(evaluated, rewards, strict=True):
+    for (system, metrics, scores), reward, gold, kl in zip(evaluated, rewards, golds, kls, strict=True):
         delta = paired_se = None
         if system.info.get("n") is not None:
             delta, paired_se = paired_difference(scores, sweeps[system.stage][1])
@@ -97,8 +104,29 @@ def results_rows(evaluated: Sequence[tuple[Any, dict[str, Any], dict[str, float]
                      **{k: metrics.get(k) for k in COLUMNS[3:11]}, "proxy_reward": reward,
                      "delta_vs_smallest_n": delta, "paired_standard_error": paired_se, **versus,
                      "continuous_preferences": bool(metrics.get("continuous_preferences")),
-                     "step": system.info.get("step"), "train_reward": system.info.get("train_reward")})
+                     "step": system.info.get("step"), "train_reward": system.info.get("train_reward"),
+                     **gold_columns(gold, first_gold if rows else None),
+                     "kl": kl[0] if kl else None, "kl_se": kl[1] if kl else None})
     return rows
+
+
+def gold_columns(gold: dict[str, float] | None, first: dict[str, float] | None) -> dict[str, float | None]:
+    """``gold`` (mean gold score) ± ``gold_se``, and its paired difference to the first system ± paired SE."""
+    import math
+
+    empty = {"gold": None, "gold_se": None, "delta_gold_vs_system": None, "paired_se_gold_vs_system": None}
+    if not gold:
+        return empty
+    values = list(gold.values())
+    mean = sum(values) / len(values)
+    se = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) if len(values) > 1 \
+        else None
+    delta = paired_se = None
+    if first:
+        delta, paired_se = paired_difference(gold, first)
+        delta, paired_se = (delta / 100 if delta is not None else None), (paired_se / 100 if paired_se is not None
+                                                                           else None)
+    return {"gold": mean, "gold_se": se, "delta_gold_vs_system": delta, "paired_se_gold_vs_system": paired_se}
 
 
 def significant(delta: float | None, paired_se: float | None) -> bool | None:
@@ -126,6 +154,13 @@ def results_table(rows: list[dict[str, Any]], title: str) -> dict[str, Any]:
              fmt(r["avg_length"], 0), fmt(r["proxy_reward"], 3),
              delta(r.get("delta_vs_system"), r.get("paired_se_vs_system"), " *" if r.get("significant") else ""),
              delta(r["delta_vs_smallest_n"], r["paired_standard_error"])] for r in rows]
+    if any(r.get("gold") is not None for r in rows):  # the gold world: mean gold score, Δ gold, KL to the SFT model
+        columns += ["gold", "Δ gold", "KL"]
+        for line, r in zip(body, rows, strict=True):
+            change = r.get("delta_gold_vs_system")
+            line += [fmt(r.get("gold"), 3),
+                     "-" if change is None else f"{change:+.3f} ± {fmt(r.get('paired_se_gold_vs_system'), 3)}",
+                     fmt(r.get("kl"), 2)]
     return {"title": f"{title}; Δ ± paired SE, * beyond {SIGNIFICANCE_SES:g} SE", "columns": columns, "rows": body}
 
 

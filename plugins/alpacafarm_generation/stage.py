@@ -46,6 +46,10 @@ class GenerateOutputs(Method):
 
     config_class = GenerateOutputsConfig
     requires = ("sft_model", "instruction_splits")
+    #: ``kl_reference`` (e.g. ``inputs: {sft_model: ppo, kl_reference: base_model}``): each output also gets its
+    #: ``logprob`` under the sampled model and ``reference_logprob`` under this one, at the sampling temperature,
+    #: from which the evaluation estimates the policy's KL to the reference (:mod:`alpacafarm.divergence`)
+    optional = ("kl_reference",)
     provides = "policy_outputs"
     ranks = Ranks.ALL  # the transformers backend's batches are split across ranks
 
@@ -59,7 +63,7 @@ class GenerateOutputs(Method):
         seconds = time.perf_counter() - started
         path = context.stage_dir / OUTPUTS_FILE
         if context.is_main:
-            write_completions(path, rows)
+            write_completions(path, self.with_logprobs(context, rows, context.input("sft_model").path))
         metadata = {"n_instructions": len(records), "n_outputs": len(rows), "seconds": round(seconds, 2),
                     "tokens_per_second": round(tokens / seconds, 1) if tokens else None}
         if config.snapshots:
@@ -91,7 +95,32 @@ class GenerateOutputs(Method):
                                                     sampling, f"generating step {step} ({self.config.backend})",
                                                     model_path=stage_folder / folder)
                 if context.is_main:
-                    write_completions(context.stage_dir / name, rows)
+                    write_completions(context.stage_dir / name,
+                                      self.with_logprobs(context, rows, str(stage_folder / folder)))
             systems[f"{context.stage}@{step}"] = {"outputs": name, "step": int(step),
                                                   "train_reward": train_rewards.get(step)}
         return systems
+
+    def with_logprobs(self, context: StageContext, rows: list[dict[str, Any]], model_path: str) -> list[dict[str, Any]]:
+        """``rows`` with ``logprob`` (under ``model_path``) and ``reference_logprob`` (under the ``kl_reference``
+        input) when the recipe wires one; the rows unchanged otherwise."""
+        if "kl_reference" not in context.inputs:
+            return rows
+        from alpacafarm.divergence import sequence_logprobs
+        from alpacafarm.errors import UserError
+
+        sampling = self.config.sampling
+        if sampling.temperature <= 0:
+            raise UserError(f"stage {context.stage!r}: a kl_reference needs sampling at a temperature > 0 (greedy "
+                            "outputs have no distribution to compare)")
+        spec = context.recipe.model
+        scored = {}
+        with context.progress("log-probabilities for the KL", 2) as advance:
+            for field, location in (("logprob", model_path), ("reference_logprob",
+                                                              context.input("kl_reference").path)):
+                scored[field] = sequence_logprobs(spec, location, rows, temperature=sampling.temperature,
+                                                  max_new_tokens=sampling.max_new_tokens,
+                                                  batch_size=sampling.batch_size)
+                advance(1)
+        return [{**row, "logprob": lp, "reference_logprob": ref}
+                for row, lp, ref in zip(rows, scored["logprob"], scored["reference_logprob"], strict=True)]

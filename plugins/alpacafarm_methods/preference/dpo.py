@@ -154,6 +154,9 @@ class DPO(Method):
             )
         train_rows, eval_rows = split_pairs(rows, args.eval_fraction, context.seed)
         trainer = build_dpo_trainer(args, spec, model_path, train_rows, eval_rows)
+        if not len(trainer.train_dataset):  # TRL dropped every row (e.g. prompts longer than max_length)
+            raise UserError(f"stage {context.stage}: no training pair is left of the {len(train_rows)} given to "
+                            f"DPO (max_length {args.max_length}: raise it)")
         reference = (
             "adapters disabled" if spec.lora else "precomputed" if args.precompute_ref_log_probs else "copy"
         )

@@ -1,0 +1,212 @@
+"""The gold-preference world: the ``gold`` annotator (Bradley-Terry in a known score, the paper's label noise), the
+built-in rubric, and the evaluation's gold and KL columns, down to a user-written gold driving a whole run."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from alpacafarm.errors import UserError
+from alpacafarm.plugins import get_registry
+from alpacafarm.types import Pair
+
+
+def count_gold(records: list[dict[str, Any]], answers: list[str]) -> list[float]:
+    """A user-written gold: 0.1 per letter 'x' (what a recipe names as ``test_gold:count_gold``)."""
+    return [0.1 * answer.count("x") for answer in answers]
+
+
+def distinct_words_gold(records: list[dict[str, Any]], answers: list[str]) -> list[float]:
+    """Another user-written gold: 0.1 per distinct word (the tiny random model's answers differ in it)."""
+    return [0.1 * len(set(answer.split())) for answer in answers]
+
+
+def wrong_length_gold(records: list[dict[str, Any]], answers: list[str]) -> list[float]:
+    return [1.0]
+
+
+def nan_gold(records: list[dict[str, Any]], answers: list[str]) -> list[float]:
+    return [math.nan for _ in answers]
+
+
+def gold(**config: Any):
+    return get_registry().create("annotator", "gold", {"gold": "test_gold:count_gold", **config})
+
+
+def pairs_with_difference(n: int, extra_x: int) -> list[Pair]:
+    """``n`` distinct pairs whose second output has ``extra_x`` more 'x' than the first."""
+    return [Pair(f"instruction {i}", f"answer {i} x", f"answer {i} x" + "x" * extra_x) for i in range(n)]
+
+
+def sigmoid(z: float) -> float:
+    return 1 / (1 + math.exp(-z))
+
+
+def test_sampled_labels_follow_bradley_terry_in_the_gold_and_mirror():
+    annotator = gold(temperature=0.1)
+    pairs = pairs_with_difference(3000, 1)  # gold difference 0.1 at temperature 0.1: P(second wins) = sigmoid(1)
+    labels = [a.preference for a in annotator.annotate(pairs)]
+    share = labels.count(2) / len(labels)
+    assert abs(share - sigmoid(1.0)) < 0.03, share  # 3000 draws: SE 0.008
+    mirrored = [a.preference for a in annotator.annotate([p.swapped() for p in pairs])]
+    assert mirrored == [3 - label for label in labels]  # the same draw, seen from the other side
+    assert [a.preference for a in annotator.annotate(pairs)] == labels  # seeded: the same labels every time
+    other_seed = [a.preference for a in gold(temperature=0.1, seed=1).annotate(pairs)]
+    assert other_seed != labels
+
+
+def test_threshold_continuous_ties_and_scores_in_the_metadata():
+    pairs = [Pair("q", "x", "xxx"), Pair("q", "xxx", "x"), Pair("q", "ab", "cd"), Pair("q", "same", "same")]
+    hard = gold(mode="threshold").annotate(pairs)
+    assert [a.preference for a in hard] == [2, 1, 0, 0]  # equal scores and identical answers are ties
+    assert hard[0].metadata == {"gold_1": pytest.approx(0.1), "gold_2": pytest.approx(0.3)}
+    soft = gold(mode="continuous", temperature=0.2).annotate(pairs)
+    assert soft[0].preference == pytest.approx(1 + sigmoid(1.0))
+    assert soft[1].preference == pytest.approx(2 - sigmoid(1.0))
+    assert [a.preference for a in soft[2:]] == [0, 0]
+
+
+def test_label_noise_flips_as_the_pools_do():
+    pairs = pairs_with_difference(4000, 5)  # a clear winner: the noiseless label is always 2
+    annotations = gold(mode="threshold", noise=0.25).annotate(pairs)
+    noisy = [a for a in annotations if a.noise]
+    assert abs(len(noisy) / len(pairs) - 0.5) < 0.03  # a fair coin replaces the label with probability 2 x 0.25
+    flipped = sum(a.preference == 1 for a in annotations) / len(pairs)
+    assert abs(flipped - 0.25) < 0.03
+    assert all(a.annotator == "noise" for a in noisy)
+    assert all(a.preference == 2 for a in annotations if not a.noise)
+
+
+@pytest.mark.parametrize(("target", "message"), [
+    ("test_gold:wrong_length_gold", "returned 1 scores for 4 answers"),
+    ("test_gold:nan_gold", "not a finite number"),
+    ("no_such_module_xyz:gold", "cannot import 'no_such_module_xyz'"),
+    ("test_gold:no_such_function", "has no attribute"),
+    ("test_gold", "not of the form 'module:attr'"),
+])
+def test_a_broken_gold_fails_in_one_line_naming_it(target: str, message: str):
+    with pytest.raises(UserError, match=message) as error:
+        get_registry().create("annotator", "gold", {"gold": target}).annotate([Pair("q", "a", "b")] * 2)
+    assert "\n" not in str(error.value)
+
+
+def test_the_builtin_gold_gives_nothing_for_length_alone():
+    """An answer made only shorter (its first half) or only longer (repeated, or padded with a neutral sentence)
+    never scores higher than itself. Answers: the bundled Davinci003 references (long, many of them lists) and
+    short answers of the kinds the SFT model writes."""
+    from alpacafarm.data import load_source
+    from alpacafarm.recipe import DataSource
+    from alpacafarm_annotators.gold_functions import helpfulness, repeated_phrases
+
+    records = load_source(DataSource(builtin="alpaca_eval_sample"))[:120]
+    answers = [r["reference"] for r in records]
+    records += [{"instruction": "Give three tips for staying healthy.", "input": ""}] * 3
+    answers += ["1. Eat a balanced diet.\n2. Exercise regularly.\n3. Sleep well.",
+                "Staying healthy means eating well, moving every day and sleeping enough hours.",
+                "Tips for staying healthy: drink water. Tips for staying healthy: drink water."]
+    full = helpfulness(records, answers)
+    shorter = helpfulness(records, [" ".join(a.split(" ")[: max(1, len(a.split(" ")) // 2)]) for a in answers])
+    doubled = helpfulness(records, [f"{a}\n{a}" for a in answers])
+    padded = helpfulness(records, [f"{a} Thank you." for a in answers])
+    for i, answer in enumerate(answers):
+        if repeated_phrases(answer) == 0:  # cutting a loop away is an improvement, not length
+            assert shorter[i] <= full[i] + 1e-12, answer
+        assert doubled[i] <= full[i], answer
+        assert padded[i] <= full[i] + 1e-12, answer
+    assert sum(s < f for s, f in zip(shorter, full, strict=True)) > len(answers) / 4  # it does see content
+    assert sum(d < f for d, f in zip(doubled, full, strict=True)) > len(answers) * 3 / 4  # and loops
+
+
+def test_the_builtin_gold_prefers_on_topic_organised_answers_without_loops():
+    from alpacafarm_annotators.gold_functions import helpfulness
+
+    record = {"instruction": "List three red fruits.", "input": ""}
+    on_topic_list = "Red fruits:\n1. Apple\n2. Cherry\n3. Strawberry"
+    prose = "Apples, cherries and strawberries are red fruits."
+    off_topic = "I like trains and long walks in the park."
+    loop = "red fruits are red fruits are red fruits are red fruits are red fruits are red"
+    scores = dict(zip(("list", "prose", "off", "loop"),
+                      helpfulness([record] * 4, [on_topic_list, prose, off_topic, loop]), strict=True))
+    assert scores["list"] > scores["prose"] > scores["off"] > scores["loop"]
+
+
+def recipe_text(model_dir: str, annotator_gold: str) -> str:
+    return f"""
+name: gold-world
+seed: 7
+model: {{name: {model_dir}, dtype: float32, device: cpu}}
+data:
+  instructions: {{builtin: alpaca_eval_sample, limit: 24}}
+annotator:
+  name: gold
+  config: {{gold: "{annotator_gold}", noise: 0.25}}
+stages:
+  - name: split
+    method: split_instructions
+    config: {{eval_size: 4}}
+  - name: preferences
+    method: preference_data
+    config: {{k: 3, pairing: all, sampling: {{temperature: 1.0, max_new_tokens: 8, batch_size: 10}}}}
+  - name: reward_model
+    method: reward_model
+    config: {{trainable_layers: 0, num_train_epochs: 1, eval_fraction: 0.2, score_batch_size: 4}}
+  - name: outputs
+    method: generate_outputs
+    config: {{sampling: {{temperature: 0.7, max_new_tokens: 8, batch_size: 4}}}}
+  - name: dpo
+    method: dpo
+    config: {{max_steps: 2, per_device_train_batch_size: 2, learning_rate: 1.0e-3, max_length: 256,
+              logging_steps: 1, save_strategy: 'no'}}
+  - name: dpo_outputs
+    method: generate_outputs
+    inputs: {{sft_model: dpo, kl_reference: base_model}}
+    config: {{sampling: {{temperature: 0.7, max_new_tokens: 8, batch_size: 4}}}}
+  - name: best_of_n
+    method: best_of_n
+    config: {{n: 4, n_values: [4], sampling: {{temperature: 0.7, max_new_tokens: 8, batch_size: 4}}}}
+evaluation:
+  annotator:
+    name: gold
+    config: {{gold: "{annotator_gold}", mode: continuous}}
+  policy: [outputs, dpo_outputs, best_of_n]
+"""
+
+
+@pytest.mark.slow
+def test_a_user_written_gold_drives_a_run_end_to_end(tmp_path: Path, tiny_model_dir: str):
+    """Preferences labelled by the user's gold (with noise), a reward model and DPO trained on them, outputs with
+    their log-probabilities, and an evaluation by the noiseless gold with gold and KL columns."""
+    from alpacafarm.testing import run_recipe
+    from alpacafarm_annotators.gold import GoldAnnotator, GoldAnnotatorConfig
+
+    recipe = tmp_path / "gold.yaml"
+    recipe.write_text(recipe_text(tiny_model_dir, "test_gold:distinct_words_gold"), encoding="utf-8")
+    run_recipe(recipe, tmp_path / "run")
+    stages = tmp_path / "run" / "stages"
+    preferences = [json.loads(line) for line in (stages / "preferences" / "preferences.jsonl").open()]
+    judged = [p for p in preferences if p["annotator"] == "gold"]
+    assert judged and all(p["annotator"] in ("gold", "noise") for p in preferences)
+    dpo_outputs = [json.loads(line) for line in (stages / "dpo_outputs" / "outputs.jsonl").open()]
+    assert all(isinstance(r["logprob"], float) and isinstance(r["reference_logprob"], float) for r in dpo_outputs)
+    assert any(r["logprob"] != r["reference_logprob"] for r in dpo_outputs)  # DPO moved the policy
+    rows = {r["system"]: r for r in json.loads((stages / "evaluate" / "results.json").read_text())["rows"]}
+    assert set(rows) == {"outputs", "dpo_outputs", "best_of_4"}
+    # The gold column is the user's gold of each system's answers, averaged over the judged instructions.
+    outputs = [json.loads(line) for line in (stages / "outputs" / "outputs.jsonl").open()]
+    expected = sum(distinct_words_gold([], [r["output"] for r in outputs])) / len(outputs)
+    assert rows["outputs"]["gold"] == pytest.approx(expected)
+    assert rows["outputs"]["kl"] is None  # no kl_reference: not known
+    assert rows["best_of_4"]["kl"] == pytest.approx(math.log(4) - 3 / 4)
+    assert rows["dpo_outputs"]["kl"] is not None and rows["dpo_outputs"]["kl_se"] is not None
+    assert rows["dpo_outputs"]["delta_gold_vs_system"] == pytest.approx(rows["dpo_outputs"]["gold"] - expected)
+    assert rows["outputs"]["continuous_preferences"]
+    # The win-rate is the noiseless gold's P(answer beats the reference), averaged.
+    annotations = json.loads((stages / "evaluate" / "systems" / "outputs" / "annotations.json").read_text())
+    judge = GoldAnnotator(GoldAnnotatorConfig(gold="test_gold:distinct_words_gold", mode="continuous"))
+    first = annotations[0]
+    expected_p = judge.probability(*distinct_words_gold([], [first["output_1"], first["output_2"]]))
+    assert first["preference"] == pytest.approx(1 + expected_p)
