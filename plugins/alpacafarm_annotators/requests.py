@@ -187,14 +187,26 @@ async def complete(client: Any, *, style: str, model: str, prompt: Any, decoding
             await asyncio.sleep(delay)
 
 
+def request_body(style: str, model: str, prompt: Any, decoding: dict[str, Any], logprobs: bool) -> dict[str, Any]:
+    """The JSON body of one annotation request: what a live request sends and what a batch file's line carries
+    (the same dict, so both paths send byte-identical bodies)."""
+    if style == "chat":
+        extra: dict[str, Any] = {"logprobs": True, "top_logprobs": 5} if logprobs else {}
+        return {"model": model, "messages": prompt, **decoding, **extra}
+    extra = {"logprobs": 5} if logprobs else {}
+    return {"model": model, "prompt": prompt, **decoding, **extra}
+
+
+def endpoint_path(style: str) -> str:
+    """The API path of a request of this style (a batch line's ``url``)."""
+    return "/v1/chat/completions" if style == "chat" else "/v1/completions"
+
+
 async def _create(client: Any, style: str, model: str, prompt: Any, decoding: dict[str, Any], logprobs: bool,
                   timeout_s: float) -> Any:
-    if style == "chat":
-        extra = {"logprobs": True, "top_logprobs": 5} if logprobs else {}
-        return await client.chat.completions.create(model=model, messages=prompt, timeout=timeout_s, **decoding,
-                                                    **extra)
-    extra = {"logprobs": 5} if logprobs else {}
-    return await client.completions.create(model=model, prompt=prompt, timeout=timeout_s, **decoding, **extra)
+    body = request_body(style, model, prompt, decoding, logprobs)
+    create = client.chat.completions.create if style == "chat" else client.completions.create
+    return await create(**body, timeout=timeout_s)
 
 
 def _short(exc: Exception, secrets: Sequence[str] = ()) -> str:

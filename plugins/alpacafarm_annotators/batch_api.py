@@ -1,0 +1,162 @@
+"""The batch endpoints of an OpenAI-compatible API (``/v1/files`` + ``/v1/batches``) through the official ``openai``
+client: upload a JSONL file of requests, create the batch, look it up, poll it, download its output and error files,
+cancel it. Every call is retried like a live request (429, 5xx, timeouts, dropped connections; ``Retry-After``
+honoured) and fails with one line naming the endpoint otherwise; error texts never carry the key.
+
+A batch file's line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {...}}``, its body
+the very dict a live request sends (:func:`~alpacafarm_annotators.requests.request_body`); an output line is
+``{"custom_id", "response": {"status_code", "body"}, "error"}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from alpacafarm.errors import UserError, redact
+from alpacafarm_annotators.requests import Completion, RequestFailed, _is_retryable, _retry_after, _short
+
+logger = logging.getLogger("alpacafarm.annotators")
+T = TypeVar("T")
+
+#: The provider's statuses after which a batch changes no more.
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+#: The ``metadata`` key carrying the local id of a batch (how a killed submitter's batch is found again).
+METADATA_KEY = "alpacafarm_batch"
+
+
+def body_sha256(body: dict[str, Any]) -> str:
+    """The hash of a request body as a batch line carries it (canonical JSON)."""
+    return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def jsonl(lines: Sequence[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines).encode("utf-8")
+
+
+@dataclass
+class LineResult:
+    """What a finished batch says about one request: a completion body, or why there is none."""
+
+    body: dict[str, Any] | None
+    error: str | None
+
+
+def completion_of(style: str, body: dict[str, Any], secrets: Sequence[str]) -> Completion:
+    """A :class:`Completion` from a batch output line's response body (latency is the caller's to set). Raises
+    ``ValueError`` for a body without choices."""
+    choices = body.get("choices") or []
+    if not choices or not isinstance(choices[0], dict):
+        raise ValueError("the batch answered with no choices")
+    choice = choices[0]
+    text = ((choice.get("message") or {}).get("content") if style == "chat" else choice.get("text")) or ""
+    usage = body.get("usage")
+    usage = usage if isinstance(usage, dict) else None
+    return Completion(redact(str(text), secrets), int((usage or {}).get("prompt_tokens") or 0),
+                      int((usage or {}).get("completion_tokens") or 0), 0.0, 1, choice.get("logprobs"),
+                      usage_reported=usage is not None, finish_reason=choice.get("finish_reason"))
+
+
+class BatchAPI:
+    """The batch operations on one async ``openai`` client, with the annotator's retry settings."""
+
+    def __init__(self, client: Any, *, endpoint: str, max_retries: int, backoff_s: float, max_backoff_s: float,
+                 timeout_s: float, secrets: Sequence[str]) -> None:
+        self.client, self.endpoint = client, endpoint
+        self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
+        self.timeout_s, self.secrets = timeout_s, list(secrets)
+
+    async def _call(self, what: str, make: Callable[[], Awaitable[T]]) -> T:
+        """``await make()`` with retries; a refusal (4xx) is a one-line :class:`UserError`, retries exhausted a
+        :class:`RequestFailed`."""
+        import openai
+
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await asyncio.wait_for(make(), self.timeout_s)
+            except Exception as exc:
+                if isinstance(exc, openai.APIStatusError) and not _is_retryable(exc):
+                    raise UserError(f"{self.endpoint}: the batch endpoint refused to {what} ({exc.status_code}): "
+                                    f"{_short(exc, self.secrets)}") from None
+                if not _is_retryable(exc) and not isinstance(exc, openai.OpenAIError):
+                    raise
+                if attempt > self.max_retries:
+                    detail = _short(exc, self.secrets) or f"no answer within timeout_s={self.timeout_s:g}s"
+                    raise RequestFailed(f"could not {what} at {self.endpoint} after {attempt} attempts: "
+                                        f"{type(exc).__name__}: {detail}") from None
+                delay = _retry_after(exc, self.max_backoff_s)
+                if delay is None:
+                    delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * (0.5 + random.random())
+                logger.warning("batch endpoint: could not %s (%s), retry %d/%d in %.2fs", what, type(exc).__name__,
+                               attempt, self.max_retries, delay)
+                await asyncio.sleep(delay)
+
+    async def submit(self, local_id: str, lines: Sequence[dict[str, Any]], *, url: str, window: str) -> tuple[str, Any]:
+        """Upload ``lines`` as a batch file and create the batch (``metadata`` names ``local_id``): (file id, batch)."""
+        data = jsonl(lines)
+        uploaded = await self._call("upload the batch file", lambda: self.client.files.create(
+            file=(f"alpacafarm-{local_id}.jsonl", data, "application/jsonl"), purpose="batch"))
+        batch = await self._call("create the batch", lambda: self.client.batches.create(
+            input_file_id=uploaded.id, endpoint=url, completion_window=window, metadata={METADATA_KEY: local_id}))
+        return uploaded.id, batch
+
+    async def find(self, local_id: str, since: float) -> Any | None:
+        """The provider's batch created for ``local_id`` (by its metadata), looking back to ``since`` (UNIX time)."""
+        async def search() -> Any | None:
+            async for batch in self.client.batches.list(limit=100):
+                if (batch.metadata or {}).get(METADATA_KEY) == local_id:
+                    return batch
+                if batch.created_at is not None and batch.created_at < since - 3600:
+                    return None  # newest first: older batches cannot be this one
+            return None
+
+        return await self._call("list batches", search)
+
+    async def retrieve(self, remote_id: str) -> Any:
+        return await self._call(f"poll batch {remote_id}", lambda: self.client.batches.retrieve(remote_id))
+
+    async def cancel(self, remote_id: str) -> Any:
+        return await self._call(f"cancel batch {remote_id}", lambda: self.client.batches.cancel(remote_id))
+
+    async def results(self, batch: Any) -> dict[str, LineResult]:
+        """The output and error files of a finished batch, by ``custom_id`` (a request in neither has no result)."""
+        found: dict[str, LineResult] = {}
+        for file_id in (batch.output_file_id, batch.error_file_id):
+            if not file_id:
+                continue
+            content = await self._call(f"download {file_id}", lambda f=file_id: self.client.files.content(f))
+            for number, line in enumerate(content.text.splitlines(), start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    custom_id = str(row["custom_id"])
+                except (ValueError, KeyError, TypeError):
+                    logger.warning("%s: line %d of %s is not a batch result; ignored", self.endpoint, number, file_id)
+                    continue
+                found[custom_id] = _line_result(row, self.secrets)
+        return found
+
+
+def _line_result(row: dict[str, Any], secrets: Sequence[str]) -> LineResult:
+    response = row.get("response") if isinstance(row.get("response"), dict) else {}
+    error = row.get("error")
+    status = response.get("status_code")
+    body = response.get("body") if isinstance(response.get("body"), dict) else None
+    if not error and status == 200 and body is not None:
+        return LineResult(body, None)
+    if isinstance(error, dict):
+        text = f"{error.get('code') or 'error'}: {error.get('message') or ''}"
+    elif body is not None and isinstance(body.get("error"), dict):
+        text = f"HTTP {status}: {body['error'].get('message') or ''}"
+    else:
+        text = f"HTTP {status}" if status else str(error or "no response")
+    return LineResult(None, redact(f"the batch returned no answer ({text.strip()})", secrets)[:300])
