@@ -20,7 +20,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from alpacafarm.errors import UserError, redact
-from alpacafarm_annotators.requests import Completion, RequestFailed, _is_retryable, _retry_after, _short
+from alpacafarm_annotators.requests import (
+    Completion,
+    RequestFailed,
+    _is_retryable,
+    _retry_after,
+    _short,
+    create_completion,
+)
 
 logger = logging.getLogger("alpacafarm.annotators")
 T = TypeVar("T")
@@ -31,13 +38,55 @@ TERMINAL = ("completed", "failed", "expired", "cancelled")
 METADATA_KEY = "alpacafarm_batch"
 
 
-def body_sha256(body: dict[str, Any]) -> str:
-    """The hash of a request body as a batch line carries it (canonical JSON)."""
-    return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
+def compact(value: Any) -> str:
+    """JSON without spaces, UTF-8 text unescaped (as the ``openai`` client writes request bodies)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-def jsonl(lines: Sequence[dict[str, Any]]) -> bytes:
-    return "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines).encode("utf-8")
+class BodyCapture:
+    """The exact bytes the live path would send for a request, captured from the ``openai`` client itself (the
+    same :func:`~alpacafarm_annotators.requests.create_completion` call, on a transport that keeps the request
+    instead of sending it): a batch line's body is byte for byte the live request's, whatever key order or
+    encoding the installed client uses."""
+
+    def __init__(self) -> None:
+        import importlib
+
+        import openai
+
+        base = next(c for c in openai.DefaultAsyncHttpxClient.__mro__ if c.__name__ == "AsyncClient")
+        http = importlib.import_module(base.__module__.split(".")[0])  # the HTTP library the client is built on
+        self.captured: list[bytes] = []
+
+        def keep(request: Any) -> Any:
+            self.captured.append(request.read())
+            chat = request.url.path.endswith("/chat/completions")
+            choice = ({"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"} if chat
+                      else {"index": 0, "text": "", "finish_reason": "stop", "logprobs": None})
+            return http.Response(200, json={"id": "captured", "object": "chat.completion" if chat
+                                            else "text_completion", "created": 0, "model": "m", "choices": [choice]})
+
+        self.client = openai.AsyncOpenAI(api_key="captured", base_url="http://capture.invalid/v1", max_retries=0,
+                                         http_client=openai.DefaultAsyncHttpxClient(transport=http.MockTransport(keep)))
+
+    async def body(self, style: str, model: str, prompt: Any, decoding: dict[str, Any], logprobs: bool,
+                   timeout_s: float) -> bytes:
+        await create_completion(self.client, style, model, prompt, decoding, logprobs, timeout_s)
+        return self.captured.pop()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def body_sha256(body: bytes) -> str:
+    """The hash of a request body's bytes (as the batch line and the live request carry them)."""
+    return hashlib.sha256(body).hexdigest()
+
+
+def line_bytes(custom_id: str, url: str, body: bytes) -> bytes:
+    """One batch file line around a body's exact bytes."""
+    head = compact({"custom_id": custom_id, "method": "POST", "url": url})
+    return head[:-1].encode("utf-8") + b',"body":' + body + b"}\n"
 
 
 @dataclass
@@ -99,9 +148,9 @@ class BatchAPI:
                                attempt, self.max_retries, delay)
                 await asyncio.sleep(delay)
 
-    async def submit(self, local_id: str, lines: Sequence[dict[str, Any]], *, url: str, window: str) -> tuple[str, Any]:
-        """Upload ``lines`` as a batch file and create the batch (``metadata`` names ``local_id``): (file id, batch)."""
-        data = jsonl(lines)
+    async def submit(self, local_id: str, data: bytes, *, url: str, window: str) -> tuple[str, Any]:
+        """Upload ``data`` (the JSONL batch file) and create the batch (``metadata`` names ``local_id``):
+        (file id, batch)."""
         uploaded = await self._call("upload the batch file", lambda: self.client.files.create(
             file=(f"alpacafarm-{local_id}.jsonl", data, "application/jsonl"), purpose="batch"))
         batch = await self._call("create the batch", lambda: self.client.batches.create(

@@ -33,8 +33,16 @@ from alpacafarm.annotation import AnnotationFailed, AnnotationPending, ProgressC
 from alpacafarm.annotation_batches import BatchConflict, BatchLedger, BatchRecord, BatchRequest
 from alpacafarm.annotation_cache import CacheError
 from alpacafarm.types import Annotation, Pair
-from alpacafarm_annotators.batch_api import TERMINAL, BatchAPI, LineResult, body_sha256, completion_of
-from alpacafarm_annotators.requests import RequestFailed, endpoint_path, request_body
+from alpacafarm_annotators.batch_api import (
+    TERMINAL,
+    BatchAPI,
+    BodyCapture,
+    LineResult,
+    body_sha256,
+    completion_of,
+    line_bytes,
+)
+from alpacafarm_annotators.requests import RequestFailed, endpoint_path
 
 if TYPE_CHECKING:
     from alpacafarm_annotators.prompted import PromptedAnnotator
@@ -167,18 +175,24 @@ class BatchCall:
         return claimed.busy
 
     async def _submit(self, groups: list[list[str]]) -> BatchRecord | None:
+        assert self.api is not None
         judge = self.judge
         local_id = uuid.uuid4().hex
+        url = endpoint_path(self.config.style)
         lines, requests, estimate = [], [], 0.0
-        for j, group in enumerate(groups):
-            prompt = judge.render([self.pairs[self.index[k]] for k in group])
-            body = request_body(self.config.style, judge.model, prompt, judge.decoding(self.replicate, 0, group),
-                                self.config.logprobs)
-            custom_id = f"{local_id[:12]}-{j}"
-            lines.append({"custom_id": custom_id, "method": "POST", "url": endpoint_path(self.config.style),
-                          "body": body})
-            requests.append(BatchRequest(custom_id, group, body_sha256(body)))
-            estimate += judge._estimate(prompt)
+        capture = BodyCapture()
+        try:
+            for j, group in enumerate(groups):
+                prompt = judge.render([self.pairs[self.index[k]] for k in group])
+                body = await capture.body(self.config.style, judge.model, prompt,
+                                          judge.decoding(self.replicate, 0, group), self.config.logprobs,
+                                          self.config.timeout_s)
+                custom_id = f"{local_id[:12]}-{j}"
+                lines.append(line_bytes(custom_id, url, body))
+                requests.append(BatchRequest(custom_id, group, body_sha256(body)))
+                estimate += judge._estimate(prompt)
+        finally:
+            await capture.close()
         keys = [k for group in groups for k in group]
         try:
             judge.budget.reserve(estimate)  # refused up front: nothing recorded, nothing sent
@@ -197,9 +211,8 @@ class BatchCall:
         self.reserved[local_id] = estimate
         for key in keys:
             self.sent[key] = self.sent.get(key, 0) + 1
-        assert self.api is not None
         try:
-            file_id, batch = await self.api.submit(local_id, lines, url=endpoint_path(self.config.style),
+            file_id, batch = await self.api.submit(local_id, b"".join(lines), url=url,
                                                    window=self.config.batch_completion_window)
         except (RequestFailed, asyncio.TimeoutError) as exc:
             # The create request may have reached the provider: look it up before calling it never sent.

@@ -151,8 +151,8 @@ async def complete(client: Any, *, style: str, model: str, prompt: Any, decoding
         try:
             # The whole request has one deadline: the client's own timeout applies per read, so a body trickled
             # one byte at a time would never end.
-            response = await asyncio.wait_for(_create(client, style, model, prompt, decoding, logprobs, timeout_s),
-                                              timeout_s)
+            response = await asyncio.wait_for(
+                create_completion(client, style, model, prompt, decoding, logprobs, timeout_s), timeout_s)
             if not response.choices:
                 raise ValueError("the endpoint answered 200 with no choices")
             choice = response.choices[0]
@@ -202,8 +202,10 @@ def endpoint_path(style: str) -> str:
     return "/v1/chat/completions" if style == "chat" else "/v1/completions"
 
 
-async def _create(client: Any, style: str, model: str, prompt: Any, decoding: dict[str, Any], logprobs: bool,
+async def create_completion(client: Any, style: str, model: str, prompt: Any, decoding: dict[str, Any], logprobs: bool,
                   timeout_s: float) -> Any:
+    """Send one annotation request with ``client`` (what the live path sends; a batch file's body is captured from
+    this very call, see :class:`~alpacafarm_annotators.batch_api.BodyCapture`)."""
     body = request_body(style, model, prompt, decoding, logprobs)
     create = client.chat.completions.create if style == "chat" else client.completions.create
     return await create(**body, timeout=timeout_s)
