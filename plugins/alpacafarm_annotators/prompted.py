@@ -27,6 +27,10 @@ read back with its parser. Every annotation ends with an outcome (``labelled``, 
 
 Identical outputs are ties without a request.
 
+``mode: batch`` sends the same requests as batch files (``/v1/files`` + ``/v1/batches``) at the batch rate, each
+batch recorded in the cache before it is uploaded, so that it is resumed, never re-sent (see
+:mod:`alpacafarm_annotators.batch_call`).
+
 Replicate k > 0 (``annotate(pairs, replicate=k)``) is an independent annotation of the same pairs: its cache key
 carries k (so it is requested and paid for once, separately from replicate 0) and its requests carry a sampling
 ``seed`` drawn from k, the batch's keys and the attempt (derived from ``decoding.seed`` when one is set), so an
