@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import parse_qs, urlsplit
 
-from alpacafarm.testing.openai_server import FakeOpenAIServer, Fault, RecordedRequest, Responder, _error, _Handler
+from alpacafarm.testing.openai_server import FakeOpenAIServer, Fault, RecordedRequest, Responder
 
 __all__ = ["BatchPlan", "FakeBatchServer", "body_hash"]
 
@@ -49,6 +49,10 @@ class BatchPlan:
     outcome: Literal["completed", "expired", "failed"] = "completed"
     fail_lines: int = 0
     answered: int | None = None
+
+
+def _error(message: str, type_: str) -> dict:
+    return {"error": {"message": message, "type": type_, "code": None, "param": None}}
 
 
 def body_hash(body: dict) -> str:
@@ -86,7 +90,7 @@ class FakeBatchServer(FakeOpenAIServer):
                     batch["plan"].delay_s = 0.0
 
     # -------------------------------------------------------------------------------------------- handling
-    def _handle(self, h: _Handler, method: str) -> None:
+    def _handle(self, h: Any, method: str) -> None:
         path = h.path.split("?", 1)[0].rstrip("/")
         if not path.startswith(("/v1/files", "/v1/batches")):
             return super()._handle(h, method)

@@ -23,10 +23,10 @@ from alpacafarm.errors import UserError, redact
 from alpacafarm_annotators.requests import (
     Completion,
     RequestFailed,
-    _is_retryable,
-    _retry_after,
-    _short,
     create_completion,
+    is_retryable,
+    retry_after_s,
+    short_error,
 )
 
 logger = logging.getLogger("alpacafarm.annotators")
@@ -132,16 +132,16 @@ class BatchAPI:
             try:
                 return await asyncio.wait_for(make(), self.timeout_s)
             except Exception as exc:
-                if isinstance(exc, openai.APIStatusError) and not _is_retryable(exc):
+                if isinstance(exc, openai.APIStatusError) and not is_retryable(exc):
                     raise UserError(f"{self.endpoint}: the batch endpoint refused to {what} ({exc.status_code}): "
-                                    f"{_short(exc, self.secrets)}") from None
-                if not _is_retryable(exc) and not isinstance(exc, openai.OpenAIError):
+                                    f"{short_error(exc, self.secrets)}") from None
+                if not is_retryable(exc) and not isinstance(exc, openai.OpenAIError):
                     raise
                 if attempt > self.max_retries:
-                    detail = _short(exc, self.secrets) or f"no answer within timeout_s={self.timeout_s:g}s"
+                    detail = short_error(exc, self.secrets) or f"no answer within timeout_s={self.timeout_s:g}s"
                     raise RequestFailed(f"could not {what} at {self.endpoint} after {attempt} attempts: "
                                         f"{type(exc).__name__}: {detail}") from None
-                delay = _retry_after(exc, self.max_backoff_s)
+                delay = retry_after_s(exc, self.max_backoff_s)
                 if delay is None:
                     delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * (0.5 + random.random())
                 logger.warning("batch endpoint: could not %s (%s), retry %d/%d in %.2fs", what, type(exc).__name__,

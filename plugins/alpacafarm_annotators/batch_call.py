@@ -27,7 +27,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from alpacafarm.annotation import AnnotationFailed, AnnotationPending, ProgressCallback
 from alpacafarm.annotation_batches import BatchConflict, BatchLedger, BatchRecord, BatchRequest
@@ -44,9 +44,6 @@ from alpacafarm_annotators.batch_api import (
 )
 from alpacafarm_annotators.requests import RequestFailed, endpoint_path
 
-if TYPE_CHECKING:
-    from alpacafarm_annotators.prompted import PromptedAnnotator
-
 logger = logging.getLogger("alpacafarm.annotators")
 
 
@@ -58,7 +55,7 @@ def _age(seconds: float) -> str:
 class BatchCall:
     """One batch-mode ``aannotate`` call (or, with no pairs, the annotator's batch maintenance: cancel)."""
 
-    def __init__(self, judge: PromptedAnnotator, pairs: Sequence[Pair], keys: Sequence[str],
+    def __init__(self, judge: Any, pairs: Sequence[Pair], keys: Sequence[str],
                  results: list[Annotation | None], progress: ProgressCallback | None, replicate: int) -> None:
         self.judge, self.pairs, self.keys, self.results = judge, pairs, keys, results
         self.progress, self.replicate = progress, replicate
