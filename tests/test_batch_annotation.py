@@ -66,7 +66,7 @@ def test_batch_labels_bodies_and_cache_keys_equal_the_live_path_at_the_batch_rat
     uploaded = b"".join(f["data"] for f in server.files.values() if f["purpose"] == "batch")
     live_raw = [r.raw for r in server.requests if r.path == "/v1/chat/completions"]
     assert len(live_raw) == 3 and all(b'"body":' + raw + b"}\n" in uploaded for raw in live_raw)
-    assert [json.dumps(b) for b in batch_bodies(server)] == [json.dumps(b) for b in chat_bodies(server)]
+    assert sorted(map(json.dumps, batch_bodies(server))) == sorted(map(json.dumps, chat_bodies(server)))
     keys = {r[0] for r in sqlite3.connect(tmp_path / "b.sqlite").execute("SELECT key FROM annotations")}
     assert keys == {r[0] for r in sqlite3.connect(tmp_path / "l.sqlite").execute("SELECT key FROM annotations")}
     # the price table's batch rate for gpt-4-0314 is half its list price: the same tokens cost half
@@ -330,3 +330,19 @@ def test_an_evaluation_stage_exits_pending_and_a_rerun_collects_the_same_batch(t
         assert server.created == 1 and set(server.executions.values()) == {1}
         assert outcomes["evaluate"].artifact.metadata["n_failed"] == 0
 
+
+
+def test_an_endpoint_without_batches_fails_in_one_line_and_leaves_the_pairs_free_for_a_live_run(tmp_path: Path,
+                                                                                                 monkeypatch):
+    from alpacafarm.errors import UserError
+    from alpacafarm.testing.openai_server import FakeOpenAIServer
+
+    pairs, labels = tagged_pairs(2)
+    cache = AnnotationCache(tmp_path / "c.sqlite")
+    with FakeOpenAIServer(TagResponder()) as server:  # chat completions only: /v1/files is a 404
+        with pytest.raises(UserError, match=r"127\.0\.0\.1.*refused to upload the batch file \(404\)"):
+            judge(server, cache, monkeypatch).annotate(pairs)
+        (record,) = BatchLedger(cache).batches(open_only=False)
+        assert record.state == "abandoned" and cache.claims() == []
+        live = judge(server, cache, monkeypatch, mode="live").annotate(pairs)
+        assert [a.preference for a in live] == labels

@@ -148,14 +148,16 @@ class BatchAPI:
                                attempt, self.max_retries, delay)
                 await asyncio.sleep(delay)
 
-    async def submit(self, local_id: str, data: bytes, *, url: str, window: str) -> tuple[str, Any]:
-        """Upload ``data`` (the JSONL batch file) and create the batch (``metadata`` names ``local_id``):
-        (file id, batch)."""
+    async def upload(self, local_id: str, data: bytes) -> str:
+        """Upload ``data`` (the JSONL batch file); its file id."""
         uploaded = await self._call("upload the batch file", lambda: self.client.files.create(
             file=(f"alpacafarm-{local_id}.jsonl", data, "application/jsonl"), purpose="batch"))
-        batch = await self._call("create the batch", lambda: self.client.batches.create(
-            input_file_id=uploaded.id, endpoint=url, completion_window=window, metadata={METADATA_KEY: local_id}))
-        return uploaded.id, batch
+        return uploaded.id
+
+    async def create(self, local_id: str, file_id: str, *, url: str, window: str) -> Any:
+        """Create the batch of an uploaded file, its ``metadata`` naming ``local_id``."""
+        return await self._call("create the batch", lambda: self.client.batches.create(
+            input_file_id=file_id, endpoint=url, completion_window=window, metadata={METADATA_KEY: local_id}))
 
     async def find(self, local_id: str, since: float) -> Any | None:
         """The provider's batch created for ``local_id`` (by its metadata), looking back to ``since`` (UNIX time)."""

@@ -32,6 +32,7 @@ from typing import Any
 from alpacafarm.annotation import AnnotationFailed, AnnotationPending, ProgressCallback
 from alpacafarm.annotation_batches import BatchConflict, BatchLedger, BatchRecord, BatchRequest
 from alpacafarm.annotation_cache import CacheError
+from alpacafarm.errors import UserError
 from alpacafarm.types import Annotation, Pair
 from alpacafarm_annotators.batch_api import (
     TERMINAL,
@@ -209,17 +210,29 @@ class BatchCall:
         for key in keys:
             self.sent[key] = self.sent.get(key, 0) + 1
         try:
-            file_id, batch = await self.api.submit(local_id, b"".join(lines), url=url,
-                                                   window=self.config.batch_completion_window)
+            file_id = await self.api.upload(local_id, b"".join(lines))
+        except BaseException as exc:  # no file, so no batch: close the record, its pairs are free again
+            self._abandon(local_id, f"the batch file was not uploaded: {exc}")
+            raise
+        try:
+            batch = await self.api.create(local_id, file_id, url=url, window=self.config.batch_completion_window)
+        except UserError as exc:  # refused: nothing was created
+            self._abandon(local_id, str(exc))
+            raise
         except (RequestFailed, asyncio.TimeoutError) as exc:
             # The create request may have reached the provider: look it up before calling it never sent.
-            logger.warning("%s: submitting batch %s failed (%s); looking it up", judge.name, local_id, exc)
+            logger.warning("%s: creating batch %s failed (%s); looking it up", judge.name, local_id, exc)
             await self._repair(self.ledger.get(local_id))
             return self.ledger.get(local_id)
         self.ledger.submitted(local_id, batch.id, file_id, batch.status)
         logger.info("%s: submitted batch %s (%d requests, %d pairs, up to $%.4f)", judge.name, batch.id,
                     len(requests), len(keys), estimate)
         return self.ledger.get(local_id)
+
+    def _abandon(self, batch_id: str, error: str) -> None:
+        with contextlib.suppress(CacheError):  # the error being raised says more than a busy cache would
+            self.ledger.abandon(batch_id, error)
+        self.judge.budget.settle(self.reserved.pop(batch_id, 0.0), 0.0)
 
     async def _repair(self, record: BatchRecord | None) -> None:
         """A ``submitting`` record whose submitter stopped: adopt the provider's batch, or abandon the record."""
@@ -232,13 +245,16 @@ class BatchCall:
             logger.warning("%s: batch %s was submitted by a process that stopped before recording it; adopted",
                            self.judge.name, found.id)
         else:
-            self.ledger.abandon(record.id, "never created at the provider (the submitter stopped first)")
-            self.judge.budget.settle(self.reserved.pop(record.id, 0.0), 0.0)
+            self._abandon(record.id, "never created at the provider (the submitter stopped first)")
 
     # ------------------------------------------------------------------------------------------------ poll, collect
     async def _advance(self, record: BatchRecord) -> bool:
         """Poll one open batch; collect it when finished. True when something changed for this call's pairs."""
         assert self.api is not None
+        if record.endpoint != self.judge.endpoint:  # this client cannot poll (or repair) another endpoint's batch
+            raise UserError(f"{self.judge.name}: pairs are in batch {record.label} at {record.endpoint}, but this "
+                            f"annotator's endpoint is {self.judge.endpoint}: set base_url back to collect it, or "
+                            "cancel it there (alpacafarm annotate --batch-cancel)")
         if record.state == "submitting":
             if record.pid == _pid() and record.id in self.reserved:
                 return False
