@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from annotator_server import TagResponder, tagged_pairs
+from annotator_server import AlpacaEvalTagResponder, TagResponder, tagged_pairs
 from conftest import run_cli
+from test_alpaca_eval_configs import ae, offline_tiktoken  # noqa: F401  (fixtures)
 from test_annotation_reliability import annotate_process, cache_of, write_pairs
 
 from alpacafarm.annotation import AnnotationPending
@@ -284,6 +285,27 @@ def test_pending_exits_75_then_cancel_books_the_answered_pairs_and_a_rerun_submi
         assert [a.preference for a in annotator.annotate(pairs)] == labels
         assert [len(b["lines"]) for b in server.batches.values()] == [4, 2]  # only the pairs without an answer
         assert set(server.executions.values()) == {1} and KEY not in json.dumps(server.batches, default=str)
+
+
+def test_an_alpaca_eval_config_in_batch_mode_gives_the_live_labels_at_half_the_price(ae, offline_tiktoken,  # noqa: F811
+                                                                                    tmp_path: Path, monkeypatch):
+    from alpacafarm.plugins import get_registry
+    from alpacafarm_annotators.alpaca_eval_source import load_members
+
+    pairs, labels = tagged_pairs(7)
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    ledgers = {}
+    with FakeBatchServer(AlpacaEvalTagResponder(load_members("alpaca_farm_greedy_gpt4"))) as server:
+        for mode in ("live", "batch"):
+            cache = AnnotationCache(tmp_path / f"{mode}.sqlite")
+            pool = get_registry().create("annotator", "alpaca_eval:alpaca_farm_greedy_gpt4",
+                                         {"overrides": {"base_url": server.base_url, "mode": mode, **FAST}},
+                                         cache=cache)
+            assert [a.preference for a in pool.annotate(pairs)] == labels
+            ledgers[mode] = cache.ledger()
+        assert server.created == 1 and len(batch_bodies(server)) == 2  # 7 pairs in batches of 5, as live
+        assert sorted(map(json.dumps, batch_bodies(server))) == sorted(map(json.dumps, chat_bodies(server)))
+    assert ledgers["batch"].price_usd == pytest.approx(ledgers["live"].price_usd / 2) and ledgers["batch"].price_usd > 0
 
 
 # ------------------------------------------------------------------------------------------ caches, recipes
