@@ -214,6 +214,19 @@ def test_a_batch_recorded_by_a_process_killed_before_it_heard_back_is_adopted_or
         assert set(server.executions.values()) == {1} and set(cache.paid_keys().values()) == {1}
 
 
+def test_a_create_that_timed_out_after_creating_the_batch_is_adopted_never_created_twice(tmp_path: Path,
+                                                                                         monkeypatch):
+    pairs, labels = tagged_pairs(3)
+    cache = AnnotationCache(tmp_path / "c.sqlite")
+    with FakeBatchServer(TagResponder()) as server:
+        server.create_delays.append(3.0)  # created at once, answered after the client's timeout
+        annotations = judge(server, cache, monkeypatch, timeout_s=1.0, max_retries=2).annotate(pairs)
+        assert [a.preference for a in annotations] == labels
+        assert server.created == 1 and set(server.executions.values()) == {1}
+    (record,) = BatchLedger(cache).batches(open_only=False)
+    assert record.state == "collected" and record.remote_id in server.batches
+
+
 def test_kill_9_while_pending_resumes_by_polling_the_same_batch_and_pays_every_pair_once(tmp_path: Path, env):
     pairs, labels = tagged_pairs(5)
     source = write_pairs(tmp_path / "p.jsonl", pairs)

@@ -17,6 +17,7 @@ counted in ``executions`` (by the SHA-256 of its canonical JSON body): what a pr
 
 Endpoints: ``POST /v1/files`` (multipart, ``purpose=batch``), ``GET /v1/files/{id}/content``, ``POST /v1/batches``,
 ``GET /v1/batches`` (newest first, ``limit``/``after``), ``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``.
+``create_delays`` holds back the answers to the next creations (the batch exists, the client times out).
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class FakeBatchServer(FakeOpenAIServer):
         self.executions: collections.Counter[str] = collections.Counter()
         self.submitted: collections.Counter[str] = collections.Counter()
         self._plans: collections.deque[BatchPlan] = collections.deque()
+        #: seconds by which to delay the answer to the next batch creations (each created at once): a client that
+        #: times out has created a batch without knowing it
+        self.create_delays: collections.deque[float] = collections.deque()
         self._batch_lock = threading.RLock()
 
     def plan(self, *plans: BatchPlan) -> None:
@@ -105,6 +109,9 @@ class FakeBatchServer(FakeOpenAIServer):
                 status, payload = self._route(method, parts, raw, headers, h.path)
             except ValueError as exc:
                 status, payload = 400, _error(str(exc), "invalid_request_error")
+        delayed = parts == ["batches"] and method == "POST" and status == 200 and bool(self.create_delays)
+        if delayed and self._stopping.wait(self.create_delays.popleft()):
+            return self._drop(h, record)
         if isinstance(payload, bytes):
             return self._send(h, record, status, None, {"Content-Type": "application/octet-stream"}, raw=payload)
         self._send(h, record, status, payload)

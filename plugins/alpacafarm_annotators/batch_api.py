@@ -121,11 +121,12 @@ class BatchAPI:
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.timeout_s, self.secrets = timeout_s, list(secrets)
 
-    async def _call(self, what: str, make: Callable[[], Awaitable[T]]) -> T:
-        """``await make()`` with retries; a refusal (4xx) is a one-line :class:`UserError`, retries exhausted a
-        :class:`RequestFailed`."""
+    async def _call(self, what: str, make: Callable[[], Awaitable[T]], retries: int | None = None) -> T:
+        """``await make()`` with retries (``retries``, default ``max_retries``); a refusal (4xx) is a one-line
+        :class:`UserError`, retries exhausted a :class:`RequestFailed`."""
         import openai
 
+        limit = self.max_retries if retries is None else retries
         attempt = 0
         while True:
             attempt += 1
@@ -137,7 +138,7 @@ class BatchAPI:
                                     f"{short_error(exc, self.secrets)}") from None
                 if not is_retryable(exc) and not isinstance(exc, openai.OpenAIError):
                     raise
-                if attempt > self.max_retries:
+                if attempt > limit:
                     detail = short_error(exc, self.secrets) or f"no answer within timeout_s={self.timeout_s:g}s"
                     raise RequestFailed(f"could not {what} at {self.endpoint} after {attempt} attempts: "
                                         f"{type(exc).__name__}: {detail}") from None
@@ -145,7 +146,7 @@ class BatchAPI:
                 if delay is None:
                     delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * (0.5 + random.random())
                 logger.warning("batch endpoint: could not %s (%s), retry %d/%d in %.2fs", what, type(exc).__name__,
-                               attempt, self.max_retries, delay)
+                               attempt, limit, delay)
                 await asyncio.sleep(delay)
 
     async def upload(self, local_id: str, data: bytes) -> str:
@@ -154,10 +155,22 @@ class BatchAPI:
             file=(f"alpacafarm-{local_id}.jsonl", data, "application/jsonl"), purpose="batch"))
         return uploaded.id
 
-    async def create(self, local_id: str, file_id: str, *, url: str, window: str) -> Any:
-        """Create the batch of an uploaded file, its ``metadata`` naming ``local_id``."""
-        return await self._call("create the batch", lambda: self.client.batches.create(
-            input_file_id=file_id, endpoint=url, completion_window=window, metadata={METADATA_KEY: local_id}))
+    async def create(self, local_id: str, file_id: str, *, url: str, window: str, since: float) -> Any | None:
+        """Create the batch of an uploaded file, its ``metadata`` naming ``local_id``. Never twice: a create that got
+        no answer may have created the batch, so before each retry the batch is looked up (:meth:`find`) and
+        returned when it exists. None when every try failed and the provider has no such batch."""
+        for attempt in range(1 + self.max_retries):
+            try:
+                return await self._call("create the batch", lambda: self.client.batches.create(
+                    input_file_id=file_id, endpoint=url, completion_window=window,
+                    metadata={METADATA_KEY: local_id}), retries=0)
+            except RequestFailed as exc:
+                logger.warning("%s; looking the batch up before trying again", exc)
+                found = await self.find(local_id, since)
+                if found is not None:
+                    return found
+                await asyncio.sleep(min(self.max_backoff_s, self.backoff_s * 2 ** attempt))
+        return None
 
     async def find(self, local_id: str, since: float) -> Any | None:
         """The provider's batch created for ``local_id`` (by its metadata), looking back to ``since`` (UNIX time)."""

@@ -31,7 +31,7 @@ from typing import Any
 
 from alpacafarm.annotation import AnnotationFailed, AnnotationPending, ProgressCallback
 from alpacafarm.annotation_batches import BatchConflict, BatchLedger, BatchRecord, BatchRequest
-from alpacafarm.annotation_cache import CacheError
+from alpacafarm.annotation_cache import OPEN_BATCH_STATES, CacheError
 from alpacafarm.errors import UserError
 from alpacafarm.types import Annotation, Pair
 from alpacafarm_annotators.batch_api import (
@@ -215,19 +215,24 @@ class BatchCall:
             self._abandon(local_id, f"the batch file was not uploaded: {exc}")
             raise
         try:
-            batch = await self.api.create(local_id, file_id, url=url, window=self.config.batch_completion_window)
+            batch = await self.api.create(local_id, file_id, url=url, window=self.config.batch_completion_window,
+                                          since=time.time())
         except UserError as exc:  # refused: nothing was created
             self._abandon(local_id, str(exc))
             raise
-        except (RequestFailed, asyncio.TimeoutError) as exc:
-            # The create request may have reached the provider: look it up before calling it never sent.
-            logger.warning("%s: creating batch %s failed (%s); looking it up", judge.name, local_id, exc)
-            await self._repair(self.ledger.get(local_id))
-            return self.ledger.get(local_id)
+        if batch is None:  # every create failed, and the provider has no such batch: its pairs are free again
+            self._abandon(local_id, "the batch could not be created")
+            raise RequestFailed(f"could not create a batch at {judge.endpoint} after {1 + self.config.max_retries} "
+                                "tries")
         self.ledger.submitted(local_id, batch.id, file_id, batch.status)
         logger.info("%s: submitted batch %s (%d requests, %d pairs, up to $%.4f)", judge.name, batch.id,
                     len(requests), len(keys), estimate)
-        return self.ledger.get(local_id)
+        return self._open_record(local_id)
+
+    def _open_record(self, batch_id: str) -> BatchRecord | None:
+        """The batch's record while it is open (None once abandoned: its pairs are free again)."""
+        record = self.ledger.get(batch_id)
+        return record if record is not None and record.state in OPEN_BATCH_STATES else None
 
     def _abandon(self, batch_id: str, error: str) -> None:
         with contextlib.suppress(CacheError):  # the error being raised says more than a busy cache would
@@ -255,6 +260,8 @@ class BatchCall:
             raise UserError(f"{self.judge.name}: pairs are in batch {record.label} at {record.endpoint}, but this "
                             f"annotator's endpoint is {self.judge.endpoint}: set base_url back to collect it, or "
                             "cancel it there (alpacafarm annotate --batch-cancel)")
+        if record.state not in OPEN_BATCH_STATES:  # closed meanwhile (collected or abandoned by another process)
+            return True
         if record.state == "submitting":
             if record.pid == _pid() and record.id in self.reserved:
                 return False
