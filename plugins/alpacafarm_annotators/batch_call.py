@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import Sequence
@@ -263,7 +264,7 @@ class BatchCall:
         if record.state not in OPEN_BATCH_STATES:  # closed meanwhile (collected or abandoned by another process)
             return True
         if record.state == "submitting":
-            if record.pid == _pid() and record.id in self.reserved:
+            if record.pid == os.getpid() and record.id in self.reserved:
                 return False
             if self.ledger.take_over(record, self.config.claim_stale_s):
                 await self._repair(record)
@@ -394,9 +395,3 @@ def _batch_error(batch: Any) -> str | None:
         return None
     first = data[0]
     return f"{getattr(first, 'code', None) or 'error'}: {getattr(first, 'message', None) or ''}"[:300]
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
