@@ -48,6 +48,14 @@ class AnnotationFailed(UserError):
     exit_code = 1
 
 
+class AnnotationPending(UserError):
+    """Annotation work sent as a batch (``mode: batch``) is not finished yet: "batch pending, re-run to collect".
+    Exit status 75 (EX_TEMPFAIL, "try again later"): nothing failed and nothing is lost; the batches are recorded
+    in the annotation cache, so a re-run polls them and never submits their pairs again."""
+
+    exit_code = 75
+
+
 @dataclass
 class OutcomeSummary:
     """Counts of the outcomes of a list of annotations, and the first failure (error text and endpoint)."""

@@ -22,6 +22,10 @@
   is older than ``stale_after_s`` (another host, a reused pid); a dead claim is taken over. Answers delete their
   claims in the transaction that stores them; a failed request releases its claims at once.
 
+- ``batches``, ``batch_requests``, ``batch_pairs``: batch submissions (``mode: batch``, see
+  :mod:`alpacafarm.annotation_batches`). A pair in an open batch is nobody's to claim: :meth:`AnnotationCache.claim`
+  reports it in ``batched`` (its answer comes when the batch is collected), across processes and days.
+
 - Before each request an owner re-checks its claims (:meth:`AnnotationCache.renew`, one transaction that also
   refreshes their heartbeat): a process that was paused (Ctrl-Z, a sleeping laptop) past ``stale_after_s`` and
   lost its claims to another process learns it there and waits for that process's answers instead of paying.
@@ -67,7 +71,20 @@ CREATE TABLE IF NOT EXISTS claims (
     heartbeat REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS claims_by_owner ON claims (owner);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY, remote_id TEXT, annotator TEXT NOT NULL, model TEXT NOT NULL, endpoint TEXT NOT NULL,
+    state TEXT NOT NULL, remote_status TEXT, n_requests INTEGER NOT NULL, n_pairs INTEGER NOT NULL,
+    max_cost_usd REAL NOT NULL, cost_usd REAL, input_file_id TEXT, pid INTEGER NOT NULL, host TEXT NOT NULL,
+    run TEXT, created REAL NOT NULL, submitted REAL, updated REAL NOT NULL, error TEXT
+);
+CREATE TABLE IF NOT EXISTS batch_requests (
+    batch_id TEXT NOT NULL, custom_id TEXT NOT NULL, keys TEXT NOT NULL, body_sha256 TEXT NOT NULL,
+    PRIMARY KEY (batch_id, custom_id)
+);
+CREATE TABLE IF NOT EXISTS batch_pairs (key TEXT NOT NULL, batch_id TEXT NOT NULL, PRIMARY KEY (key, batch_id));
 """
+#: A batch whose pairs nobody else may pay for: recorded (maybe not yet at the provider) or submitted, not collected.
+OPEN_BATCH_STATES = ("submitting", "pending")
 #: Columns added since the first release (caches written before them are migrated in place).
 ADDED_COLUMNS = {"annotations": {"outcome": "TEXT", "unparsed_asks": "INTEGER"},
                  "requests": {"keys": "TEXT", "run": "TEXT"}}
@@ -153,6 +170,7 @@ class ClaimResult:
     busy: dict[str, str] = field(default_factory=dict)  # key -> the live owner ("pid 123 on host"): wait
     done: list[str] = field(default_factory=list)  # answered meanwhile: read them with get_many
     taken_over: int = 0  # claims of dead owners among ``mine``
+    batched: dict[str, str] = field(default_factory=dict)  # key -> the open batch that will answer it
 
 
 def pid_alive(pid: int) -> bool:
@@ -229,6 +247,15 @@ class AnnotationCache:
     def _transaction(self) -> _Transaction:
         return _Transaction(self._connect())
 
+    def connection(self) -> sqlite3.Connection:
+        """This thread's connection (autocommit), for the cache's companion tables; wrap its use in :meth:`errors`."""
+        return self._connect()
+
+    def transaction(self) -> _Transaction:
+        """``with cache.transaction() as db:`` one ``BEGIN IMMEDIATE`` transaction on this thread's connection (for
+        the cache's companion tables, :mod:`alpacafarm.annotation_batches`); wrap it in :meth:`errors`."""
+        return self._transaction()
+
     def get_many(self, keys: Sequence[str], reask_unparsed: int | None = None) -> dict[str, Annotation]:
         """Cached answers for the keys that have one (labels, ties, pairs given up as unparsed; with
         ``reask_unparsed``, see :func:`servable`)."""
@@ -260,22 +287,9 @@ class AnnotationCache:
             entries = [(key, a) for key, a in entries if a.outcome != "failed"]
             keys = list(keys) if keys is not None else [key for key, _ in entries]
             with self._transaction() as db:
-                db.execute("INSERT INTO requests (id, annotator, model, n_pairs, tokens_in, tokens_out, price_usd, "
-                           "latency_s, attempts, parsed, created, keys, run) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                           (request_id, annotator, model, len(keys), tokens_in, tokens_out, price_usd, latency_s,
-                            attempts, int(parsed), now, json.dumps(keys), run))
-                # a pair given up as unparsed once more: one more than the row it replaces (legacy rows: 1)
-                db.executemany(
-                    "INSERT OR REPLACE INTO annotations (key, annotator, preference, raw_completion, tokens_in, "
-                    "tokens_out, price_usd, latency_s, request_id, created, outcome, unparsed_asks) "
-                    "VALUES (?,?,?,?,?,?,?,?,?,?,?, CASE WHEN ? = 'unparsed' THEN 1 + COALESCE((SELECT "
-                    "CASE WHEN outcome = 'unparsed' THEN COALESCE(unparsed_asks, 1) ELSE 0 END FROM annotations "
-                    "WHERE key = ?), 0) END)",
-                    [(key, a.annotator, a.preference, a.raw_completion, a.tokens_in, a.tokens_out, a.price_usd,
-                      a.latency_s, request_id, now, a.outcome, a.outcome, key) for key, a in entries])
-                if owner is not None and entries:
-                    db.executemany("DELETE FROM claims WHERE key = ? AND owner = ?",
-                                   [(key, owner) for key, _ in entries])
+                insert_request(db, request_id, now, annotator, model, entries, tokens_in=tokens_in,
+                               tokens_out=tokens_out, price_usd=price_usd, latency_s=latency_s, attempts=attempts,
+                               parsed=parsed, keys=keys, run=run, owner=owner)
             return request_id
 
     # ------------------------------------------------------------------------------------------------ claims
@@ -293,10 +307,14 @@ class AnnotationCache:
                         f"SELECT key FROM annotations WHERE key IN ({marks}) AND {servable(reask_unparsed)}", chunk)}
                     held = {row[0]: row[1:] for row in db.execute(
                         f"SELECT key, owner, pid, host, heartbeat FROM claims WHERE key IN ({marks})", chunk)}
+                    batched = open_batch_keys(db, chunk)
                     take = []
                     for key in chunk:
                         if key in done:
                             result.done.append(key)
+                            continue
+                        if key in batched:
+                            result.batched[key] = batched[key]
                             continue
                         if key in held:
                             other, other_pid, other_host, heartbeat = held[key]
@@ -323,9 +341,12 @@ class AnnotationCache:
                     f"SELECT key FROM annotations WHERE key IN ({marks}) AND {servable(reask_unparsed)}", chunk)}
                 held = {row[0]: row[1:] for row in db.execute(
                     f"SELECT key, owner, pid, host FROM claims WHERE key IN ({marks})", chunk)}
+                batched = open_batch_keys(db, chunk)
                 for key in chunk:
                     if key in done:
                         lost[key] = "answered"
+                    elif key in batched:
+                        lost[key] = batched[key]
                     elif key in held and held[key][0] != owner:
                         lost[key] = f"pid {held[key][1]} on {held[key][2]}"
                 mine = [key for key in chunk if key not in lost]
@@ -388,6 +409,37 @@ class AnnotationCache:
         if db is not None:
             db.close()
             self._local.db = None
+
+
+def insert_request(db: sqlite3.Connection, request_id: str, now: float, annotator: str, model: str,
+                   entries: list[tuple[str, Annotation]], *, tokens_in: int, tokens_out: int, price_usd: float,
+                   latency_s: float, attempts: int, parsed: bool, keys: list[str], run: str | None,
+                   owner: str | None) -> None:
+    """One ledger row and its answers, inside the caller's transaction (``record_batch``; a batch's collection)."""
+    db.execute("INSERT INTO requests (id, annotator, model, n_pairs, tokens_in, tokens_out, price_usd, "
+               "latency_s, attempts, parsed, created, keys, run) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+               (request_id, annotator, model, len(keys), tokens_in, tokens_out, price_usd, latency_s,
+                attempts, int(parsed), now, json.dumps(keys), run))
+    # a pair given up as unparsed once more: one more than the row it replaces (legacy rows: 1)
+    db.executemany(
+        "INSERT OR REPLACE INTO annotations (key, annotator, preference, raw_completion, tokens_in, "
+        "tokens_out, price_usd, latency_s, request_id, created, outcome, unparsed_asks) "
+        "VALUES (?,?,?,?,?,?,?,?,?,?,?, CASE WHEN ? = 'unparsed' THEN 1 + COALESCE((SELECT "
+        "CASE WHEN outcome = 'unparsed' THEN COALESCE(unparsed_asks, 1) ELSE 0 END FROM annotations "
+        "WHERE key = ?), 0) END)",
+        [(key, a.annotator, a.preference, a.raw_completion, a.tokens_in, a.tokens_out, a.price_usd,
+          a.latency_s, request_id, now, a.outcome, a.outcome, key) for key, a in entries])
+    if owner is not None and entries:
+        db.executemany("DELETE FROM claims WHERE key = ? AND owner = ?", [(key, owner) for key, _ in entries])
+
+
+def open_batch_keys(db: sqlite3.Connection, keys: Sequence[str]) -> dict[str, str]:
+    """{key: "batch <id>"} for the ``keys`` in an open batch (see :data:`OPEN_BATCH_STATES`)."""
+    rows = db.execute(
+        f"SELECT p.key, COALESCE(b.remote_id, b.id) FROM batch_pairs p JOIN batches b ON b.id = p.batch_id "
+        f"WHERE p.key IN ({_marks(keys)}) AND b.state IN ({_marks(OPEN_BATCH_STATES)})",
+        [*keys, *OPEN_BATCH_STATES]).fetchall()
+    return {key: f"batch {batch}" for key, batch in rows}
 
 
 class _Errors:

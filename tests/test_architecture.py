@@ -110,7 +110,7 @@ LAYERS: dict[str, set[str]] = {
     "processes, models and stores": {"alpacafarm.distributed", "alpacafarm.launch_configs",
                                      "alpacafarm.training_progress", "alpacafarm.model_sources",
                                      "alpacafarm.sampling", "alpacafarm.annotation_cache", "alpacafarm.yamlsource",
-                                     "alpacafarm.scaffold"},
+                                     "alpacafarm.scaffold", "alpacafarm.annotation_batches"},
     "plugins and recipes": {"alpacafarm.plugin_config", "alpacafarm.registry", "alpacafarm.plugins",
                             "alpacafarm.annotation", "alpacafarm.recipe", "alpacafarm.data",
                             "alpacafarm.model_loading"},
@@ -119,7 +119,8 @@ LAYERS: dict[str, set[str]] = {
     "the kit": {"alpacafarm.kit"},
     "the run": {"alpacafarm.manifest", "alpacafarm.run_directory", "alpacafarm.pipeline"},
     "entry points": {"alpacafarm.cli", "alpacafarm.__main__", "alpacafarm.testing", "alpacafarm.testing.launch",
-                     "alpacafarm.testing.openai_server", "alpacafarm.testing.pytest_plugin"},
+                     "alpacafarm.testing.openai_server", "alpacafarm.testing.pytest_plugin",
+                     "alpacafarm.testing.batch_server"},
 }
 
 

@@ -76,6 +76,7 @@ class RecordedRequest:
     status: int | None = None
     completed: bool = False
     time: float = field(default_factory=time.time)
+    raw: bytes = b""  # the body's bytes as received
 
 
 def _content_text(content: Any) -> str:
@@ -265,7 +266,7 @@ class FakeOpenAIServer:
         except ValueError:
             body = None
         headers = {k.lower(): v for k, v in h.headers.items()}
-        record = RecordedRequest(path=path, body=body if isinstance(body, dict) else {}, headers=headers)
+        record = RecordedRequest(path=path, body=body if isinstance(body, dict) else {}, headers=headers, raw=raw)
         auth = headers.get("authorization", "")
         with self._lock:
             self.requests.append(record)

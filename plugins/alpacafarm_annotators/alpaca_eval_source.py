@@ -52,7 +52,9 @@ from alpacafarm_annotators.requests import Completion
 #: member settings a recipe or the command line may change (the rest is the config's, as AlpacaEval runs it)
 MEMBER_SETTINGS = {"base_url", "api_key_env", "model_map", "price", "max_concurrency", "requests_per_minute",
                    "timeout_s", "max_retries", "retry_backoff_s", "connect_retries", "parse_retries", "claim_wait_s",
-                   "claim_stale_s", "claim_poll_s", "max_cost_usd", "cache", "logit_bias"}
+                   "claim_stale_s", "claim_poll_s", "max_cost_usd", "cache", "logit_bias", "mode", "batch_wait_s",
+                   "batch_poll_s", "batch_max_poll_s", "batch_resubmits", "batch_max_requests",
+                   "batch_completion_window"}
 
 
 # ------------------------------------------------------------------------------------------ the judge
@@ -217,7 +219,9 @@ class AlpacaEvalSource:
                       "description": f"AlpacaEval {member.config}/{member.key}"}
             if member.price_per_token is not None:
                 per_million = member.price_per_token * 1e6
-                fields["price"] = Price(input=per_million, output=per_million)
+                # AlpacaEval lists one price per token; batch endpoints charge half of it (OpenAI's Batch API)
+                fields["price"] = Price(input=per_million, output=per_million, batch_input=per_million / 2,
+                                        batch_output=per_million / 2)
             try:
                 config = PromptedAnnotatorConfig.model_validate({**fields, **overrides})
             except ValueError as exc:

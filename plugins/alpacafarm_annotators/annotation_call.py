@@ -103,6 +103,11 @@ class AnnotationCall:
             logger.warning("%s: took over %d claim(s) of dead processes", self.judge.name, claimed.taken_over)
         found = self.cache.get_many(claimed.done, self.config.reask_unparsed) if claimed.done else {}
         self._fill(found)
+        for key, batch in claimed.batched.items():  # its answer comes when that batch is collected, maybe in hours
+            self.results[self.index[key]] = self.judge._failed(
+                f"this pair is in {batch} (mode: batch), not yet collected: re-run with mode: batch to collect it, "
+                "or cancel it with alpacafarm annotate --batch-cancel")
+        self._advance(list(self.index[k] for k in claimed.batched))
         return [self.index[k] for k in claimed.mine], {self.index[k]: who for k, who in claimed.busy.items()}
 
     def _fill(self, found: dict[str, Annotation]) -> None:

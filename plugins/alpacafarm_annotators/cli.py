@@ -16,7 +16,12 @@ with ``error``; never cached, asked again by the next run). The last line of std
 each outcome, the endpoint (base URL, never the key), the first error, and this run's ledger (requests, tokens,
 dollars actually paid). Exit status: 0 when every pair got an answer (labelled, tie or unparsed), 1 when pairs
 failed (one line on stderr names the endpoint and the first error; what succeeded is written and cached, so a
-re-run pays only for the failed pairs), 2 for a mistake in the command (file, annotator, option).
+re-run pays only for the failed pairs), 2 for a mistake in the command (file, annotator, option), 75 when pairs
+are in batches still pending (``mode: batch``: "batch pending, re-run to collect"; nothing is written yet).
+
+Batches: ``--batch-status`` lists the pending batches recorded in the annotation cache (their age and worst-case
+cost); ``--annotator NAME --batch-cancel [BATCH]`` cancels that annotator's pending batches (all, or one) and
+books what they had answered.
 """
 
 from __future__ import annotations
@@ -36,13 +41,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("input", nargs="?", help="JSON or JSONL records with instruction, optional input, output_1, "
                         "output_2")
-    parser.add_argument("--annotator", required=True, help="a registered annotator (see: alpacafarm plugins), or "
+    parser.add_argument("--annotator", help="a registered annotator (see: alpacafarm plugins), or "
                         "alpaca_eval:<config> for one of AlpacaEval's evaluator configs (extra: alpaca-eval)")
     parser.add_argument("-o", "--output", help="output JSON file (records + preference and costs)")
     parser.add_argument("--describe", action="store_true", help="print the resolved annotator (members, models, "
                         "where each template comes from, parsers, decoding) and exit; needs no input")
     parser.add_argument("--replicates", type=int, default=1, metavar="K",
                         help="independent annotations per pair (default 1), to measure the annotator's variance")
+    batches = parser.add_argument_group("batches (mode: batch)")
+    batches.add_argument("--batch-status", action="store_true", help="list the pending batches in the annotation "
+                         "cache (annotator, endpoint, status, age, pairs, worst-case cost) and exit; sends nothing")
+    batches.add_argument("--batch-cancel", nargs="?", const="all", metavar="BATCH", help="cancel the annotator's "
+                         "pending batches (or only BATCH), book what they answered, and exit")
     add_annotator_options(parser)
     return parser.parse_args(argv)
 
@@ -55,6 +65,16 @@ def main(argv: list[str]) -> int:
     from alpacafarm.types import Pair
 
     args = parse_args(argv)
+    if args.batch_status:
+        from alpacafarm_annotators.batch_cli import batch_status
+
+        return batch_status(args)
+    if args.annotator is None:
+        raise UserError("annotate needs --annotator NAME (see: alpacafarm plugins)")
+    if args.batch_cancel is not None:
+        from alpacafarm_annotators.batch_cli import batch_cancel
+
+        return batch_cancel(args)
     if args.describe:
         return describe(args)
     if args.input is None or args.output is None:

@@ -17,12 +17,20 @@ from alpacafarm_annotators import CONFIG_DIR
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 
 class Price(BaseModel):
-    """USD per million tokens."""
+    """USD per million tokens: live requests (``input``, ``output``) and, for ``mode: batch``, the batch rate."""
 
     model_config = ConfigDict(extra="forbid")
 
     input: float = Field(0.0, ge=0)
     output: float = Field(0.0, ge=0)
+    batch_input: float | None = Field(None, ge=0, description="USD per million input tokens sent in a batch")
+    batch_output: float | None = Field(None, ge=0, description="USD per million output tokens of a batch")
+
+    def batch_rate(self) -> Price | None:
+        """The batch prices as a live-style price (None when this price has no batch rate)."""
+        if self.batch_input is None or self.batch_output is None:
+            return None
+        return Price(input=self.batch_input, output=self.batch_output)
 
 
 class PromptedAnnotatorConfig(BaseModel):
@@ -67,6 +75,18 @@ class PromptedAnnotatorConfig(BaseModel):
     claim_poll_s: float = Field(0.25, gt=0, description="how often a waiting process looks for the answer")
     max_cost_usd: float | None = Field(None, ge=0)
     cache: bool = True
+    mode: Literal["live", "batch"] = Field("live", description="live: one request per batch of pairs, answered at "
+                                           "once; batch: the same requests as a batch file (/v1/files + "
+                                           "/v1/batches), at the batch rate, answered within hours")
+    batch_wait_s: float = Field(600.0, ge=0, description="mode batch: how long one run polls its batches; then it "
+                                "stops with 'batch pending, re-run to collect' (the batch is recorded in the cache)")
+    batch_poll_s: float = Field(5.0, gt=0, description="mode batch: first poll interval; doubles up to "
+                                "batch_max_poll_s")
+    batch_max_poll_s: float = Field(60.0, gt=0, description="mode batch: longest interval between polls")
+    batch_resubmits: int = Field(2, ge=0, description="mode batch: how often one run re-submits the pairs a batch "
+                                 "returned no answer for (expired, cancelled, failed lines); a later run tries again")
+    batch_max_requests: int = Field(50_000, ge=1, description="mode batch: most requests in one batch file")
+    batch_completion_window: str = Field("24h", description="mode batch: the batch's completion window")
 
 
 class PoolConfig(BaseModel):

@@ -23,7 +23,13 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from alpacafarm.annotation import Annotator, ProgressCallback, aannotate_replicate, identical_tie
+from alpacafarm.annotation import (
+    AnnotationPending,
+    Annotator,
+    ProgressCallback,
+    aannotate_replicate,
+    identical_tie,
+)
 from alpacafarm.annotation_cache import LedgerTotals
 from alpacafarm.seeding import stable_hash, stable_uniform
 from alpacafarm.types import Annotation, Pair, Preference, flip
@@ -119,6 +125,15 @@ class AnnotatorPool(Annotator):
                 annotation.swapped = swapped
                 results[i] = annotation
 
-        await asyncio.gather(*(run_member(m, items) for m, items in work.items()))
+        # Every member finishes its share before an error is raised: a member whose batches are still pending must
+        # not cut short the others' submissions (each records its own batches; a re-run collects them all).
+        raised = [e for e in await asyncio.gather(*(run_member(m, items) for m, items in work.items()),
+                                                  return_exceptions=True) if isinstance(e, BaseException)]
+        if raised:
+            pending = [e for e in raised if isinstance(e, AnnotationPending)]
+            if len(pending) < len(raised):
+                raise next(e for e in raised if not isinstance(e, AnnotationPending))
+            raise AnnotationPending(f"{self.name}: {len(pending)} member(s) have batches pending, re-run to collect; "
+                                    f"{pending[0]}" if len(pending) > 1 else str(pending[0]))
         return [r if r is not None else Annotation(None, self.name, outcome="failed",
                                                    metadata={"error": "no answer"}) for r in results]

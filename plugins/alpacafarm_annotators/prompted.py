@@ -27,6 +27,10 @@ read back with its parser. Every annotation ends with an outcome (``labelled``, 
 
 Identical outputs are ties without a request.
 
+``mode: batch`` sends the same requests as batch files (``/v1/files`` + ``/v1/batches``) at the batch rate, each
+batch recorded in the cache before it is uploaded, so that it is resumed, never re-sent (see
+:mod:`alpacafarm_annotators.batch_call`).
+
 Replicate k > 0 (``annotate(pairs, replicate=k)``) is an independent annotation of the same pairs: its cache key
 carries k (so it is requested and paid for once, separately from replicate 0) and its requests carry a sampling
 ``seed`` drawn from k, the batch's keys and the attempt (derived from ``decoding.seed`` when one is set), so an
@@ -56,6 +60,7 @@ from alpacafarm.seeding import stable_seed
 from alpacafarm.types import Annotation, Pair
 from alpacafarm_annotators import parsing, templates
 from alpacafarm_annotators.annotation_call import AnnotationCall
+from alpacafarm_annotators.batch_call import BatchCall
 from alpacafarm_annotators.config import Price, PromptedAnnotatorConfig
 from alpacafarm_annotators.requests import (
     Budget,
@@ -94,6 +99,21 @@ class PromptedAnnotator(Annotator):
         self.no_usage = False  # an answer came without ``usage``: tokens are counted here (warned once)
         if self.budget.max_cost_usd is not None and self.price is None:
             raise UserError(f"annotator {name!r}: max_cost_usd needs a price for model {self.model!r}; set 'price'")
+        if config.mode == "batch":
+            self._init_batch_mode()
+
+    def _init_batch_mode(self) -> None:
+        """``mode: batch``: batches are recorded in the cache (so it is required) and priced at the batch rate."""
+        if self.cache is None:
+            raise UserError(f"annotator {self.name!r}: mode: batch needs the annotation cache (it records each "
+                            "batch so that a re-run collects it instead of paying again); remove cache: false / "
+                            "--no-cache")
+        if self.price is not None:
+            rate = self.price.batch_rate()
+            if rate is None:
+                raise UserError(f"annotator {self.name!r}: mode: batch needs the batch rate of model {self.model!r}: "
+                                "set price.batch_input and price.batch_output (USD per million tokens)")
+            self.price = rate
 
     # ------------------------------------------------------------------ prompting (subclasses may change it)
     def _init_prompting(self) -> None:
@@ -225,13 +245,20 @@ class PromptedAnnotator(Annotator):
         if progress and len(pairs) - len(todo) - len(repeats):
             progress(len(pairs) - len(todo) - len(repeats), 0.0)
         if todo:
-            await AnnotationCall(self, pairs, keys, results, progress, replicate).run(todo)
+            call = BatchCall if self.config.mode == "batch" else AnnotationCall
+            await call(self, pairs, keys, results, progress, replicate).run(todo)
         for i, j in repeats:  # not paid again: served like a cached answer (a failure stays a failure)
             original = results[j]
             results[i] = _copy(original, cached=original.outcome != "failed") if original is not None else None
         if progress and repeats:
             progress(len(repeats), 0.0)
         return [r if r is not None else self._failed("no answer") for r in results]
+
+    async def acancel_batches(self, which: str = "all") -> list[dict[str, Any]]:
+        """Cancel this annotator's open batches (``which``: ``all`` or a batch id) and book what they answered."""
+        if self.cache is None:
+            return []
+        return await BatchCall(self, [], [], [], None, 0).cancel(which)
 
     def decoding(self, replicate: int = 0, attempt: int = 0, keys: Sequence[str] = ()) -> dict[str, Any]:
         """The decoding parameters of one request: the config's for replicate 0; for replicate k > 0 the same with a

@@ -89,7 +89,7 @@ class Budget:
         self.spent += actual
 
 
-def _retry_after(exc: Exception, cap_s: float) -> float | None:
+def retry_after_s(exc: Exception, cap_s: float) -> float | None:
     """The server's ``Retry-After`` in seconds, at most ``cap_s``; None when absent or not a finite number
     (``inf`` or ``nan`` would otherwise sleep forever)."""
     response = getattr(exc, "response", None)
@@ -104,7 +104,7 @@ def _retry_after(exc: Exception, cap_s: float) -> float | None:
     return min(cap_s, max(0.0, seconds)) if math.isfinite(seconds) else None
 
 
-def _is_retryable(exc: Exception) -> bool:
+def is_retryable(exc: Exception) -> bool:
     import openai
 
     if isinstance(exc, (openai.APITimeoutError, openai.APIConnectionError, openai.APIResponseValidationError)):
@@ -151,8 +151,8 @@ async def complete(client: Any, *, style: str, model: str, prompt: Any, decoding
         try:
             # The whole request has one deadline: the client's own timeout applies per read, so a body trickled
             # one byte at a time would never end.
-            response = await asyncio.wait_for(_create(client, style, model, prompt, decoding, logprobs, timeout_s),
-                                              timeout_s)
+            response = await asyncio.wait_for(
+                create_completion(client, style, model, prompt, decoding, logprobs, timeout_s), timeout_s)
             if not response.choices:
                 raise ValueError("the endpoint answered 200 with no choices")
             choice = response.choices[0]
@@ -163,10 +163,10 @@ async def complete(client: Any, *, style: str, model: str, prompt: Any, decoding
                               getattr(choice, "logprobs", None), usage_reported=usage is not None,
                               finish_reason=getattr(choice, "finish_reason", None))
         except Exception as exc:
-            if isinstance(exc, openai.APIStatusError) and not _is_retryable(exc):
+            if isinstance(exc, openai.APIStatusError) and not is_retryable(exc):
                 raise UserError(f"the endpoint refused the request ({exc.status_code}): "
-                                f"{_short(exc, secrets)}") from None
-            if not _is_retryable(exc) and not isinstance(exc, openai.OpenAIError):
+                                f"{short_error(exc, secrets)}") from None
+            if not is_retryable(exc) and not isinstance(exc, openai.OpenAIError):
                 raise
             limit = max_retries
             if connect_retries is not None and _cannot_connect(exc):
@@ -174,29 +174,43 @@ async def complete(client: Any, *, style: str, model: str, prompt: Any, decoding
             timeouts += _timed_out(exc)
             name = "Timeout" if isinstance(exc, asyncio.TimeoutError) else type(exc).__name__
             if attempts > limit or (timeout_retries is not None and timeouts > timeout_retries):
-                detail = _short(exc, secrets) or f"no complete answer within timeout_s={timeout_s:g}s"
+                detail = short_error(exc, secrets) or f"no complete answer within timeout_s={timeout_s:g}s"
                 raise RequestFailed(f"{name} after {attempts} attempts: {detail}") from None
             halted = stop() if stop is not None else None
             if halted:
                 raise RequestFailed(f"{name} after {attempts} attempts, not retried ({halted}): "
-                                    f"{_short(exc, secrets)}") from None
-            delay = _retry_after(exc, max_backoff_s)
+                                    f"{short_error(exc, secrets)}") from None
+            delay = retry_after_s(exc, max_backoff_s)
             if delay is None:
                 delay = min(max_backoff_s, backoff_s * 2 ** (attempts - 1)) * (0.5 + random.random())
             logger.warning("request failed (%s), retry %d/%d in %.2fs", name, attempts, limit, delay)
             await asyncio.sleep(delay)
 
 
-async def _create(client: Any, style: str, model: str, prompt: Any, decoding: dict[str, Any], logprobs: bool,
-                  timeout_s: float) -> Any:
+def request_body(style: str, model: str, prompt: Any, decoding: dict[str, Any], logprobs: bool) -> dict[str, Any]:
+    """The JSON body of one annotation request: what a live request sends and what a batch file's line carries
+    (the same dict, so both paths send byte-identical bodies)."""
     if style == "chat":
-        extra = {"logprobs": True, "top_logprobs": 5} if logprobs else {}
-        return await client.chat.completions.create(model=model, messages=prompt, timeout=timeout_s, **decoding,
-                                                    **extra)
+        extra: dict[str, Any] = {"logprobs": True, "top_logprobs": 5} if logprobs else {}
+        return {"model": model, "messages": prompt, **decoding, **extra}
     extra = {"logprobs": 5} if logprobs else {}
-    return await client.completions.create(model=model, prompt=prompt, timeout=timeout_s, **decoding, **extra)
+    return {"model": model, "prompt": prompt, **decoding, **extra}
 
 
-def _short(exc: Exception, secrets: Sequence[str] = ()) -> str:
+def endpoint_path(style: str) -> str:
+    """The API path of a request of this style (a batch line's ``url``)."""
+    return "/v1/chat/completions" if style == "chat" else "/v1/completions"
+
+
+async def create_completion(client: Any, style: str, model: str, prompt: Any, decoding: dict[str, Any], logprobs: bool,
+                  timeout_s: float) -> Any:
+    """Send one annotation request with ``client`` (what the live path sends; a batch file's body is captured from
+    this very call, see :class:`~alpacafarm_annotators.batch_api.BodyCapture`)."""
+    body = request_body(style, model, prompt, decoding, logprobs)
+    create = client.chat.completions.create if style == "chat" else client.completions.create
+    return await create(**body, timeout=timeout_s)
+
+
+def short_error(exc: Exception, secrets: Sequence[str] = ()) -> str:
     text = redact(str(exc), secrets)  # before cutting: a cut key would no longer match
     return (text.splitlines() or [""])[0][:200]
