@@ -183,7 +183,57 @@ def write_results(rows: list[dict[str, Any]], directory: Path) -> dict[str, str]
     if any(r.get("step") is not None for r in rows):
         files["over_training_png"] = str(directory / "over_training.png")
         plot_over_training(rows, Path(files["over_training_png"]))
+    if kl_curves(rows):
+        files["gold_vs_kl_png"] = str(directory / "gold_vs_kl.png")
+        plot_gold_vs_kl(rows, Path(files["gold_vs_kl_png"]))
     return files
+
+
+def kl_curves(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The curves ``gold_vs_kl.png`` draws: per stage, its rows with a gold score and a KL (a best-of-n sweep over
+    n, a policy's snapshots over steps), in KL order, when a stage has at least two such rows."""
+    stages: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row.get("gold") is not None and row.get("kl") is not None:
+            stages.setdefault(row["stage"], []).append(row)
+    return {stage: sorted(points, key=lambda r: r["kl"]) for stage, points in stages.items() if len(points) > 1}
+
+
+def plot_gold_vs_kl(rows: list[dict[str, Any]], path: Path) -> None:
+    """Gold score (± SE band, left) and proxy reward (right) against the KL to the SFT model, one curve per stage
+    (Gao et al. 2023, Figure 1; Coste et al. 2024): over-optimisation shows as a gold curve that turns down while
+    the proxy keeps rising. The proxy is each stage's own reward where recorded (``train_reward``, a policy's
+    rollout reward at that step), else the evaluation's proxy reward."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = kl_curves(rows)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    try:
+        for stage, points in curves.items():
+            kl = [r["kl"] for r in points]
+            gold = [r["gold"] for r in points]
+            se = [r.get("gold_se") or 0.0 for r in points]
+            line = left.plot(kl, gold, marker="o", label=stage)[0]
+            left.fill_between(kl, [g - e for g, e in zip(gold, se, strict=True)],
+                              [g + e for g, e in zip(gold, se, strict=True)], color=line.get_color(), alpha=0.15)
+            key = "train_reward" if all(r.get("train_reward") is not None for r in points) else "proxy_reward"
+            shown = [r for r in points if r.get(key) is not None]
+            right.plot([r["kl"] for r in shown], [r[key] for r in shown], marker="s", color=line.get_color(),
+                       label=stage)
+        left.set_xlabel("KL to the SFT model (nats)")
+        left.set_ylabel("mean gold score ± SE")
+        right.set_xlabel("KL to the SFT model (nats)")
+        right.set_ylabel("proxy reward (the reward model)")
+        left.legend(fontsize=8)
+        right.legend(fontsize=8)
+        fig.suptitle("gold and proxy reward against KL")
+        fig.tight_layout()
+        fig.savefig(path, format="png", dpi=100)
+    finally:
+        plt.close(fig)
 
 
 def over_training_lines(rows: list[dict[str, Any]]) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any] | None]:
