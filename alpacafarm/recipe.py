@@ -181,6 +181,18 @@ class Recipe(_Strict):
     evaluation: EvaluationSpec | None = None
     launch: LaunchSpec | None = None  # launch defaults; not part of any stage's fingerprint (outputs do not depend)
 
+    @field_validator("name")
+    @classmethod
+    def _name_is_one_path_component(cls, value: str) -> str:
+        """The name becomes the folder ``runs/<name>``: a separator, ``..`` or an absolute path would put the run
+        somewhere else (``--output-dir`` is the way to choose another folder)."""
+        from alpacafarm.run_directory import run_name_problem
+
+        problem = run_name_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
     def annotator_for(self, role: str, stage: str | None = None) -> PluginRef | None:
         """The annotator for ``role``: stage ``stage``'s own ``annotator`` if it has one; for ``evaluation``,
         ``evaluation.annotator`` if set; otherwise ``annotator``."""

@@ -88,13 +88,14 @@ def run_benchmark(recipe: str, overrides: list[str], output_dir: str | None,
     from alpacafarm.pipeline import Pipeline, package_versions
     from alpacafarm.plugins import get_registry
     from alpacafarm.recipe import load_recipe
+    from alpacafarm.run_directory import named_run_folder
 
     registry = get_registry()
     loaded = load_recipe(recipe, overrides, registry)
     if loaded.recipe.evaluation is None:
         raise UserError(f"bench: recipe {recipe} has no 'evaluation:' block; a benchmark evaluates its systems")
     judge = judge_identity(loaded, registry)
-    run_dir = Path(output_dir) if output_dir else Path("runs") / "bench" / loaded.recipe.name
+    run_dir = Path(output_dir) if output_dir else named_run_folder(loaded.recipe.name, Path("runs") / "bench")
     started = time.perf_counter()
     pipeline = Pipeline(loaded, registry, run_dir)
     outcomes = {o.name: o for o in pipeline.run(force=("all",) if force else ())}
