@@ -43,6 +43,16 @@ SEVERITY = (STALE, FAIL, INCONCLUSIVE, PASS)
 DEFAULT_MARGIN = 5.0
 DEFAULT_ALPHA = 0.05
 DEFAULT_POWER = 0.8
+#: The gate's protocol is bounded (docs/ci-gate.md): a margin of 1e9 points, an alpha of 0.9 or a power of 0.01
+#: would turn the gate off by one edit. (low, high, open at low, open at high); margin in win-rate points.
+PROTOCOL_BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
+    "margin": (0.0, 20.0, True, False), "alpha": (0.001, 0.2, False, False), "power": (0.5, 0.99, False, False)}
+
+
+def protocol_range(name: str) -> str:
+    """``"(0, 20]"``: the accepted range of one protocol setting, for messages and help."""
+    low, high, open_low, open_high = PROTOCOL_BOUNDS[name]
+    return f"{'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}"
 
 
 @dataclass(frozen=True)
