@@ -280,3 +280,22 @@ def label_identity(registry: Any, name: str) -> Any:
     if hook is None:
         return None
     return import_target(hook, what=f"identity of annotator {name!r}")(registry, name)
+
+
+#: Annotator settings that bound or pace a run but never change a label: a budget, concurrency, rate limits,
+#: deadlines and retry policy. They are left out of a stage's fingerprint, so raising ``max_cost_usd`` (as the
+#: budget's error message advises) resumes the stage where it stopped instead of starting it again.
+RUN_LIMIT_KEYS = frozenset({
+    "max_cost_usd", "max_concurrency", "requests_per_minute", "timeout_s", "max_retries", "retry_backoff_s",
+    "max_backoff_s", "connect_retries", "timeout_retries", "claim_wait_s", "claim_stale_s", "claim_poll_s",
+    "cache_flush_wait_s"})
+
+
+def without_run_limits(config: Any) -> Any:
+    """An annotator reference or config (plain data) without :data:`RUN_LIMIT_KEYS`, at any depth (a pool's
+    ``overrides`` hold its members' budget)."""
+    if isinstance(config, dict):
+        return {k: without_run_limits(v) for k, v in config.items() if k not in RUN_LIMIT_KEYS}
+    if isinstance(config, list):
+        return [without_run_limits(v) for v in config]
+    return config

@@ -213,10 +213,11 @@ class Pipeline:
         ref = self.recipe.annotator_for(role, stage.name)
         if ref is None:
             return None
-        from alpacafarm.annotation import label_identity
+        from alpacafarm.annotation import label_identity, without_run_limits
 
         labels = label_identity(self.registry, ref.name)  # e.g. the offline judge's weights
-        return ref.model_dump(mode="json") if labels is None else {**ref.model_dump(mode="json"), "labels": labels}
+        judge = without_run_limits(ref.model_dump(mode="json"))  # a budget is not part of what a stage computes
+        return judge if labels is None else {**judge, "labels": labels}
 
     def _check_force(self, force: tuple[str, ...] | list[str]) -> None:
         names = [s.name for s in self.stages]
