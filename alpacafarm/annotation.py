@@ -199,7 +199,7 @@ def annotator_options(args: argparse.Namespace) -> dict[str, Any]:
     """The options given on the command line as one flat mapping (only those given)."""
     import yaml
 
-    from alpacafarm.yamlsource import shown_override
+    from alpacafarm.yamlsource import shown_override, yaml_value
 
     options: dict[str, Any] = {}
     if args.base_url:
@@ -220,7 +220,7 @@ def annotator_options(args: argparse.Namespace) -> dict[str, Any]:
         if not sep or not key:
             raise UserError(f"--set expects KEY=VALUE, got {shown_override(setting)}")
         try:
-            options[key] = yaml.safe_load(raw)
+            options[key] = yaml_value(raw, f"--set {key}")  # bounded: no alias bomb
         except yaml.YAMLError as exc:
             problem = getattr(exc, "problem", None) or type(exc).__name__
             raise UserError(f"--set {shown_override(setting)}: the value is not valid YAML ({problem})") from None

@@ -140,3 +140,57 @@ def test_json_reports_never_hold_bare_nan_or_infinity():
     with pytest.raises(UserError, match="not JSON"):
         parse_json('{"a": NaN}', "x.json")
 
+
+
+# ------------------------------------------------------------------------------------------- YAML: bombs, fan-out
+#: Nine levels of nine aliases: 9^9 (387 million) strings once expanded, from a few hundred bytes.
+ALIAS_BOMB = "[&a [x,x,x,x,x,x,x,x,x]" + "".join(
+    f", &{b} [{', '.join([f'*{a}'] * 9)}]" for a, b in zip("abcdefgh", "bcdefghi", strict=True)) + "]"
+SPLIT_RECIPE = "name: r\nstages:\n  - {name: split, method: split_instructions}\n"
+
+
+@pytest.mark.parametrize("key", ["extra_field", "stages.split.config.backend_config", "annotator.config.overrides",
+                                 "description"])
+def test_an_alias_bomb_in_set_is_refused_at_once(tmp_path: Path, key: str):
+    from alpacafarm.recipe import load_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(SPLIT_RECIPE + "annotator: offline\n", encoding="utf-8")
+    started = time.monotonic()
+    with pytest.raises(UserError, match=r"more than 100,000 values once YAML aliases are expanded"):
+        load_recipe(recipe, [f"{key}={ALIAS_BOMB}"])
+    assert time.monotonic() - started < 5
+
+
+def test_an_alias_bomb_in_a_template_file_is_refused_at_once(tmp_path: Path):
+    from alpacafarm_annotators.templates import load_template
+
+    template = tmp_path / "t.yaml"
+    template.write_text(f"system: hi\nbomb: {ALIAS_BOMB}\n", encoding="utf-8")
+    started = time.monotonic()
+    with pytest.raises(UserError, match=r"template file .*t\.yaml.*more than 100,000 values"):
+        load_template(str(template))
+    assert time.monotonic() - started < 5
+
+
+def test_includes_that_fan_out_are_refused_at_once(tmp_path: Path):
+    from alpacafarm.recipe import load_recipe
+
+    for i in range(10):  # each file includes the next ten times: 10^10 reads
+        includes = "" if i == 9 else "include: [" + ", ".join([f"f{i + 1}.yaml"] * 10) + "]\n"
+        (tmp_path / f"f{i}.yaml").write_text(includes + f"description: level {i}\n", encoding="utf-8")
+    (tmp_path / "r.yaml").write_text("include: f0.yaml\n" + SPLIT_RECIPE, encoding="utf-8")
+    started = time.monotonic()
+    with pytest.raises(UserError, match=r"r\.yaml: more than 64 files read through include"):
+        load_recipe(tmp_path / "r.yaml")
+    assert time.monotonic() - started < 5
+
+
+def test_a_set_value_keeps_its_yaml_meaning():
+    from alpacafarm.yamlsource import parse_override
+
+    assert parse_override("a.b=2e-5") == (["a", "b"], 2e-5)
+    assert parse_override("a='2e-5'") == (["a"], "2e-5")
+    assert parse_override("a=[1, {b: c}]") == (["a"], [1, {"b": "c"}])
+    assert parse_override("a=: not yaml: [") == (["a"], ": not yaml: [")
+    assert parse_override("a=") == (["a"], "")
