@@ -194,3 +194,20 @@ def test_a_set_value_keeps_its_yaml_meaning():
     assert parse_override("a=[1, {b: c}]") == (["a"], [1, {"b": "c"}])
     assert parse_override("a=: not yaml: [") == (["a"], ": not yaml: [")
     assert parse_override("a=") == (["a"], "")
+
+
+# ------------------------------------------------------------------------------------------------ plugin new
+@pytest.mark.parametrize("name", ["alpacafarm-methods", "alpacafarm_annotators", "os", "json", "torch", "trl",
+                                  "pydantic", "transformers", "pluggy", "typing-extensions"])
+def test_plugin_new_refuses_a_name_already_in_use(tmp_path: Path, name: str):
+    from alpacafarm.scaffold import new_plugin
+
+    with pytest.raises(UserError, match=rf"plugin name '{name}': .*(already|standard-library).*pick another"):
+        new_plugin(name, tmp_path)
+    assert not (tmp_path / name).exists()
+
+
+def test_plugin_new_takes_a_fresh_name(tmp_path: Path):
+    from alpacafarm.scaffold import package_name
+
+    assert package_name("my-rerank-9f3a") == "my_rerank_9f3a"
