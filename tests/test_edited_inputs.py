@@ -211,3 +211,35 @@ def test_plugin_new_takes_a_fresh_name(tmp_path: Path):
     from alpacafarm.scaffold import package_name
 
     assert package_name("my-rerank-9f3a") == "my_rerank_9f3a"
+
+
+# --------------------------------------------------------------------- recipe check refuses what a run would
+#: (id, the stage config or annotator block, the one-line error's text)
+RUN_REFUSALS = [
+    ("lr-negative", "dpo: {learning_rate: -1}", "stages[0].config: DPOMethodConfig: learning_rate must be"),
+    ("lr-nan", "dpo: {learning_rate: .nan}", "learning_rate must be a finite number"),
+    ("batch-0", "dpo: {per_device_train_batch_size: 0}", "per_device_train_batch_size must be a finite number >= 1"),
+    ("accumulation-0", "dpo: {gradient_accumulation_steps: 0}", "gradient_accumulation_steps must be"),
+    ("max-length-1", "dpo: {max_length: 1}", "max_length must be a finite number >= 8, got 1"),
+    ("max-steps-0", "dpo: {max_steps: 0}", "max_steps must be -1"),
+    ("p-label-flip", "annotator: {name: offline_ann, config: {p_label_flip: 1.5}}",
+     "annotator.config.p_label_flip: Input should be less than or equal to 0.5"),
+    ("concurrency-0", "annotator: {name: gpt4_b1_noex, config: {max_concurrency: 0}}",
+     "annotator.config.max_concurrency: Input should be greater than or equal to 1"),
+]
+
+
+@pytest.mark.parametrize("block,message", [v[1:] for v in RUN_REFUSALS], ids=[v[0] for v in RUN_REFUSALS])
+def test_recipe_check_refuses_a_value_the_run_would(tmp_path: Path, block: str, message: str):
+    from alpacafarm.recipe import load_recipe
+
+    (tmp_path / "prefs.jsonl").write_text('{"instruction": "a", "output_1": "x", "output_2": "y", "preference": 1}\n')
+    config = block[len("dpo: "):] if block.startswith("dpo: ") else "{}"
+    annotator = block if block.startswith("annotator: ") else "annotator: offline_ann"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: r\nmodel: {{name: smollm2-135m-instruct}}\n{annotator}\n"
+                      f"data:\n  preferences: {{path: {tmp_path / 'prefs.jsonl'}}}\n"
+                      f"stages:\n  - {{name: dpo, method: dpo, config: {config}}}\n", encoding="utf-8")
+    with pytest.raises(UserError) as caught:
+        load_recipe(recipe)
+    assert "\n" not in str(caught.value) and message in str(caught.value), str(caught.value)
