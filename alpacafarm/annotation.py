@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from alpacafarm.annotation_cache import LedgerTotals
 from alpacafarm.errors import UserError
+from alpacafarm.exit_status import FAILED
 from alpacafarm.types import OUTCOMES, Annotation, Pair
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ class AnnotationFailed(UserError):
     """Annotation work failed (pairs without a label past the tolerance, an endpoint that never answered): one line
     naming the endpoint and the first error, exit status 1 ("the work failed"; 2 stays "the user's input is wrong")."""
 
-    exit_code = 1
+    exit_code = FAILED
 
 
 @dataclass

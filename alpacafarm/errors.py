@@ -10,6 +10,8 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from alpacafarm.exit_status import USER_ERROR
+
 
 class UserError(Exception):
     """Something the user can fix: a bad recipe, an unknown name, a missing file or package.
@@ -17,7 +19,7 @@ class UserError(Exception):
     The message must name the culprit (file and YAML path, plugin, name) in one line.
     """
 
-    exit_code = 2
+    exit_code = USER_ERROR
 
 
 class RecipeError(UserError):

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from alpacafarm import exit_status
 from alpacafarm.errors import UserError
 from alpacafarm.validated_input import json_ready
 from alpacafarm_evaluation.bench_baseline import (
@@ -60,7 +61,7 @@ from alpacafarm_evaluation.gate_stats import (
 )
 
 #: Exit status when the benchmark run itself crashed (a bug, not a user error): no verdict.
-EXIT_CRASH = 5
+EXIT_CRASH = exit_status.CRASHED
 EVALUATION_STAGE = "evaluate"
 
 

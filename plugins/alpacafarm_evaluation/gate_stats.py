@@ -35,9 +35,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from alpacafarm import exit_status
+
 PASS, FAIL, INCONCLUSIVE, STALE = "PASS", "FAIL", "INCONCLUSIVE", "STALE"
 #: Exit status of ``alpacafarm bench`` for each verdict (2 stays "user error", as for every command).
-EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 3, STALE: 4}
+EXIT_CODES = {PASS: exit_status.OK, FAIL: exit_status.FAILED, INCONCLUSIVE: exit_status.INCONCLUSIVE,
+              STALE: exit_status.STALE}
 #: The worst verdict of several decides the gate: a stale baseline first, then a regression, then doubt.
 SEVERITY = (STALE, FAIL, INCONCLUSIVE, PASS)
 DEFAULT_MARGIN = 5.0
