@@ -13,6 +13,6 @@ STALE = 4  # the gate's baseline no longer describes the benchmark
 CRASHED = 5  # bench only: the benchmark run crashed (a bug), no verdict
 INTERRUPTED = 130  # Ctrl-C
 
-#: ``{code: name}``, in the order of the table above.
+#: ``{code: name}``, in the order of docs/exit-status.md.
 EXIT_STATUSES: dict[int, str] = {OK: "OK", FAILED: "FAILED", USER_ERROR: "USER_ERROR", INCONCLUSIVE: "INCONCLUSIVE",
                                  STALE: "STALE", CRASHED: "CRASHED", INTERRUPTED: "INTERRUPTED"}

@@ -23,6 +23,7 @@ from typing import Any
 
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact
+from alpacafarm.recipe import run_name_problem
 
 TRACKED_PACKAGES = ("alpacafarm", "torch", "transformers", "trl", "peft", "accelerate", "datasets", "openai", "pluggy")
 
@@ -105,19 +106,6 @@ def artifact_problem(artifact: Artifact, run_dir: Path) -> str | None:
 
 #: The folder (relative to the working directory) that holds ``<name>/`` for each run without an explicit folder.
 RUNS_ROOT = Path("runs")
-
-
-def run_name_problem(name: str) -> str | None:
-    """Why ``name`` cannot be a run's folder name (one path component under :data:`RUNS_ROOT`), or None."""
-    if not name or not name.strip():
-        return "must not be empty (it names the run folder runs/<name>)"
-    if any(ord(c) < 32 or ord(c) == 127 for c in name):
-        return "must not hold control characters (it names the run folder runs/<name>)"
-    if "/" in name or "\\" in name:
-        return "must be one folder name, without '/' or '\\' (use --output-dir to choose another folder)"
-    if name in (".", "..") or name != name.strip():
-        return "must be a folder name, not '.', '..' or space-padded (use --output-dir to choose another folder)"
-    return None
 
 
 def run_directory(loaded: Any, output_dir: str | Path | None, root: Path = RUNS_ROOT) -> Path:
