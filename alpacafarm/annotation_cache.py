@@ -36,6 +36,7 @@ one line naming the file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -243,7 +244,7 @@ class AnnotationCache:
 
     def errors(self, action: str) -> _Errors:
         """A context in which SQLite's refusals become a :class:`CacheError` naming this file and ``action``."""
-        return _Errors(self.path, action)
+        return _Errors(self.path, action, self)
 
     def _connect(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
@@ -442,15 +443,21 @@ class AnnotationCache:
 class _Errors:
     """Turns ``sqlite3.Error`` inside the block into a :class:`CacheError` (see :meth:`AnnotationCache.errors`)."""
 
-    def __init__(self, path: Path, action: str) -> None:
-        self.path, self.action = path, action
+    def __init__(self, path: Path, action: str, cache: AnnotationCache | None = None) -> None:
+        self.path, self.action, self.cache = path, action, cache
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         if isinstance(exc, sqlite3.Error):
-            raise _cache_error(exc, self.path, self.action) from exc
+            error = _cache_error(exc, self.path, self.action)
+            db = getattr(self.cache._local, "db", None) if self.cache is not None else None
+            if db is not None and "locked" in str(exc).lower():
+                # the bound was spent once: clean-up writes on the way out (releasing claims) must not wait again
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("PRAGMA busy_timeout=0")
+            raise error from exc
 
 
 class _Transaction:

@@ -167,8 +167,7 @@ async def complete(client: Any, *, style: str, model: str, prompt: Any, decoding
                               finish_reason=getattr(choice, "finish_reason", None))
         except Exception as exc:
             if isinstance(exc, openai.APIStatusError) and not _is_retryable(exc):
-                raise UserError(f"the endpoint refused the request ({exc.status_code}): "
-                                f"{_short(exc, secrets)}") from None
+                raise UserError(f"the endpoint refused the request: {_short(exc, secrets)}") from None
             if not _is_retryable(exc) and not isinstance(exc, openai.OpenAIError):
                 raise
             limit = max_retries
