@@ -240,7 +240,7 @@ class Pipeline:
         path = self.run_dir / "stages" / stage.name / "manifest.json"
         try:
             manifest = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-        except (OSError, ValueError) as exc:  # write_json is atomic: only a hand-edited file lands here
+        except (OSError, ValueError, RecursionError) as exc:  # write_json is atomic: only a hand edit lands here
             logger.warning("stage %s: unreadable manifest %s (%s): the stage runs again", stage.name, path, exc)
             return None
         problem = manifest_problem(manifest)

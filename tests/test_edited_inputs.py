@@ -243,3 +243,13 @@ def test_recipe_check_refuses_a_value_the_run_would(tmp_path: Path, block: str, 
     with pytest.raises(UserError) as caught:
         load_recipe(recipe)
     assert "\n" not in str(caught.value) and message in str(caught.value), str(caught.value)
+
+
+def test_records_and_manifests_nested_too_deeply_are_one_line(tmp_path: Path):
+    from alpacafarm.data import read_records
+
+    for name in ("deep.jsonl", "deep.json"):
+        path = tmp_path / name
+        path.write_text('[{"a": ' + "[" * 100_000 + "]" * 100_000 + "}]\n")
+        with pytest.raises(UserError, match="nested too deeply"):
+            read_records(path)
