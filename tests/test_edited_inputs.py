@@ -118,7 +118,7 @@ def test_a_tampered_baseline_exits_2_in_one_line_before_anything_runs(tmp_path: 
 def test_a_gate_flag_outside_its_bounds_is_refused(flag: str, value: str):
     from alpacafarm_evaluation.bench import parse_args
 
-    with pytest.raises(UserError, match=f"{flag} must be in"):
+    with pytest.raises(UserError, match=f"{flag} must be (in|a finite number)"):
         parse_args(["r.yaml", "--baseline", "b.json", flag, value])
 
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 from alpacafarm import exit_status
 from alpacafarm.errors import UserError
-from alpacafarm.validated_input import json_ready
+from alpacafarm.validated_input import finite, json_ready
 from alpacafarm_evaluation.bench_baseline import (
     BenchRun,
     SystemOutcomes,
@@ -56,7 +55,6 @@ from alpacafarm_evaluation.gate_stats import (
     family_alpha,
     non_inferiority,
     paired_differences,
-    protocol_range,
     worst,
 )
 
@@ -292,12 +290,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--report", metavar="FILE.md", help="write a Markdown report (for a pull request)")
     parser.add_argument("-v", "--verbose", action="store_true", help="show library logs and progress bars")
     args = parser.parse_args(argv)
-    for name, (low, high, open_low, open_high) in PROTOCOL_BOUNDS.items():
-        value = getattr(args, name)
-        if value is not None and not (math.isfinite(value) and (low < value if open_low else low <= value)
-                                      and (value < high if open_high else value <= high)):
-            raise UserError(f"--{name} must be in {protocol_range(name)}, got {value:g} (docs/ci-gate.md: the "
-                            "gate's protocol is bounded)")
+    for name, (low, high, open_low, open_high) in PROTOCOL_BOUNDS.items():  # as a baseline's gate is checked
+        if getattr(args, name) is not None:
+            finite(getattr(args, name), lambda message, n=name: UserError(
+                f"--{n} {message} (docs/ci-gate.md: the gate's protocol is bounded)"), low=low, high=high,
+                open_low=open_low, open_high=open_high)
     return args
 
 

@@ -52,11 +52,6 @@ PROTOCOL_BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
     "margin": (0.0, 20.0, True, False), "alpha": (0.001, 0.2, False, False), "power": (0.5, 0.99, False, False)}
 
 
-def protocol_range(name: str) -> str:
-    """``"(0, 20]"``: the accepted range of one protocol setting, for messages and help."""
-    low, high, open_low, open_high = PROTOCOL_BOUNDS[name]
-    return f"{'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}"
-
 
 @dataclass(frozen=True)
 class GateTest:
