@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import itertools
 import math
 import re
@@ -144,22 +145,23 @@ def _base64_forms(secret: bytes) -> set[str]:
     return {f for f in forms if len(f) >= 8}
 
 
-def secret_patterns(secret: str) -> list[re.Pattern[str]]:
+@functools.lru_cache(maxsize=64)  # redact runs on every answer: compile a key's patterns once
+def secret_patterns(secret: str) -> tuple[re.Pattern[str], ...]:
     """Patterns for ``secret`` and every transform of it a server or proxy might echo: as is, reversed, spaced out
     (either way), base64 (any alignment), URL-encoded, hex, and masked as prefix...suffix."""
     from urllib.parse import quote, quote_plus
 
     if not secret or len(secret) < 4:
-        return []
+        return ()
     patterns = [re.compile(_SPACER.join(re.escape(c) for c in text), re.IGNORECASE)
                 for text in (secret, secret[::-1])]
-    exact = {quote(secret, safe=""), quote_plus(secret), secret.encode().hex(), *_base64_forms(secret.encode())}
+    exact = {quote(secret, safe=""), quote_plus(secret), *_base64_forms(secret.encode())}
     patterns += [re.compile(re.escape(text)) for text in sorted(exact, key=len, reverse=True) if text != secret]
     patterns.append(re.compile(re.escape(secret.encode().hex()), re.IGNORECASE))
     if len(secret) >= 12:  # a masked key shows a few characters at each end; shorter ones would match words
         patterns.append(re.compile(re.escape(secret[:3]) + r"\S{0,40}?" + _MASK + r"\S{0,40}?"
                                    + re.escape(secret[-3:]), re.IGNORECASE))
-    return patterns
+    return tuple(patterns)
 
 
 def redact(text: str, secrets: Iterable[str] = ()) -> str:
