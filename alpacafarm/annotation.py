@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from alpacafarm.annotation_cache import LedgerTotals
 from alpacafarm.errors import UserError
+from alpacafarm.exit_status import FAILED
 from alpacafarm.types import OUTCOMES, Annotation, Pair
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ class AnnotationFailed(UserError):
     """Annotation work failed (pairs without a label past the tolerance, an endpoint that never answered): one line
     naming the endpoint and the first error, exit status 1 ("the work failed"; 2 stays "the user's input is wrong")."""
 
-    exit_code = 1
+    exit_code = FAILED
 
 
 class AnnotationPending(UserError):
@@ -217,7 +218,7 @@ def annotator_options(args: argparse.Namespace) -> dict[str, Any]:
     """The options given on the command line as one flat mapping (only those given)."""
     import yaml
 
-    from alpacafarm.yamlsource import shown_override
+    from alpacafarm.yamlsource import shown_override, yaml_value
 
     options: dict[str, Any] = {}
     if args.base_url:
@@ -238,7 +239,7 @@ def annotator_options(args: argparse.Namespace) -> dict[str, Any]:
         if not sep or not key:
             raise UserError(f"--set expects KEY=VALUE, got {shown_override(setting)}")
         try:
-            options[key] = yaml.safe_load(raw)
+            options[key] = yaml_value(raw, f"--set {key}")  # bounded: no alias bomb
         except yaml.YAMLError as exc:
             problem = getattr(exc, "problem", None) or type(exc).__name__
             raise UserError(f"--set {shown_override(setting)}: the value is not valid YAML ({problem})") from None
@@ -298,3 +299,22 @@ def label_identity(registry: Any, name: str) -> Any:
     if hook is None:
         return None
     return import_target(hook, what=f"identity of annotator {name!r}")(registry, name)
+
+
+#: Annotator settings that bound or pace a run but never change a label: a budget, concurrency, rate limits,
+#: deadlines and retry policy. They are left out of a stage's fingerprint, so raising ``max_cost_usd`` (as the
+#: budget's error message advises) resumes the stage where it stopped instead of starting it again.
+RUN_LIMIT_KEYS = frozenset({
+    "max_cost_usd", "max_concurrency", "requests_per_minute", "timeout_s", "max_retries", "retry_backoff_s",
+    "max_backoff_s", "connect_retries", "timeout_retries", "claim_wait_s", "claim_stale_s", "claim_poll_s",
+    "cache_flush_wait_s"})
+
+
+def without_run_limits(config: Any) -> Any:
+    """An annotator reference or config (plain data) without :data:`RUN_LIMIT_KEYS`, at any depth (a pool's
+    ``overrides`` hold its members' budget)."""
+    if isinstance(config, dict):
+        return {k: without_run_limits(v) for k, v in config.items() if k not in RUN_LIMIT_KEYS}
+    if isinstance(config, list):
+        return [without_run_limits(v) for v in config]
+    return config

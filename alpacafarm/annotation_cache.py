@@ -30,7 +30,9 @@
   refreshes their heartbeat): a process that was paused (Ctrl-Z, a sleeping laptop) past ``stale_after_s`` and
   lost its claims to another process learns it there and waits for that process's answers instead of paying.
 
-WAL mode and a busy timeout make concurrent writers (several processes annotating at once) safe. No secret is
+WAL mode and a busy timeout make concurrent writers (several processes annotating at once) safe; the timeout is
+bounded (``$ALPACAFARM_CACHE_LOCK_TIMEOUT_S``, default 5 s): a lock held longer fails, naming the process that holds
+the file where /proc shows it. No secret is
 ever written here: the annotator fingerprint holds the model and prompt, never the endpoint's key. SQLite's
 refusals (a corrupt or foreign file, a folder in its place, read-only, locked, full) are a :class:`CacheError`:
 one line naming the file.
@@ -38,6 +40,7 @@ one line naming the file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -101,6 +104,49 @@ def servable(reask_unparsed: int | None) -> str:
             f"{int(reask_unparsed)}))")
 
 
+#: How long an operation waits for a lock another process holds on the cache before failing (seconds). Writers
+#: hold it for milliseconds; only a stuck program (a sqlite3 shell left in a transaction) holds it for long.
+LOCK_TIMEOUT_ENV = "ALPACAFARM_CACHE_LOCK_TIMEOUT_S"
+DEFAULT_LOCK_TIMEOUT_S = 5.0
+
+
+def lock_timeout_s() -> float:
+    """``$ALPACAFARM_CACHE_LOCK_TIMEOUT_S``, else :data:`DEFAULT_LOCK_TIMEOUT_S`; a bad value is a UserError."""
+    import math
+    import os
+
+    raw = os.environ.get(LOCK_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_LOCK_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= 3600):
+        raise UserError(f"${LOCK_TIMEOUT_ENV}={raw!r}: expected seconds in (0, 3600]")
+    return value
+
+
+def lock_holders(path: Path) -> list[str]:
+    """``["pid 123 (sqlite3)"]``: the other processes of this user that have the cache file open (Linux /proc;
+    empty where that cannot be read)."""
+    import os
+
+    names = {str(Path(path).resolve()) + suffix for suffix in ("", "-wal", "-shm", "-journal")}
+    found = []
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if any(os.readlink(fd) in names for fd in (entry / "fd").iterdir()):
+                command = (entry / "comm").read_text(encoding="utf-8").strip()
+                found.append(f"pid {entry.name} ({command})")
+        except OSError:  # gone, or another user's
+            continue
+    return found[:3]
+
+
 class CacheError(UserError):
     """The annotation cache file cannot be used (corrupt, not a database, a folder, read-only, locked, full)."""
 
@@ -117,7 +163,10 @@ def _cache_error(exc: sqlite3.Error, path: Path, action: str) -> CacheError:
     elif "readonly" in lowered or "read-only" in lowered:
         hint = "it is read-only: make it (and its folder) writable or set $ALPACAFARM_CACHE_DIR"
     elif "locked" in lowered or "busy" in lowered:
-        hint = "another program holds a lock on it; close that program and retry"
+        holders = lock_holders(path)
+        who = f" ({', '.join(holders)})" if holders else ""
+        hint = (f"another program{who} held a lock on it for more than {lock_timeout_s():g} s; close that program "
+                f"and retry, or wait longer with ${LOCK_TIMEOUT_ENV}")
     elif "full" in lowered or "disk i/o" in lowered:
         hint = "the disk refused the write (full, a file-size limit, or failing): free some space"
     else:
@@ -213,7 +262,7 @@ class AnnotationCache:
 
     def errors(self, action: str) -> _Errors:
         """A context in which SQLite's refusals become a :class:`CacheError` naming this file and ``action``."""
-        return _Errors(self.path, action)
+        return _Errors(self.path, action, self)
 
     def _connect(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
@@ -221,9 +270,10 @@ class AnnotationCache:
             if self.path.is_dir():  # sqlite would say only "unable to open database file"
                 raise CacheError(f"annotation cache {self.path}: is a directory, not a file; move it away or set "
                                  "$ALPACAFARM_CACHE_DIR")
-            db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+            wait = lock_timeout_s()  # bounded: a lock held by a stuck program fails in seconds, naming it
+            db = sqlite3.connect(self.path, timeout=wait, isolation_level=None)
             try:
-                db.execute("PRAGMA busy_timeout=60000")
+                db.execute(f"PRAGMA busy_timeout={int(wait * 1000)}")
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute("PRAGMA synchronous=NORMAL")
             except BaseException:
@@ -445,15 +495,21 @@ def open_batch_keys(db: sqlite3.Connection, keys: Sequence[str]) -> dict[str, st
 class _Errors:
     """Turns ``sqlite3.Error`` inside the block into a :class:`CacheError` (see :meth:`AnnotationCache.errors`)."""
 
-    def __init__(self, path: Path, action: str) -> None:
-        self.path, self.action = path, action
+    def __init__(self, path: Path, action: str, cache: AnnotationCache | None = None) -> None:
+        self.path, self.action, self.cache = path, action, cache
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         if isinstance(exc, sqlite3.Error):
-            raise _cache_error(exc, self.path, self.action) from exc
+            error = _cache_error(exc, self.path, self.action)
+            db = getattr(self.cache._local, "db", None) if self.cache is not None else None
+            if db is not None and "locked" in str(exc).lower():
+                # the bound was spent once: clean-up writes on the way out (releasing claims) must not wait again
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("PRAGMA busy_timeout=0")
+            raise error from exc
 
 
 class _Transaction:

@@ -2,7 +2,8 @@
 
 Core commands: ``run``, ``plugins``, ``recipe check``, ``plugin new``. Plugins add more through ``register_commands``.
 User errors (bad recipe, unknown name, missing file or package) print one line and exit 2; ``--debug`` adds
-the traceback. Importing this module must stay cheap: no torch, trl or pydantic before a command needs them.
+the traceback. Every exit status follows :mod:`alpacafarm.exit_status`. Importing this module must stay cheap: no
+torch, trl or pydantic before a command needs them.
 """
 
 from __future__ import annotations
@@ -256,8 +257,10 @@ def _main(argv: Sequence[str] | None) -> int:
             raise
         return _report_error(error, exc, debug)
     except KeyboardInterrupt:
+        from alpacafarm.exit_status import INTERRUPTED
+
         print("interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -63,12 +63,16 @@ def _read_records(path: Path) -> Any:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as exc:
                     raise UserError(f"{path}:{number}: not valid JSON: {exc.msg}") from None
+                except RecursionError:  # nesting deeper than Python's stack: never a record
+                    raise UserError(f"{path}:{number}: JSON nested too deeply") from None
         return records
     if suffix == ".json":
         try:
             return _from_columns(json.loads(path.read_text(encoding="utf-8")), path)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+        except RecursionError:  # nesting deeper than Python's stack: never a records file
+            raise UserError(f"{path}: JSON nested too deeply") from None
     if suffix == ".csv":
         with path.open(encoding="utf-8", newline="") as fh:
             return list(csv.DictReader(fh))

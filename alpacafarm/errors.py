@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import itertools
 import math
 import re
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
+
+from alpacafarm.exit_status import USER_ERROR
 
 
 class UserError(Exception):
@@ -17,7 +20,7 @@ class UserError(Exception):
     The message must name the culprit (file and YAML path, plugin, name) in one line.
     """
 
-    exit_code = 2
+    exit_code = USER_ERROR
 
 
 class RecipeError(UserError):
@@ -122,13 +125,62 @@ def scrub(message: str) -> str:
     return _QUOTED.sub(lambda m: m[1] + REDACTED + m[1] if looks_like_secret(m[2]) else m[0], message)
 
 
+#: Characters a server may put between a key's characters when it spaces or wraps it ("s k - t e s t").
+_SPACER = r"[^A-Za-z0-9]{0,3}"
+#: What a masked key's hidden middle looks like (``sk-te****wxyz``, ``sk-te...wxyz``, ``sk-te…wxyz``).
+_MASK = r"(?:\*{2,}|\.{3,}|…|•{2,}|x{4,}|X{4,}|#{3,})"
+
+
+def _base64_forms(secret: bytes) -> set[str]:
+    """The base64 text of ``secret`` wherever it sits in an encoded string: for each of the 3 byte alignments,
+    the characters that depend on the secret alone (standard and URL-safe alphabets)."""
+    import base64
+
+    forms = set()
+    for offset in range(3):
+        encoded = base64.b64encode(b"\0" * offset + secret).decode().rstrip("=")
+        start, end = (8 * offset + 5) // 6, (8 * (offset + len(secret))) // 6
+        piece = encoded[start:end]
+        forms |= {piece, piece.replace("+", "-").replace("/", "_")}
+    return {f for f in forms if len(f) >= 8}
+
+
+@functools.lru_cache(maxsize=64)  # redact runs on every answer: compile a key's patterns once
+def secret_patterns(secret: str) -> tuple[re.Pattern[str], ...]:
+    """Patterns for ``secret`` and every transform of it a server or proxy might echo: as is, reversed, spaced out
+    (either way), base64 (any alignment), URL-encoded, hex, and masked as prefix...suffix."""
+    from urllib.parse import quote, quote_plus
+
+    if not secret or len(secret) < 4:
+        return ()
+    patterns = [re.compile(_SPACER.join(re.escape(c) for c in text), re.IGNORECASE)
+                for text in (secret, secret[::-1])]
+    exact = {quote(secret, safe=""), quote_plus(secret), *_base64_forms(secret.encode())}
+    patterns += [re.compile(re.escape(text)) for text in sorted(exact, key=len, reverse=True) if text != secret]
+    patterns.append(re.compile(re.escape(secret.encode().hex()), re.IGNORECASE))
+    if len(secret) >= 12:  # a masked key shows a few characters at each end; shorter ones would match words
+        patterns.append(re.compile(re.escape(secret[:3]) + r"\S{0,40}?" + _MASK + r"\S{0,40}?"
+                                   + re.escape(secret[-3:]), re.IGNORECASE))
+    return tuple(patterns)
+
+
 def redact(text: str, secrets: Iterable[str] = ()) -> str:
-    """``text`` without the given ``secrets`` (each replaced by ``<redacted>``, in any case) and then
-    :func:`scrub`-bed: for what a server sent back, which may quote the key it was given."""
+    """``text`` without the given ``secrets`` and their transforms (:func:`secret_patterns`: reversed, spaced,
+    base64, URL-encoded, hex, masked), each replaced by ``<redacted>``, then :func:`scrub`-bed: for what a server
+    sent back, which may quote the key it was given in any form."""
     for secret in secrets:
-        if secret and len(secret) >= 4:
-            text = re.sub(re.escape(secret), REDACTED, text, flags=re.IGNORECASE)
+        for pattern in secret_patterns(secret):
+            text = pattern.sub(REDACTED, text)
     return scrub(text)
+
+
+_WORD = re.compile(r"[A-Za-z0-9+/=_\-.%]{20,}")
+
+
+def scrub_tokens(text: str) -> str:
+    """``text`` with every long unbroken token that looks like a key (:func:`looks_like_secret`) redacted: for
+    text from outside (a provider's error message) that may carry a credential in a form no one can predict."""
+    return _WORD.sub(lambda m: REDACTED if looks_like_secret(m[0]) else m[0], text)
 
 
 def public_url(url: str) -> str:

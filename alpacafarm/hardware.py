@@ -7,7 +7,7 @@ an AVX2-only AMD EPYC with torch 2.13, a 1024² matmul ran at 8.8 GFLOPS in floa
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 #: CPU flags (``/proc/cpuinfo``) that mean bfloat16 arithmetic in hardware.
@@ -25,7 +25,7 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     return frozenset()
 
 
-@lru_cache(maxsize=None)
+@cache
 def native_bfloat16(device: str) -> bool:
     """Whether ``device`` ("cpu", "cuda", "cuda:1", "auto") computes bfloat16 in hardware; "auto" is the device
     the model loads on (a GPU when there is one)."""

@@ -213,10 +213,11 @@ class Pipeline:
         ref = self.recipe.annotator_for(role, stage.name)
         if ref is None:
             return None
-        from alpacafarm.annotation import label_identity
+        from alpacafarm.annotation import label_identity, without_run_limits
 
         labels = label_identity(self.registry, ref.name)  # e.g. the offline judge's weights
-        return ref.model_dump(mode="json") if labels is None else {**ref.model_dump(mode="json"), "labels": labels}
+        judge = without_run_limits(ref.model_dump(mode="json"))  # a budget is not part of what a stage computes
+        return judge if labels is None else {**judge, "labels": labels}
 
     def _check_force(self, force: tuple[str, ...] | list[str]) -> None:
         names = [s.name for s in self.stages]
@@ -239,7 +240,7 @@ class Pipeline:
         path = self.run_dir / "stages" / stage.name / "manifest.json"
         try:
             manifest = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-        except (OSError, ValueError) as exc:  # write_json is atomic: only a hand-edited file lands here
+        except (OSError, ValueError, RecursionError) as exc:  # write_json is atomic: only a hand edit lands here
             logger.warning("stage %s: unreadable manifest %s (%s): the stage runs again", stage.name, path, exc)
             return None
         problem = manifest_problem(manifest)

@@ -169,6 +169,19 @@ class EvaluationSpec(_Strict):
     config: dict[str, Any] = Field(default_factory=dict)
 
 
+def run_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a run's folder name (one path component under the runs folder), or None."""
+    if not name or not name.strip():
+        return "must not be empty (it names the run folder runs/<name>)"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "must not hold control characters (it names the run folder runs/<name>)"
+    if "/" in name or "\\" in name:
+        return "must be one folder name, without '/' or '\\' (use --output-dir to choose another folder)"
+    if name in (".", "..") or name != name.strip():
+        return "must be a folder name, not '.', '..' or space-padded (use --output-dir to choose another folder)"
+    return None
+
+
 class LaunchSpec(_Strict):
     """How ``alpacafarm run`` launches the recipe when the command line does not say: processes and the
     accelerate config (a packaged name: ``ddp``, ``fsdp2``, ``zero2``, ``zero3``, or a YAML file)."""
@@ -190,6 +203,16 @@ class Recipe(_Strict):
     stages: list[StageSpec] = Field(min_length=1)
     evaluation: EvaluationSpec | None = None
     launch: LaunchSpec | None = None  # launch defaults; not part of any stage's fingerprint (outputs do not depend)
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_one_path_component(cls, value: str) -> str:
+        """The name becomes the folder ``runs/<name>``: a separator, ``..`` or an absolute path would put the run
+        somewhere else (``--output-dir`` is the way to choose another folder)."""
+        problem = run_name_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
     def annotator_for(self, role: str, stage: str | None = None) -> PluginRef | None:
         """The annotator for ``role``: stage ``stage``'s own ``annotator`` if it has one; for ``evaluation``,

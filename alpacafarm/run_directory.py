@@ -23,6 +23,7 @@ from typing import Any
 
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact
+from alpacafarm.recipe import run_name_problem
 
 TRACKED_PACKAGES = ("alpacafarm", "torch", "transformers", "trl", "peft", "accelerate", "datasets", "openai", "pluggy")
 
@@ -103,9 +104,25 @@ def artifact_problem(artifact: Artifact, run_dir: Path) -> str | None:
     return None
 
 
-def run_directory(loaded: Any, output_dir: str | Path | None) -> Path:
-    """Where a recipe's run goes: ``--output-dir``, else its ``output_dir``, else ``runs/<name>``."""
-    return Path(output_dir or loaded.recipe.output_dir or Path("runs") / loaded.recipe.name)
+#: The folder (relative to the working directory) that holds ``<name>/`` for each run without an explicit folder.
+RUNS_ROOT = Path("runs")
+
+
+def run_directory(loaded: Any, output_dir: str | Path | None, root: Path = RUNS_ROOT) -> Path:
+    """Where a recipe's run goes: ``--output-dir``, else its ``output_dir``, else ``<root>/<name>`` (``root``:
+    ``runs``). The name is checked again here: the folder must stay inside ``root``."""
+    if output_dir or loaded.recipe.output_dir:
+        return Path(output_dir or loaded.recipe.output_dir)
+    return named_run_folder(loaded.recipe.name, root)
+
+
+def named_run_folder(name: str, root: Path = RUNS_ROOT) -> Path:
+    """``root/name``, refused (one line) unless ``name`` is one folder name that stays inside ``root``."""
+    problem = run_name_problem(name)
+    folder = root / name
+    if problem is not None or folder.resolve().parent != root.resolve():
+        raise UserError(f"recipe name {name!r} {problem or 'leaves the runs folder'}")
+    return folder
 
 
 def package_versions(extra: tuple[str, ...] = ()) -> dict[str, str]:

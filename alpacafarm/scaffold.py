@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import keyword
 import re
+import sys
 from pathlib import Path
 
 from alpacafarm import __version__
@@ -47,7 +48,38 @@ def package_name(name: str) -> str:
     package = name.replace("-", "_")
     if keyword.iskeyword(package) or package == "alpacafarm":
         raise UserError(f"plugin name {name!r}: {package!r} cannot be a package name; pick another")
+    taken = name_in_use(name, package)
+    if taken:  # once installed, one of the two would shadow the other: the plugin would silently never load
+        raise UserError(f"plugin name {name!r}: {taken}; pick another (e.g. {name}-plugin)")
     return package
+
+
+def _normalized(name: str) -> str:
+    """A distribution name as packaging compares them (PEP 503): case and runs of -_. do not matter."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def name_in_use(name: str, package: str) -> str | None:
+    """Why ``name`` (distribution) or ``package`` (module) is already taken here, or None: an installed
+    distribution of that name, a standard-library or built-in module, or any importable top-level module."""
+    import importlib.metadata
+    import importlib.util
+
+    wanted = {_normalized(name), _normalized(package)}
+    for dist in importlib.metadata.distributions():
+        dist_name = dist.metadata["Name"] or ""
+        if _normalized(dist_name) in wanted:
+            return f"the installed distribution {dist_name!r} already has that name"
+    if package in sys.stdlib_module_names or package in sys.builtin_module_names:
+        return f"{package!r} is a standard-library module"
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        where = f" ({spec.origin})" if spec.origin and spec.origin not in ("built-in", "frozen") else ""
+        return f"an importable module {package!r} already exists{where}"
+    return None
 
 
 def new_plugin(name: str, parent: str | Path = ".") -> Path:

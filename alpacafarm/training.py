@@ -40,11 +40,39 @@ class TrainingDefaults:
     gradient_checkpointing: bool | None = None
 
     def __post_init__(self) -> None:
+        check_training_values(self)
         apply_device_defaults(self)
         for name, value in shared_process_state(self).items():
             setattr(self, name, value)
         super().__post_init__()  # type: ignore[misc]  # TrainingArguments.__post_init__
         check_process_count(self)
+
+
+#: Fields of TRL's and transformers' configs that neither checks, with the smallest value a run can use: a
+#: negative learning rate or a batch of 0 passed ``recipe check`` and crashed the stage after its inputs were built.
+#: (name, smallest allowed, whether the bound itself is allowed); a field a config does not have is skipped.
+TRAINING_BOUNDS: tuple[tuple[str, float, bool], ...] = (
+    ("learning_rate", 0.0, True), ("per_device_train_batch_size", 1, True), ("per_device_eval_batch_size", 1, True),
+    ("gradient_accumulation_steps", 1, True), ("num_train_epochs", 0.0, False), ("max_grad_norm", 0.0, True),
+    ("weight_decay", 0.0, True), ("warmup_ratio", 0.0, True), ("beta", 0.0, True),
+    ("max_length", 8, True), ("max_prompt_length", 1, True), ("max_completion_length", 1, True),
+    ("num_generations", 2, True), ("generation_batch_size", 1, True), ("logging_steps", 0.0, False))
+
+
+def check_training_values(config: object) -> None:
+    """Refuse values no run can use (:data:`TRAINING_BOUNDS`; ``max_steps`` is -1 or at least 1), as a
+    ``ValueError`` naming the field, when the config is built: ``recipe check`` then refuses what the run would."""
+    import math
+
+    for name, low, inclusive in TRAINING_BOUNDS:
+        value = getattr(config, name, None)
+        if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if not math.isfinite(value) or (value < low if inclusive else value <= low):
+            raise ValueError(f"{name} must be a finite number {'>=' if inclusive else '>'} {low:g}, got {value}")
+    steps = getattr(config, "max_steps", None)
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps != -1 and steps < 1:
+        raise ValueError(f"max_steps must be -1 (use num_train_epochs) or at least 1, got {steps}")
 
 
 def apply_device_defaults(config: object) -> None:

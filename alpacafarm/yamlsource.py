@@ -138,6 +138,23 @@ def parse_yaml(text: str, source: str, *, quiet: bool = False) -> SourcedDocumen
     return SourcedDocument(data, positions)
 
 
+def yaml_value(text: str, source: str) -> Any:
+    """The plain value of one small YAML text a person typed or edited (a ``--set`` value, a template file, a
+    config file), with the same bounds as a recipe: aliases expand to at most :data:`MAX_VALUES` values, nesting
+    stays within the stack. Malformed YAML raises ``yaml.YAMLError`` (callers decide whether that is an error or
+    plain text); an alias bomb is a :class:`~alpacafarm.errors.RecipeError` naming ``source``."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except RecursionError:
+        raise RecipeError(f"{source}: YAML nested too deeply") from None
+    if node is None:
+        return None
+    try:
+        return _build(node, (), {}, source)
+    except RecursionError:
+        raise RecipeError(f"{source}: YAML nested too deeply") from None
+
+
 def deep_merge(base: SourcedDocument, over: SourcedDocument) -> SourcedDocument:
     """Overlay ``over`` on ``base``: mappings merge key by key, everything else (lists too) is replaced."""
     positions = dict(base.positions)
@@ -194,12 +211,24 @@ def include_target(including: Path, name: str) -> Path:
     return including.parent / name
 
 
+#: At most this many files read for one recipe, includes of includes counted each time they are read: real
+#: recipes include one or two pieces; files that each include the next several times fan out exponentially.
+MAX_INCLUDES = 64
+
+
 def load_with_includes(path: Path, _stack: tuple[Path, ...] = (), *,
-                       known_keys: frozenset[str] | None = None) -> SourcedDocument:
+                       known_keys: frozenset[str] | None = None, _count: list[int] | None = None) -> SourcedDocument:
     """Load ``path``; its ``include:`` (a file or list of files, relative to it, or ``alpacafarm:NAME`` for a piece
     shipped in the package: :func:`recipe_parts`) are merged underneath it. An included file may only hold
-    ``known_keys`` (the recipe schema's, given by the caller) when they are given."""
+    ``known_keys`` (the recipe schema's, given by the caller) when they are given. At most :data:`MAX_INCLUDES`
+    files are read in all."""
     path = Path(path)
+    _count = [0] if _count is None else _count
+    _count[0] += 1
+    if _count[0] > MAX_INCLUDES:
+        top = display_path(_stack[0]) if _stack else display_path(path)
+        raise RecipeError(f"{top}: more than {MAX_INCLUDES} files read through include: (includes that include "
+                          f"others several times fan out; last: {display_path(path)})")
     shown = display_path(path)
     if path.is_dir():
         raise RecipeError(f"{shown}: is a directory, not a recipe file")
@@ -241,7 +270,8 @@ def load_with_includes(path: Path, _stack: tuple[Path, ...] = (), *,
                 raise RecipeError(f"{loc}include: {name!r}: alpacafarm ships no recipe piece {piece!r}"
                                   f"{did_you_mean(piece, recipe_parts())} (pieces: {', '.join(recipe_parts())})")
             raise RecipeError(f"{loc}include: file not found: {display_path(target)}")
-        merged = deep_merge(merged, load_with_includes(target, (*_stack, resolved), known_keys=known_keys))
+        merged = deep_merge(merged, load_with_includes(target, (*_stack, resolved), known_keys=known_keys,
+                                                       _count=_count))
     doc.positions = {k: v for k, v in doc.positions.items() if k[:1] != ("include",)}
     return deep_merge(merged, doc)
 
@@ -265,12 +295,11 @@ def parse_override(text: str) -> tuple[list[str | int], Any]:
     parts: list[str | int] = [int(p) if p.lstrip("-").isdigit() else p for p in key.strip().split(".")]
     if any(p == "" for p in parts):
         raise RecipeError(f"--set {shown_override(text)}: empty key segment")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+    try:  # bounded: an alias bomb in a value would expand into billions of values in what walks it later
+        value = yaml_value(raw, f"--set {key.strip()}") if raw.strip() else ""
     except yaml.YAMLError:
         return parts, raw  # not valid YAML: take it as a plain string
-    quoted = raw.strip()[:1] in ("'", '"')
-    return parts, value if quoted else _fix_exponent_float(value)
+    return parts, value
 
 
 def apply_override(doc: SourcedDocument, text: str) -> None:

@@ -29,8 +29,13 @@ its error bodies, and a body *trickled* over 30 s. Printed: pairs lost, pairs pa
 flight at a pause, which were paid before the pause), budget overshoot (what the server would bill, by its own
 token counts, above the budget), hangs (a process past its time limit), tracebacks, key leaks — all 0.
 
+Then the faults of issue 41 (``--scenarios issue41``; :mod:`input_faults` next to this file): a key echoed
+transformed, run names outside ``runs/``, a gate turned off by one edit, YAML bombs and include fan-out, a locked
+cache, tampered baselines, absurd trainer values, clashing plugin names — key leaks, escapes, gates turned off,
+hangs, tracebacks and wrong exit statuses, all 0.
+
     python benchmarks/fault_injection.py [--pairs 1000] [--duplicates 100] [--fault-rate 0.3] [--seed 0]
-                                         [--scenarios all|kill|issue27]
+                                         [--scenarios all|kill|issue27|issue41]
 """
 
 from __future__ import annotations
@@ -121,12 +126,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kill-at", type=float, default=0.35, help="kill run 1 after this share of the batches")
     parser.add_argument("--max-reruns", type=int, default=3)
-    parser.add_argument("--scenarios", choices=("all", "kill", "issue27"), default="all")
+    parser.add_argument("--scenarios", choices=("all", "kill", "issue27", "issue41"), default="all")
     args = parser.parse_args()
     if args.scenarios in ("all", "kill"):
         kill_scenario(args)
     if args.scenarios in ("all", "issue27"):
         issue27_scenarios()
+    if args.scenarios in ("all", "issue41"):
+        from input_faults import issue41_scenarios  # benchmarks/input_faults.py: refused inputs, echoed keys
+
+        issue41_scenarios()
 
 
 def kill_scenario(args: argparse.Namespace) -> None:

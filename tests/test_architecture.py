@@ -106,7 +106,8 @@ def test_the_checks_see_the_code():  # the rules above would pass vacuously on a
 LAYERS: dict[str, set[str]] = {
     "foundation": {"alpacafarm", "alpacafarm.errors", "alpacafarm.types", "alpacafarm.console", "alpacafarm.seeding",
                    "alpacafarm.paths", "alpacafarm.hookspecs", "alpacafarm.code_identity", "alpacafarm.prompts",
-                   "alpacafarm.library_output", "alpacafarm.validation", "alpacafarm.hardware"},
+                   "alpacafarm.library_output", "alpacafarm.validation", "alpacafarm.exit_status",
+                   "alpacafarm.validated_input", "alpacafarm.hardware"},
     "processes, models and stores": {"alpacafarm.distributed", "alpacafarm.launch_configs",
                                      "alpacafarm.training_progress", "alpacafarm.model_sources",
                                      "alpacafarm.sampling", "alpacafarm.annotation_cache", "alpacafarm.yamlsource",
@@ -115,7 +116,7 @@ LAYERS: dict[str, set[str]] = {
                             "alpacafarm.annotation", "alpacafarm.recipe", "alpacafarm.data",
                             "alpacafarm.model_loading"},
     "the method contract": {"alpacafarm.generation", "alpacafarm.rewards", "alpacafarm.training",
-                            "alpacafarm.method", "alpacafarm.divergence"},
+                            "alpacafarm.method", "alpacafarm.stage_attempts", "alpacafarm.divergence"},
     "the kit": {"alpacafarm.kit"},
     "the run": {"alpacafarm.manifest", "alpacafarm.run_directory", "alpacafarm.pipeline"},
     "entry points": {"alpacafarm.cli", "alpacafarm.__main__", "alpacafarm.testing", "alpacafarm.testing.launch",

@@ -51,8 +51,10 @@ def config_path(name_or_file: str) -> Path:
 def read_config(path: Path) -> dict[str, Any]:
     import yaml
 
+    from alpacafarm.yamlsource import yaml_value
+
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml_value(path.read_text(encoding="utf-8"), f"accelerate config {path}")  # bounded
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise UserError(f"accelerate config {path}: cannot be read ({type(exc).__name__})") from None
     if not isinstance(data, dict):

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 
-__all__ = ["FakeOpenAIServer", "Fault", "RecordedRequest", "Responder", "prefer_first_responder", "request_text"]
+__all__ = ["FakeOpenAIServer", "Fault", "RecordedRequest", "Responder", "echo_forms", "prefer_first_responder",
+           "request_text"]
 
 
 @dataclass
@@ -47,8 +48,9 @@ class Fault:
     fault, else :func:`prefer_first_responder`'s (as for ``hang``).
 
     ``trickle``: a normal 200 completion whose body is sent a few bytes at a time over ``seconds`` (every read
-    gets data, so only a whole-request deadline ends it). ``echo_key``: a 500 whose error message quotes the
-    request's bearer token (a proxy that echoes its input). ``no_choices``: a billed 200 with ``choices: []``.
+    gets data, so only a whole-request deadline ends it). ``echo_key``: an error (status ``status``, default 500)
+    whose message quotes the request's bearer token in the forms ``echo`` names (a proxy that echoes its input).
+    ``no_choices``: a billed 200 with ``choices: []``.
     ``null_content``: a billed 200 whose message content is ``null`` (a reasoning model out of ``max_tokens``:
     ``finish_reason: length``). A ``retry_after`` of ``inf`` or ``nan`` is sent as that text.
     """
@@ -58,6 +60,21 @@ class Fault:
     retry_after: float | None = None
     seconds: float = 30.0
     text: str | None = None
+    #: ``echo_key``: the HTTP status, and how the key is quoted: one of :func:`echo_forms`' names, or several
+    #: joined by ``+`` (``"reversed+base64"``)
+    status: int = 500
+    echo: str = "plain"
+
+
+def echo_forms(key: str) -> dict[str, str]:
+    """The ways a careless server or proxy quotes a key back: as is, reversed, spaced out, base64, URL-encoded,
+    hex, masked (prefix and suffix around stars)."""
+    import base64
+    from urllib.parse import quote
+
+    return {"plain": key, "reversed": key[::-1], "spaced": " ".join(key), "base64": base64.b64encode(
+        f"Bearer {key}".encode()).decode(), "url": quote(f"{key}/", safe=""), "hex": key.encode().hex(),
+        "masked": f"{key[:5]}{'*' * 16}{key[-4:]}"}
 
 
 Responder = Callable[[dict], str | Fault]
@@ -299,7 +316,9 @@ class FakeOpenAIServer:
             self._send(h, record, int(fault.kind), _error(f"Fake {fault.kind}", kind, kind), extra)
         elif fault.kind == "echo_key":
             token = record.headers.get("authorization", "")[7:].strip()
-            self._send(h, record, 500, _error(f"Internal error while checking key {token}", "server_error"))
+            shown = " ".join(echo_forms(token)[form] for form in fault.echo.split("+"))
+            self._send(h, record, fault.status, _error(f"Internal error while checking key {shown}", "server_error",
+                                                        "invalid_api_key" if fault.status == 401 else None))
         elif fault.kind == "trickle":
             text = self._normal_answer(body, scripted)
             record.completed = True

@@ -8,7 +8,7 @@ overrides and it merges them over the file and builds the annotator. Pool member
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
@@ -28,7 +28,10 @@ if TYPE_CHECKING:
 
 def _overrides_model(base: type[BaseModel]) -> type[BaseModel]:
     """The same fields as ``base``, all optional: what a recipe may change."""
-    fields = {name: (field.annotation | None, None) for name, field in base.model_fields.items() if name != "kind"}
+    # The constraints stay (p_label_flip <= 0.5, max_concurrency >= 1, ...): ``recipe check`` validates these
+    # overrides, and a value the annotator would refuse at run time must be refused there.
+    fields = {name: ((Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation) | None,
+                     None) for name, field in base.model_fields.items() if name != "kind"}
     return create_model(f"{base.__name__}Overrides", __config__=ConfigDict(extra="forbid"), **fields)
 
 

@@ -8,8 +8,10 @@ cannot even be opened (nothing listens at the endpoint: a wrong port, a server t
 or a stalled endpoint fails in seconds or minutes instead of backing off for ten. ``timeout_s`` is a deadline
 for the whole request (connect, headers and body), not for each read: a body trickled byte by byte ends too.
 
-Error texts never carry the key: :func:`complete` removes the ``secrets`` it is given from every message (an
-endpoint may echo the key in an error body) before they reach an exception, a log line or an output file.
+Error texts never carry the key: a provider's error body is summarised (status, error code and type; its message
+only outside authentication errors), and what is kept loses the ``secrets`` it is given in every form
+:func:`alpacafarm.errors.redact` computes (an endpoint may echo the key reversed, spaced, encoded or masked)
+before it reaches an exception, a log line or an output file.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import asyncio
 import logging
 import math
 import random
+import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from alpacafarm.errors import UserError, redact
+from alpacafarm.errors import UserError, redact, scrub_tokens
 
 logger = logging.getLogger("alpacafarm.annotators")
 
@@ -164,8 +167,7 @@ async def complete(client: Any, *, style: str, model: str, prompt: Any, decoding
                               finish_reason=getattr(choice, "finish_reason", None))
         except Exception as exc:
             if isinstance(exc, openai.APIStatusError) and not is_retryable(exc):
-                raise UserError(f"the endpoint refused the request ({exc.status_code}): "
-                                f"{short_error(exc, secrets)}") from None
+                raise UserError(f"the endpoint refused the request: {short_error(exc, secrets)}") from None
             if not is_retryable(exc) and not isinstance(exc, openai.OpenAIError):
                 raise
             limit = max_retries
@@ -211,6 +213,34 @@ async def create_completion(client: Any, style: str, model: str, prompt: Any, de
     return await create(**body, timeout=timeout_s)
 
 
+#: Statuses whose error body is about the credential itself: their message is never kept (it may quote the key in
+#: a form no one can compute).
+_AUTH_STATUSES = (401, 403, 407)
+
+
 def short_error(exc: Exception, secrets: Sequence[str] = ()) -> str:
-    text = redact(str(exc), secrets)  # before cutting: a cut key would no longer match
+    """One line about ``exc`` fit for messages, logs and files. A provider's error body is summarised: its status,
+    error code and type; the message only when not an authentication error, scrubbed of the key in every form
+    :func:`alpacafarm.errors.redact` knows and of anything else key-shaped."""
+    import openai
+
+    if isinstance(exc, openai.APIStatusError):
+        body = exc.body if isinstance(exc.body, dict) else {}
+        error = body.get("error") if isinstance(body.get("error"), dict) else body
+        code = " ".join(str(error[k]) for k in ("code", "type") if isinstance(error.get(k), str | int))
+        summary = f"HTTP {exc.status_code}" + (f" {_words(code)}" if code else "")
+        message = error.get("message")
+        if exc.status_code in _AUTH_STATUSES or not isinstance(message, str):
+            return summary
+        return f"{summary}: {_clean(message, secrets)}"
+    return _clean(str(exc), secrets)
+
+
+def _words(text: str) -> str:
+    """An error code as shown: identifier characters only (a code is never free text)."""
+    return re.sub(r"[^A-Za-z0-9_. -]", "", text)[:80]
+
+
+def _clean(text: str, secrets: Sequence[str]) -> str:
+    text = scrub_tokens(redact(text, secrets))  # before cutting: a cut key would no longer match
     return (text.splitlines() or [""])[0][:200]

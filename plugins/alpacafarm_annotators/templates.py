@@ -94,8 +94,14 @@ def load_template(name_or_path: str) -> PromptTemplate:
             known = available_templates()
             raise ValueError(f"unknown template {name_or_path!r}{did_you_mean(name_or_path, known)} "
                              f"(known: {', '.join(known)})")
-    with path.open(encoding="utf-8") as fh:
-        data = yaml.safe_load(fh)
+    from alpacafarm.paths import read_text
+    from alpacafarm.yamlsource import yaml_value
+
+    try:  # bounded (alias bombs, nesting), UTF-8: a template file is something a person edits
+        data = yaml_value(read_text(path, "template file"), f"template file {str(path)!r}")
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ValueError(f"template file {str(path)!r} is not valid YAML ({problem})") from None
     if not isinstance(data, dict):
         raise ValueError(f"template file {str(path)!r} must hold a mapping")
     try:

@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from alpacafarm import exit_status
 from alpacafarm.errors import UserError
+from alpacafarm.validated_input import finite, json_ready
 from alpacafarm_evaluation.bench_baseline import (
     BenchRun,
     SystemOutcomes,
@@ -46,6 +48,7 @@ from alpacafarm_evaluation.gate_stats import (
     FAIL,
     INCONCLUSIVE,
     PASS,
+    PROTOCOL_BOUNDS,
     STALE,
     BaselinePower,
     baseline_power,
@@ -56,7 +59,7 @@ from alpacafarm_evaluation.gate_stats import (
 )
 
 #: Exit status when the benchmark run itself crashed (a bug, not a user error): no verdict.
-EXIT_CRASH = 5
+EXIT_CRASH = exit_status.CRASHED
 EVALUATION_STAGE = "evaluate"
 
 
@@ -88,13 +91,14 @@ def run_benchmark(recipe: str, overrides: list[str], output_dir: str | None,
     from alpacafarm.pipeline import Pipeline, package_versions
     from alpacafarm.plugins import get_registry
     from alpacafarm.recipe import load_recipe
+    from alpacafarm.run_directory import named_run_folder
 
     registry = get_registry()
     loaded = load_recipe(recipe, overrides, registry)
     if loaded.recipe.evaluation is None:
         raise UserError(f"bench: recipe {recipe} has no 'evaluation:' block; a benchmark evaluates its systems")
     judge = judge_identity(loaded, registry)
-    run_dir = Path(output_dir) if output_dir else Path("runs") / "bench" / loaded.recipe.name
+    run_dir = Path(output_dir) if output_dir else named_run_folder(loaded.recipe.name, Path("runs") / "bench")
     started = time.perf_counter()
     pipeline = Pipeline(loaded, registry, run_dir)
     outcomes = {o.name: o for o in pipeline.run(force=("all",) if force else ())}
@@ -182,9 +186,16 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
 COLUMNS = ["system", "n", "base %", "now %", "Δ", "CI", "p", "MDE", "verdict"]
 
 
+def protocol_changes(baseline: dict[str, float], used: dict[str, float]) -> list[str]:
+    """``["margin 5 -> 10"]``: where the protocol the gate used differs from the one its baseline records."""
+    return [f"{k} {baseline[k]:g} -> {v:g}" for k, v in used.items() if v != baseline[k]]
+
+
 def summary_line(report: dict[str, Any]) -> str:
+    changes = report.get("protocol_changes") or []
+    changed = f"; NOT the baseline's protocol: {', '.join(changes)}" if changes else ""
     return (f"{report['verdict']}: {MEANING[report['verdict']]} (margin {report['margin']:g} points, alpha "
-            f"{report['alpha']:g}, {report['alpha_per_system']:.3g} per system; exit {report['exit_code']})")
+            f"{report['alpha']:g}, {report['alpha_per_system']:.3g} per system{changed}; exit {report['exit_code']})")
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -279,12 +290,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--report", metavar="FILE.md", help="write a Markdown report (for a pull request)")
     parser.add_argument("-v", "--verbose", action="store_true", help="show library logs and progress bars")
     args = parser.parse_args(argv)
-    if args.margin is not None and not args.margin > 0:
-        parser.error(f"--margin must be positive, got {args.margin:g}")
-    if args.alpha is not None and not 0 < args.alpha < 0.5:
-        parser.error(f"--alpha must be in (0, 0.5), got {args.alpha:g}")
-    if args.power is not None and not 0 < args.power < 1:
-        parser.error(f"--power must be in (0, 1), got {args.power:g}")
+    for name, (low, high, open_low, open_high) in PROTOCOL_BOUNDS.items():  # as a baseline's gate is checked
+        if getattr(args, name) is not None:
+            finite(getattr(args, name), lambda message, n=name: UserError(
+                f"--{n} {message} (docs/ci-gate.md: the gate's protocol is bounded)"), low=low, high=high,
+                open_low=open_low, open_high=open_high)
     return args
 
 
@@ -304,10 +314,11 @@ def main(argv: list[str]) -> int:
             from alpacafarm.console import console
 
             console().print(f"[yellow]{exc}: it is replaced[/yellow]", highlight=False, soft_wrap=True)
-    gate = (baseline or {}).get("gate", {})
-    margin = args.margin if args.margin is not None else gate.get("margin", DEFAULT_MARGIN)
-    alpha = args.alpha if args.alpha is not None else gate.get("alpha", DEFAULT_ALPHA)
-    power = args.power if args.power is not None else gate.get("power", DEFAULT_POWER)
+    gate = {"margin": DEFAULT_MARGIN, "alpha": DEFAULT_ALPHA, "power": DEFAULT_POWER, **(baseline or {}).get(
+        "gate", {})}  # read_baseline checked its values
+    margin = args.margin if args.margin is not None else gate["margin"]
+    alpha = args.alpha if args.alpha is not None else gate["alpha"]
+    power = args.power if args.power is not None else gate["power"]
     if args.report:
         report_path = Path(args.report)
         if report_path.is_dir():
@@ -329,6 +340,8 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return EXIT_CRASH
     report = compare(run, baseline, margin, alpha, power) if baseline is not None else None
+    if report is not None:  # a protocol other than the baseline's is said in the verdict's first line
+        report["protocol_changes"] = protocol_changes(gate, {"margin": margin, "alpha": alpha, "power": power})
     estimates: list[BaselinePower] = []
     if args.update_baseline:
         from alpacafarm.data import write_json
@@ -346,13 +359,14 @@ def main(argv: list[str]) -> int:
         if args.report:
             Path(args.report).write_text(markdown(report), encoding="utf-8")
         if args.json:
-            print(json.dumps({**report, "baseline_updated": args.update_baseline}, sort_keys=True))
+            print(json.dumps(json_ready({**report, "baseline_updated": args.update_baseline}), sort_keys=True,
+                             allow_nan=False))
         else:
             show(report)
     elif args.json:
-        print(json.dumps({"verdict": None, "baseline_updated": True, "systems": {
+        print(json.dumps(json_ready({"verdict": None, "baseline_updated": True, "systems": {
             n: {"win_rate": s.win_rate, "n": len(s.scores)} for n, s in run.systems.items()},
-            "power_estimate": [e.to_json() for e in estimates]}, sort_keys=True))
+            "power_estimate": [e.to_json() for e in estimates]}), sort_keys=True, allow_nan=False))
     if args.update_baseline:
         from alpacafarm.console import console
 

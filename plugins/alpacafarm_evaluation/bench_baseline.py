@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from alpacafarm.errors import UserError
-from alpacafarm.paths import read_text
 
 BASELINE_FORMAT = "alpacafarm-bench-baseline/1"
 #: Judged pairs kept in a baseline to fingerprint the judge by its behaviour.
@@ -181,28 +180,54 @@ def baseline_json(run: BenchRun, margin: float, alpha: float, power: float) -> d
     }
 
 
+#: At most this many probe pairs, systems and instructions per system in a baseline file (far above real ones:
+#: 24 probe pairs, a handful of systems, 805 instructions).
+MAX_PROBE, MAX_SYSTEMS, MAX_INSTRUCTIONS = 1_000, 1_000, 100_000
+
+
 def read_baseline(path: Path) -> dict[str, Any]:
-    if path.is_dir():
-        raise UserError(f"--baseline {path} is a directory; give the baseline JSON file")
-    if not path.is_file():
-        raise UserError(f"--baseline {path}: no such file; create it with --update-baseline")
-    text = read_text(path, "baseline", display=f"--baseline {path}")
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise UserError(f"--baseline {path} is not JSON ({exc}); write a new one with --update-baseline") from None
+    """The baseline at ``path``, every field checked (:mod:`alpacafarm.validated_input`): a damaged or hand-edited
+    file is one line naming the field, exit status 2 — never a traceback, never a verdict."""
+    from alpacafarm.validated_input import Fields, load_json
+
+    shown = f"--baseline {path}"
+    if not path.exists() and not path.is_dir():
+        raise UserError(f"{shown}: no such file; create it with --update-baseline")
+    data = load_json(path, "baseline", display=shown)
     if not isinstance(data, dict) or data.get("format") != BASELINE_FORMAT:
-        raise UserError(f"--baseline {path} is not an alpacafarm bench baseline (format {BASELINE_FORMAT!r}); "
+        raise UserError(f"{shown} is not an alpacafarm bench baseline (format {BASELINE_FORMAT!r}); "
                         "write one with --update-baseline")
-    try:
-        for name, system in data["systems"].items():
-            SystemOutcomes.from_json(name, system)
-        data["fingerprints"]["judge"], data["fingerprints"]["data"], data["fingerprints"]["recipe"]
-        list(data["judge_probe"])
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise UserError(f"--baseline {path} is damaged (missing or bad {exc}); write a new one with "
-                        "--update-baseline") from None
+    top = Fields(data, shown)
+    check_protocol(top.sub("gate", required=False), shown)
+    fingerprints = top.sub("fingerprints")
+    for key in ("judge", "data", "recipe"):
+        fingerprints.text(key, max_len=256)
+    judge = top.sub("judge", required=False)
+    if not isinstance(judge.data.get("probe_labels", []), list):
+        raise judge.error("must be a list", "probe_labels")
+    top.sub("protocol", required=False)
+    for pair in top.objects("judge_probe", max_items=MAX_PROBE):
+        for key in ("instruction", "input", "output_1", "output_2"):
+            pair.text(key)
+    for _, system in top.items("systems", max_items=MAX_SYSTEMS):
+        system.number("win_rate", low=0, high=100, required=False, nullable=True)
+        for _, row in system.items("instructions", max_items=MAX_INSTRUCTIONS):
+            row.number("score", low=0, high=1, required=False, nullable=True)
+            row.text("output", max_len=256)
     return data
+
+
+def check_protocol(gate: Any, shown: str) -> dict[str, float]:
+    """The gate's margin, alpha and power (``gate`` a :class:`~alpacafarm.validated_input.Fields`), each within
+    :data:`~alpacafarm_evaluation.gate_stats.PROTOCOL_BOUNDS`; absent ones take the defaults."""
+    from alpacafarm_evaluation.gate_stats import DEFAULT_ALPHA, DEFAULT_MARGIN, DEFAULT_POWER, PROTOCOL_BOUNDS
+
+    defaults = {"margin": DEFAULT_MARGIN, "alpha": DEFAULT_ALPHA, "power": DEFAULT_POWER}
+    out = {}
+    for name, (low, high, open_low, open_high) in PROTOCOL_BOUNDS.items():
+        out[name] = gate.number(name, low=low, high=high, open_low=open_low, open_high=open_high, required=False,
+                                default=defaults[name])
+    return out
 
 
 def same_label(old: Any, new: Any) -> bool:

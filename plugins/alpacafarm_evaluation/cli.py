@@ -130,6 +130,7 @@ def generate_model_outputs(args: argparse.Namespace) -> str:
     from alpacafarm.library_output import name_deepspeed_accelerator
     from alpacafarm.plugins import get_registry
     from alpacafarm.recipe import ModelSpec
+    from alpacafarm.yamlsource import yaml_value
     from alpacafarm_evaluation.pairing import load_references
 
     name_deepspeed_accelerator()  # stdout is --json's: DeepSpeed's "Setting accelerator to CPU" must not reach it
@@ -141,7 +142,7 @@ def generate_model_outputs(args: argparse.Namespace) -> str:
                for r in references.records[: args.max_instructions]]
     spec = ModelSpec(name=args.model, prompt_format=args.prompt_format)
     try:
-        backend_config = yaml.safe_load(args.backend_config)
+        backend_config = yaml_value(args.backend_config, "--backend-config")  # bounded: no alias bomb
     except yaml.YAMLError as exc:
         raise UserError(f"--backend-config is not YAML: {str(exc).splitlines()[0]}") from None
     generator = get_registry().create("generation_backend", args.backend, backend_config or None, spec=spec,

@@ -35,14 +35,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from alpacafarm import exit_status
+
 PASS, FAIL, INCONCLUSIVE, STALE = "PASS", "FAIL", "INCONCLUSIVE", "STALE"
 #: Exit status of ``alpacafarm bench`` for each verdict (2 stays "user error", as for every command).
-EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 3, STALE: 4}
+EXIT_CODES = {PASS: exit_status.OK, FAIL: exit_status.FAILED, INCONCLUSIVE: exit_status.INCONCLUSIVE,
+              STALE: exit_status.STALE}
 #: The worst verdict of several decides the gate: a stale baseline first, then a regression, then doubt.
 SEVERITY = (STALE, FAIL, INCONCLUSIVE, PASS)
 DEFAULT_MARGIN = 5.0
 DEFAULT_ALPHA = 0.05
 DEFAULT_POWER = 0.8
+#: The gate's protocol is bounded (docs/ci-gate.md): a margin of 1e9 points, an alpha of 0.9 or a power of 0.01
+#: would turn the gate off by one edit. (low, high, open at low, open at high); margin in win-rate points.
+PROTOCOL_BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
+    "margin": (0.0, 20.0, True, False), "alpha": (0.001, 0.2, False, False), "power": (0.5, 0.99, False, False)}
+
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from typing import Any
 
 from alpacafarm.errors import UserError
 from alpacafarm.method import StageContext
+from alpacafarm.stage_attempts import AttemptTotals
 
 ANNOTATOR_REFERENCES = ("recorded", "sft")
 REFERENCES_FILE = "annotator_references.jsonl"
@@ -71,6 +72,8 @@ class AnnotatorReward:
         self.unlabelled = 0
         self.seconds = 0.0
         self.usage: dict[str, Any] | None = None  # the annotator's ledger figures, kept when it is closed
+        # what earlier attempts of a resumed stage asked and paid: metrics.json counts every attempt
+        self.attempts = AttemptTotals(context.stage_dir, context.resuming, context.is_main)
 
     def __call__(self, prompts: list[Any], completions: list[Any], instruction: list[str], input: list[str],
                  reference: list[str] | None = None, log_metric: Any = None, **_: Any) -> list[float | None]:
@@ -101,8 +104,11 @@ class AnnotatorReward:
         started = time.perf_counter()
         pairs = [Pair(instruction, reference, completion, x or "")
                  for instruction, x, reference, completion in rows]
-        annotations = self.annotator.annotate(pairs)
-        self.seconds += time.perf_counter() - started
+        try:
+            annotations = self.annotator.annotate(pairs)
+        finally:  # a call stopped by the budget or a failing endpoint has paid for some requests: keep them
+            self.seconds += time.perf_counter() - started
+            self._record()
         summary = check_unlabelled(annotations, self.max_unlabelled_fraction,
                                    f"stage {self.context.stage!r}: annotator reward "
                                    f"(annotator {self.annotator.name!r})")
@@ -110,14 +116,28 @@ class AnnotatorReward:
         self.pairs += len(pairs)
         self.cached += sum(bool(a.cached) for a in annotations)
         self.unlabelled += summary.unlabelled
+        self._record()
         return [preference_score(a.preference) for a in annotations]
 
-    def summary(self, steps: int) -> dict[str, Any]:
-        """What the annotator reward asked and cost (the main process's figures), for ``metrics.json``."""
-        usage = self.annotator.usage().to_json() if self.annotator is not None else self.usage
-        return {"calls": self.calls, "pairs": self.pairs, "cached": self.cached, "unlabelled": self.unlabelled,
-                "pairs_per_step": round(self.pairs / steps, 3) if steps else None, "ledger": usage,
-                "cost_usd": usage["cost_usd"] if usage else 0.0, "annotation_seconds": round(self.seconds, 2)}
+    def _record(self) -> None:
+        usage = self.annotator.usage().to_json() if self.annotator is not None else (self.usage or {})
+        self.attempts.update({"calls": self.calls, "pairs": self.pairs, "cached": self.cached,
+                              "unlabelled": self.unlabelled, **usage})
+
+    def summary(self, steps: int, log_history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """What the annotator reward asked and cost over every attempt of the stage (the main process's figures),
+        for ``metrics.json``. ``pairs_per_step`` comes from the steps' own logged counts (``log_history``, restored
+        with a checkpoint) when there are any: after a resume, pairs over steps would mix attempts."""
+        self._record()
+        totals = self.attempts.totals()
+        per_step = [e["annotator/pairs"] for e in log_history or () if "annotator/pairs" in e]
+        pairs_per_step = (sum(per_step) / len(per_step) if per_step else
+                          totals.get("pairs", 0) / steps if steps else None)
+        ledger = {k: totals.get(k, 0) for k in ("requests", "tokens_in", "tokens_out", "cost_usd")}
+        return {"calls": totals.get("calls", 0), "pairs": totals.get("pairs", 0), "cached": totals.get("cached", 0),
+                "unlabelled": totals.get("unlabelled", 0), "attempts": totals["attempts"],
+                "pairs_per_step": None if pairs_per_step is None else round(pairs_per_step, 3), "ledger": ledger,
+                "cost_usd": ledger["cost_usd"], "annotation_seconds": round(self.seconds, 2)}
 
     def close(self) -> None:
         if self.annotator is not None:

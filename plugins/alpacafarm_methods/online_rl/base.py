@@ -182,6 +182,7 @@ def run_online_rl(context: StageContext, config: Any, trainer_class: Any, algori
                "num_generations": args.num_generations, "beta": args.beta,
                "reward_sources": [r.__name__ for r in rewards], "lora": spec.lora is not None, "merged": merged}
     if annotator is not None:
-        metrics["annotator"] = {"reference": args.annotator_reference, **annotator.summary(trainer.state.global_step)}
+        metrics["annotator"] = {"reference": args.annotator_reference, **annotator.summary(trainer.state.global_step,
+                                                                                 trainer.state.log_history)}
     write_json(Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": trainer.state.log_history})
     return Artifact("model", str(model_dir), metrics)

@@ -152,8 +152,14 @@ class RoundAnnotator:
     ``max_cost_usd`` covers the stage; ``close()`` at the end."""
 
     def __init__(self, context: StageContext) -> None:
+        from alpacafarm.stage_attempts import AttemptTotals
+
         self.context = context
         self.annotator: Any = None
+        self.cached = 0
+        # what earlier attempts of a resumed stage paid (their rounds may have been cut short): metrics.json counts
+        # every attempt
+        self.attempts = AttemptTotals(context.stage_dir, context.resuming, context.is_main)
 
     def label(self, examples: list[dict[str, Any]], r: int, max_unlabelled_fraction: float) -> dict[str, Any]:
         """Label ``examples`` in place (preference, annotator, outcome, ...); returns the round's annotation figures."""
@@ -165,8 +171,12 @@ class RoundAnnotator:
         annotator = self.annotator
         before = annotator.usage()
         started = time.perf_counter()
-        with self.context.progress(f"round {r}: annotating ({annotator.name})", len(examples)) as advance:
-            annotations = annotator.annotate([Pair.from_record(e) for e in examples], lambda n, cost: advance(n))
+        try:
+            with self.context.progress(f"round {r}: annotating ({annotator.name})", len(examples)) as advance:
+                annotations = annotator.annotate([Pair.from_record(e) for e in examples], lambda n, cost: advance(n))
+            self.cached += sum(bool(a.cached) for a in annotations)
+        finally:  # a round stopped by the budget or a failing endpoint has paid for some requests: keep them
+            self.record()
         after = annotator.usage()
         outcomes = check_unlabelled(annotations, max_unlabelled_fraction,
                                     f"stage {self.context.stage!r} round {r} (annotator {annotator.name!r})")
@@ -178,9 +188,21 @@ class RoundAnnotator:
                 "n_cached": sum(bool(a.cached) for a in annotations), "outcomes": outcomes.counts,
                 "annotation_seconds": round(time.perf_counter() - started, 2)}
 
+    def record(self) -> None:
+        """This attempt's figures so far into the stage's attempts file."""
+        usage = self.annotator.usage().to_json() if self.annotator is not None else {}
+        self.attempts.update({**usage, "n_cached": self.cached})
+
+    def totals(self) -> dict[str, Any]:
+        """Requests, tokens, dollars and cache hits over every attempt of the stage, and how many attempts."""
+        self.record()
+        return self.attempts.totals()
+
     def close(self) -> None:
         if self.annotator is not None:
+            self.record()
             self.annotator.close()
+            self.annotator = None
 
 
 def sample_round(context: StageContext, config: OnlineDPOMethodConfig, policy_path: str,
@@ -259,13 +281,14 @@ class OnlineDPO(Method):
                 summary = self._round(context, config, records, r, sft_path, policy_path, annotator)
                 rounds.append(summary)
                 policy_path = str(Path(context.stage_dir) / f"round_{r}" / "model")
+            paid = annotator.totals() if context.is_main else {}
         finally:
             if context.is_main:
                 annotator.close()
+        # requests, dollars and cache hits of every attempt (a resumed stage's kept rounds were paid earlier)
         totals = {"n_pairs": sum(s["n_pairs"] for s in rounds), "n_trained": sum(s["n_trained"] for s in rounds),
-                  "annotation_requests": sum(s["annotation"]["requests"] for s in rounds),
-                  "annotation_cost_usd": round(sum(s["annotation"]["cost_usd"] for s in rounds), 6),
-                  "n_cached": sum(s["annotation"]["n_cached"] for s in rounds)}
+                  "annotation_requests": paid.get("requests", 0), "annotation_cost_usd": paid.get("cost_usd", 0.0),
+                  "n_cached": paid.get("n_cached", 0), "attempts": paid.get("attempts", 1)}
         metadata = {"rounds": len(rounds), "reference": config.reference, "k": config.k, "pairing": config.pairing,
                     "prompts_per_round": config.prompts_per_round, "beta": config.beta, **totals,
                     "final_round": {k: v for k, v in rounds[-1].items() if k != "log_history"},
