@@ -30,14 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from alpacafarm.annotation_cache import (
-    HOST,
-    OPEN_BATCH_STATES,
-    AnnotationCache,
-    claim_alive,
-    insert_request,
-    open_batch_keys,
-)
+from alpacafarm.annotation_cache import OPEN_BATCH_STATES, AnnotationCache, insert_request, open_batch_keys
+from alpacafarm.processes import HOST, claim_alive
 
 COLUMNS = ("id", "remote_id", "annotator", "model", "endpoint", "state", "remote_status", "n_requests", "n_pairs",
            "max_cost_usd", "cost_usd", "input_file_id", "pid", "host", "run", "created", "submitted", "updated",

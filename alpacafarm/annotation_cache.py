@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import sqlite3
 import threading
 import time
@@ -55,6 +54,7 @@ from typing import Any
 
 from alpacafarm.errors import UserError
 from alpacafarm.paths import cache_dir
+from alpacafarm.processes import HOST, claim_alive, lock_holders
 from alpacafarm.types import Annotation, Pair
 
 SCHEMA = """
@@ -127,26 +127,6 @@ def lock_timeout_s() -> float:
     return value
 
 
-def lock_holders(path: Path) -> list[str]:
-    """``["pid 123 (sqlite3)"]``: the other processes of this user that have the cache file open (Linux /proc;
-    empty where that cannot be read)."""
-    import os
-
-    names = {str(Path(path).resolve()) + suffix for suffix in ("", "-wal", "-shm", "-journal")}
-    found = []
-    proc = Path("/proc")
-    for entry in proc.iterdir() if proc.is_dir() else ():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if any(os.readlink(fd) in names for fd in (entry / "fd").iterdir()):
-                command = (entry / "comm").read_text(encoding="utf-8").strip()
-                found.append(f"pid {entry.name} ({command})")
-        except OSError:  # gone, or another user's
-            continue
-    return found[:3]
-
-
 class CacheError(UserError):
     """The annotation cache file cannot be used (corrupt, not a database, a folder, read-only, locked, full)."""
 
@@ -173,7 +153,6 @@ def _cache_error(exc: sqlite3.Error, path: Path, action: str) -> CacheError:
         hint = "the file is unusable"
     return CacheError(f"annotation cache {path}: cannot {action}: {text} ({hint})")
 
-HOST = socket.gethostname()
 #: A claim whose heartbeat is older than this is dead even if its pid seems alive (another host, a reused pid).
 DEFAULT_STALE_AFTER_S = 120.0
 
@@ -220,30 +199,6 @@ class ClaimResult:
     done: list[str] = field(default_factory=list)  # answered meanwhile: read them with get_many
     taken_over: int = 0  # claims of dead owners among ``mine``
     batched: dict[str, str] = field(default_factory=dict)  # key -> the open batch that will answer it
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host and is not a zombie (a killed, unreaped child)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no procfs: trust kill(0)
-    return stat.rpartition(")")[2].split()[:1] != ["Z"]
-
-
-def claim_alive(pid: int, host: str, heartbeat: float, now: float, stale_after_s: float) -> bool:
-    """A claim is live while its heartbeat is fresh and, on this host, its process exists."""
-    if now - heartbeat > stale_after_s:
-        return False
-    return pid_alive(pid) if host == HOST else True
 
 
 class AnnotationCache:
