@@ -119,6 +119,7 @@ def _listen(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(128)  # connections made as soon as the address is printed wait here for the server
     except (OSError, OverflowError) as exc:
         sock.close()
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
