@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import sqlite3
 from pathlib import Path
 
-from conftest import run_cli
+import pytest
+from conftest import REPO_ROOT, run_cli
 from label_server import call, label, plain_pairs, serving, write_pairs
+
+DEMO = REPO_ROOT / "plugins" / "alpacafarm_validation" / "data" / "label_demo_pairs.jsonl"
 
 
 def stored(folder: Path) -> list[tuple[str, str, str]]:
@@ -87,3 +91,25 @@ def test_listening_beyond_this_machine_without_a_token_is_refused(tmp_path: Path
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "--random-token" in result.stderr
     result = run_cli("label", "serve", str(tmp_path / "missing.jsonl"), "--dir", str(tmp_path / "s"))
     assert result.returncode == 2 and "missing.jsonl" in result.stderr and result.stderr.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_report_prints_the_offline_judges_agreement_with_the_people(tmp_path: Path) -> None:
+    """The issue's "done when": label from the demo pairs, then one command reports the offline judge (slow: the
+    judge reads every labelled pair with a small LM)."""
+    folder = tmp_path / "session"
+    with serving(str(DEMO), "--dir", str(folder), "--pairs", "4", "--overlap", "0.5") as (url, _):
+        for _ in range(4):
+            label(url, "ann", "first")
+        for _ in range(2):
+            label(url, "bob", "second")
+    result = run_cli("label", "report", "--dir", str(folder), "--json", "--n-bootstrap", "50")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout[result.stdout.index("{"):])
+    offline = report["simulators"]["offline"]
+    assert offline["n_human_labels"] == 6 and 0.0 <= offline["agreement"] <= 1.0
+    assert report["human_human"]["pairs"] == 2 and Path(report["plot"]).stat().st_size > 1000
+    assert report["win_rates"]["left_out"] == ["text_davinci_003"]
+    printed = run_cli("label", "report", "--dir", str(folder), "--n-bootstrap", "50")  # cached: no second reading
+    shown = printed.stdout + printed.stderr  # the tables go to the console (stderr), as compare's do
+    assert printed.returncode == 0 and "offline" in shown and "65.7%" in shown and "Spearman" in shown
