@@ -134,6 +134,9 @@ def test_resuming_with_other_pairs_or_settings_is_refused(tmp_path: Path) -> Non
         LabelStore.create_or_resume(tmp_path, make_pairs(5), Settings(overlap=0.5))
     with pytest.raises(UserError, match="no labelling session"):
         LabelStore.open(tmp_path / "elsewhere")
+    with pytest.raises(UserError, match=r"--overlap must be a fraction in \[0, 1\], got 1.5"):
+        LabelStore.create_or_resume(tmp_path / "new", make_pairs(5), Settings(overlap=1.5))
+    assert not (tmp_path / "new").exists() and not (tmp_path / "elsewhere").exists()  # refused before writing
 
 
 def test_cohen_kappa_known_values() -> None:

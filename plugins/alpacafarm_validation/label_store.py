@@ -139,10 +139,12 @@ class LabelStore:
         settings is an error (labels would silently stop meaning what they meant)."""
         from alpacafarm.paths import make_dir
 
-        make_dir(folder, "labelling folder")
-        path = folder / STORE_NAME
         if pairs is None:
             return cls.open(folder)
+        if not 0 <= settings.overlap <= 1:  # before anything is written
+            raise UserError(f"--overlap must be a fraction in [0, 1], got {settings.overlap}")
+        make_dir(folder, "labelling folder")
+        path = folder / STORE_NAME
         store = cls(path)
         try:
             with store._db("create", write=False) as db:
@@ -278,8 +280,6 @@ class LabelStore:
 
 def overlap_ids(pairs: list[LabelPair], settings: Settings) -> set[str]:
     """The ``ceil(overlap * n)`` pairs every labeller sees, drawn with the session's seed."""
-    if not 0 <= settings.overlap <= 1:
-        raise UserError(f"--overlap must be a fraction in [0, 1], got {settings.overlap}")
     k = math.ceil(settings.overlap * len(pairs))
     ranked = sorted(pairs, key=lambda p: stable_hash(settings.seed, "overlap", p.id))
     return {p.id for p in ranked[:k]}
