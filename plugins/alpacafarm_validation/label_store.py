@@ -50,6 +50,8 @@ CREATE TABLE IF NOT EXISTS labels (
     choice TEXT NOT NULL, preference INTEGER, reason TEXT NOT NULL, created REAL NOT NULL, ticket TEXT NOT NULL,
     PRIMARY KEY (labeller, pair_id)
 );
+CREATE INDEX IF NOT EXISTS labels_by_pair ON labels (pair_id);
+CREATE INDEX IF NOT EXISTS assignments_by_pair ON assignments (pair_id);
 """
 #: What the page may send, and the preference each means in canonical orientation given the side shown.
 CHOICES = ("first", "second", "tie", "skip")
