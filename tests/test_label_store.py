@@ -192,3 +192,23 @@ def test_export_is_what_compare_agreement_reads(tmp_path: Path, capsys: pytest.C
     assert cli.main(["compare", "--agreement", str(tmp_path / "human.json"), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["counts"]["pairs"] == 9 and result["counts"]["human_missing"] == 1
+
+
+def test_report_command_reads_annotator_labels_and_prints_json(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    store = LabelStore.create_or_resume(tmp_path / "s", make_pairs(12), Settings(overlap=0.25))
+    label_all(store, "ann", lambda s: "first")
+    label_all(store, "bob", lambda s: "first")
+    humans = export_records(store.labels())
+    sim = [{**r, "preference": 1} for r in humans if r["labeller"] == "ann"]  # a judge that always picks output_1
+    (tmp_path / "sim.json").write_text(json.dumps(sim))
+    capsys.readouterr()
+    assert cli.main(["label", "report", "--dir", str(tmp_path / "s"), "--annotator-labels", str(tmp_path / "sim.json"),
+                     "--json", "--n-bootstrap", "20", "--plot", str(tmp_path / "r.png")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    expected = sum(r["preference"] == 1 for r in humans) / len(humans)
+    assert report["simulators"]["sim.json"]["agreement"] == pytest.approx(expected)
+    assert report["simulators"]["sim.json"]["n_human_labels"] == 15 and report["human_human"]["pairs"] == 3
+    assert (tmp_path / "r.png").stat().st_size > 1000 and report["plot"] == str(tmp_path / "r.png")
+    assert cli.main(["label", "report", "--dir", str(tmp_path / "nowhere"), "--annotator-labels", "x.json"]) == 2
+    assert "no labelling session" in capsys.readouterr().err

@@ -211,9 +211,16 @@ def _run_annotator(name: str, args: argparse.Namespace, rows: list[dict[str, Any
 
     unique: dict[str, dict[str, Any]] = {r["pair_id"]: r for r in rows if r["preference"] is not None}
     pairs = [Pair(r["instruction"], r["output_1"], r["output_2"], r["input"]) for r in unique.values()]
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from alpacafarm.console import console
+
     annotator = annotator_from_options(get_registry(), name, args)
     try:
-        annotations = annotator.annotate(pairs)
+        with Progress(TextColumn(f"{name} on the labelled pairs"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console()) as progress:
+            task = progress.add_task(name, total=len(pairs))
+            annotations = annotator.annotate(pairs, lambda n, cost: progress.update(task, advance=n))
     finally:
         annotator.close()
     failed = [a for a in annotations if a.outcome == "failed"]
