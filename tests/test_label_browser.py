@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from label_server import plain_pairs, serving, write_pairs
+from label_session import plain_pairs, serving, write_pairs
 
 CHROMIUM = os.environ.get("ALPACAFARM_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (the dev extra)")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT, run_cli
-from label_server import call, label, plain_pairs, serving, write_pairs
+from label_session import call, label, plain_pairs, serving, write_pairs
 
 DEMO = REPO_ROOT / "plugins" / "alpacafarm_validation" / "data" / "label_demo_pairs.jsonl"
 
