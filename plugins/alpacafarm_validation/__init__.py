@@ -15,3 +15,5 @@ def register_validators(register):
 def register_commands(register):
     register("compare", "alpacafarm_validation.cli:main",
              description="validate the simulator: correlate two win-rate columns, annotator agreement or variance")
+    register("label", "alpacafarm_validation.label_cli:main",
+             description="people label pairs in a browser (serve), export their labels, report simulator agreement")

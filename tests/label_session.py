@@ -1,0 +1,77 @@
+"""Helpers for the labelling page's tests: a real ``alpacafarm label serve`` process and plain HTTP calls to it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from conftest import REPO_ROOT
+
+
+def write_pairs(path: Path, rows: list[dict[str, str]]) -> Path:
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    return path
+
+
+def plain_pairs(n: int) -> list[dict[str, str]]:
+    return [{"instruction": f"Question {i}?", "output_1": f"Answer A{i}.", "output_2": f"A longer answer B{i}.",
+             "generator_1": "ref", "generator_2": "sys"} for i in range(n)]
+
+
+@contextmanager
+def serving(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``alpacafarm label serve ARGS --port 0`` in its own process; yields the URL it printed and the process
+    (terminated on exit unless the test already ended it)."""
+    process = subprocess.Popen([sys.executable, "-m", "alpacafarm", "label", "serve", *args, "--port", "0"],
+                               cwd=REPO_ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in process.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if line.startswith("open http"):
+                yield line.split()[1], process
+                break
+        else:
+            raise AssertionError("the server stopped before printing its address:\n" + "".join(lines))
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(timeout=30)
+        process.stdout.close()  # type: ignore[union-attr]
+
+
+def call(url: str, path: str, body: Any = None, *, headers: dict[str, str] | None = None,
+         raw: bytes | None = None) -> tuple[int, Any]:
+    """(status, JSON or text) of a GET, or of a POST when ``body``/``raw`` is given (JSON unless headers say)."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    base = {"Content-Type": "application/json"} if data is not None else {}
+    request = urllib.request.Request(url.split("?")[0].rstrip("/") + path, data=data,
+                                     headers={**base, **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            status, text = response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, text = exc.code, exc.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def label(url: str, labeller: str, choice: str = "first", headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """Fetch ``labeller``'s next pair and label it; returns the served pair."""
+    status, served = call(url, f"/api/next?labeller={labeller}", headers=headers)
+    assert status == 200 and not served["done"], served
+    status, answer = call(url, "/api/label", {"labeller": labeller, "pair_id": served["pair_id"],
+                                              "ticket": served["ticket"], "choice": choice}, headers=headers)
+    assert status == 200 and answer["stored"], answer
+    return served
