@@ -50,8 +50,10 @@ def proxy_rewards(context: Any, systems: Sequence[tuple[Any, list[dict[str, Any]
     return values
 
 
-def paired_difference(scores: dict[str, float], baseline: dict[str, float]) -> tuple[float | None, float | None]:
-    """Mean per-instruction score difference (x 100) on the instructions both judged, and its paired SE.
+def paired_difference(scores: dict[str, float], baseline: dict[str, float],
+                      scale: float = 100.0) -> tuple[float | None, float | None]:
+    """Mean per-instruction score difference (x ``scale``: 100 gives points) on the instructions both judged, and
+    its paired SE.
 
     Both systems answer the same instructions against the same references, so the difference of their
     win-rates is best judged per instruction: its standard error is much smaller than either win-rate's.
@@ -64,9 +66,9 @@ def paired_difference(scores: dict[str, float], baseline: dict[str, float]) -> t
     diffs = [scores[k] - baseline[k] for k in common]
     mean = sum(diffs) / len(diffs)
     if len(diffs) < 2:
-        return mean * 100, None
+        return mean * scale, None
     variance = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
-    return mean * 100, math.sqrt(variance / len(diffs)) * 100
+    return mean * scale, math.sqrt(variance / len(diffs)) * scale
 
 
 def results_rows(evaluated: Sequence[tuple[Any, dict[str, Any], dict[str, float]]],
@@ -121,11 +123,7 @@ def gold_columns(gold: dict[str, float] | None, first: dict[str, float] | None) 
     mean = sum(values) / len(values)
     se = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) if len(values) > 1 \
         else None
-    delta = paired_se = None
-    if first:
-        delta, paired_se = paired_difference(gold, first)
-        delta, paired_se = (delta / 100 if delta is not None else None), (paired_se / 100 if paired_se is not None
-                                                                           else None)
+    delta, paired_se = paired_difference(gold, first, scale=1.0) if first else (None, None)
     return {"gold": mean, "gold_se": se, "delta_gold_vs_system": delta, "paired_se_gold_vs_system": paired_se}
 
 
