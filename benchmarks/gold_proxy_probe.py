@@ -31,14 +31,14 @@ from pathlib import Path
 from typing import Any
 
 
-def features(preferences: Path, max_length: int) -> tuple[Any, list[dict[str, Any]], list[str]]:
-    """Last-token features of every distinct (prompt, answer) of the preference file, as the stage reads them."""
-    from alpacafarm.model_loading import load_classifier, load_tokenizer
+def distinct_texts(preferences: Path) -> tuple[Any, str, Any, dict[str, tuple[dict[str, Any], str]]]:
+    """The SFT model's spec, folder and tokenizer, and every distinct (prompt + answer + EOS) text of the preference
+    file with its record and answer, as the reward-model stage reads them."""
+    from alpacafarm.model_loading import load_tokenizer
     from alpacafarm.model_sources import resolve_model_path
     from alpacafarm.prompts import PromptFormat
     from alpacafarm.recipe import ModelSpec
     from alpacafarm.rewards import with_eos
-    from alpacafarm_methods.reward_model.head import last_token_features
 
     spec = ModelSpec(name="smollm2-135m-instruct", dtype="float32", device="cpu", prompt_format="chat_template")
     path = resolve_model_path(spec.name)
@@ -51,6 +51,15 @@ def features(preferences: Path, max_length: int) -> tuple[Any, list[dict[str, An
         for answer in (row["output_1"], row["output_2"]):
             texts.setdefault(with_eos(prompt(record["instruction"], record["input"]) + answer, tokenizer.eos_token),
                              (record, answer))
+    return spec, path, tokenizer, texts
+
+
+def features(preferences: Path, max_length: int) -> tuple[Any, list[dict[str, Any]], list[str]]:
+    """Last-token features of every distinct (prompt, answer) of the preference file, as the stage reads them."""
+    from alpacafarm.model_loading import load_classifier
+    from alpacafarm_methods.reward_model.head import last_token_features
+
+    spec, path, tokenizer, texts = distinct_texts(preferences)
     model = load_classifier(spec, path)
     matrix = last_token_features(model, tokenizer, list(texts), batch_size=16, max_length=max_length)
     return matrix, [r for r, _ in texts.values()], [a for _, a in texts.values()]
@@ -77,6 +86,15 @@ def labelled_pairs(groups: list[list[int]], target: list[float], noise: float, t
     return pairs
 
 
+def held_out_share(scores: list[float], target: list[float], test: list[list[int]]) -> float:
+    """The share of the held-out pairs (targets more than 0.05 apart) that ``scores`` rank as ``target`` does."""
+    clean = [(c, r) for c, r in labelled_pairs(test, target, 0.0, None, seed=0) if abs(target[c] - target[r]) > 0.05]
+    if not clean:
+        sys.exit("gold_proxy_probe: a held-out fold has no pair whose targets differ by more than 0.05; "
+                 "give it a preference file with more instructions")
+    return sum(scores[c] > scores[r] for c, r in clean) / len(clean)
+
+
 def held_out_accuracy(matrix: Any, groups: list[list[int]], target: list[float], *, weight_decay: float,
                       noise: float, temperature: float | None) -> float:
     """Mean over 4 instruction folds of the held-out clean-pair accuracy of a head fitted on the other folds."""
@@ -92,9 +110,7 @@ def held_out_accuracy(matrix: Any, groups: list[list[int]], target: list[float],
         weight, _ = fit_head(matrix, [c for c, _ in pairs], [r for _, r in pairs], learning_rate=1e-2, steps=300,
                              weight_decay=weight_decay, seed=0)
         scores = (matrix @ weight.reshape(-1)).tolist()
-        clean = [(c, r) for c, r in labelled_pairs(test, target, 0.0, None, seed=0)
-                 if abs(target[c] - target[r]) > 0.05]
-        accuracies.append(sum(scores[c] > scores[r] for c, r in clean) / max(1, len(clean)))
+        accuracies.append(held_out_share(scores, target, test))
     return sum(accuracies) / len(accuracies)
 
 
@@ -127,24 +143,10 @@ def top_block_accuracy(preferences: Path, max_length: int, blocks: int, target_f
 
     import torch
 
-    from alpacafarm.model_loading import load_classifier, load_tokenizer
-    from alpacafarm.model_sources import resolve_model_path
-    from alpacafarm.prompts import PromptFormat
-    from alpacafarm.recipe import ModelSpec
-    from alpacafarm.rewards import with_eos
+    from alpacafarm.model_loading import load_classifier
 
-    spec = ModelSpec(name="smollm2-135m-instruct", dtype="float32", device="cpu", prompt_format="chat_template")
-    path = resolve_model_path(spec.name)
-    tokenizer = load_tokenizer(spec, path)
+    spec, path, tokenizer, texts = distinct_texts(preferences)
     tokenizer.padding_side = "right"
-    prompt = PromptFormat.for_model(spec.prompt_format, path, tokenizer)
-    texts: dict[str, tuple[dict[str, Any], str]] = {}
-    for line in preferences.read_text(encoding="utf-8").splitlines():
-        row = json.loads(line)
-        record = {"instruction": row["instruction"], "input": row.get("input") or ""}
-        for answer in (row["output_1"], row["output_2"]):
-            texts.setdefault(with_eos(prompt(record["instruction"], record["input"]) + answer, tokenizer.eos_token),
-                             (record, answer))
     keys = list(texts)
     base = load_classifier(spec, path).eval().base_model
     depth = len(base.layers)
@@ -190,9 +192,7 @@ def top_block_accuracy(preferences: Path, max_length: int, blocks: int, target_f
                 optimizer.step()
         with torch.no_grad():
             scores = top_scores(base, (layers, norm, head), entering, list(range(len(keys)))).tolist()
-        clean = [(c, r) for c, r in labelled_pairs(test, target, 0.0, None, seed=0)
-                 if abs(target[c] - target[r]) > 0.05]
-        accuracies.append(sum(scores[c] > scores[r] for c, r in clean) / max(1, len(clean)))
+        accuracies.append(held_out_share(scores, target, test))
     return accuracies
 
 
