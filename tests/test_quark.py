@@ -256,6 +256,21 @@ def test_draw_order_is_seeded_passes_of_fresh_permutations():
     assert draw_order(5, 3, seed=0) == draw_order(5, 10, seed=0)[:3]
 
 
+def test_the_trainer_counts_the_response_tokens_the_loss_averages_over(tmp_path: Path):
+    """The token count of an accumulated batch (Trainer.get_batch_samples: the loss's denominator) is the number of
+    targets the loss reads. With an empty prompt the first response token has no position before it, so it is not
+    a target: counting unshifted labels (what the Trainer does without the collator's shift_labels) gives 6."""
+    import torch
+
+    trainer = tiny_trainer(tmp_path)
+    examples = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [5, 6, 7, 8], "labels": [-100, 6, 7, 8]}]
+    batches = [trainer.data_collator(examples[:1]), trainer.data_collator(examples[1:])]
+    _, counted = trainer.get_batch_samples(iter(batches), 2, torch.device("cpu"))
+    with torch.no_grad():
+        targets = sum(int(trainer.token_terms(trainer.model, batch)[2].sum()) for batch in batches)
+    assert int(counted) == targets == 2 + 3
+
+
 def test_gradient_accumulation_is_derived_from_the_step_batch(tmp_path: Path):
     from alpacafarm.errors import UserError
 

@@ -88,7 +88,9 @@ def training_example(sample: Sample, *, train_eos: bool) -> dict[str, list[int]]
 
 
 class PadCollator:
-    """Right-pads ``input_ids`` (pad id) and ``labels`` (ignored) and builds the attention mask."""
+    """Right-pads ``input_ids`` (pad id) and ``labels`` (ignored) and builds the attention mask. ``shift_labels``
+    are the targets of positions 0..T-2 (``labels[:, 1:]``): the loss reads them, and the Trainer counts them (its
+    public rule for a collator that shifts) for the token count of an accumulated batch."""
 
     def __init__(self, pad_token_id: int) -> None:
         self.pad_token_id = pad_token_id
@@ -103,7 +105,8 @@ class PadCollator:
             ids.append(feature["input_ids"] + [self.pad_token_id] * padding)
             labels.append(feature["labels"] + [IGNORE_INDEX] * padding)
             mask.append([1] * len(feature["input_ids"]) + [0] * padding)
-        return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels),
+        labels_tensor = torch.tensor(labels)
+        return {"input_ids": torch.tensor(ids), "labels": labels_tensor, "shift_labels": labels_tensor[:, 1:],
                 "attention_mask": torch.tensor(mask)}
 
 
@@ -132,9 +135,8 @@ class QuarkTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.ref_model = ref_model
         self.rounds = rounds
-        # Count the response tokens of each accumulated batch (labels shifted by one) for compute_loss.
+        # Count the response tokens of each accumulated batch (the collator's shift_labels) for compute_loss.
         self.model_accepts_loss_kwargs = True
-        self._loss_shifts_labels = True
         if ref_model is None and not hasattr(self.accelerator.unwrap_model(self.model), "disable_adapter"):
             raise ValueError("QuarkTrainer needs a ref_model unless the policy is a peft model with adapters")
         self._log_terms = [0.0, 0.0, 0]    # nll sum, kl sum, tokens since the last log
@@ -157,7 +159,7 @@ class QuarkTrainer(Trainer):
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         from transformers import get_scheduler
 
-        # Built once (``_created_lr_scheduler`` stays False, so train() keeps it).
+        # Built once, for every round: train() keeps a scheduler it did not build itself.
         if self.lr_scheduler is None:
             total = num_training_steps * self.rounds
             self.lr_scheduler = get_scheduler(
@@ -261,10 +263,9 @@ class QuarkTrainer(Trainer):
 
     def token_terms(self, model: Any, inputs: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
         """Per-token NLL and KL at the response positions, the response mask, and the policy's outputs."""
-        input_ids, attention_mask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
+        input_ids, attention_mask, targets = inputs["input_ids"], inputs["attention_mask"], inputs["shift_labels"]
         outputs = model(input_ids=input_ids, attention_mask=attention_mask)
         logits = outputs.logits[:, :-1]
-        targets = labels[:, 1:]
         mask = targets != IGNORE_INDEX
         log_probs = logits.float().log_softmax(dim=-1)
         nll = -log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
