@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import itertools
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from alpacafarm.exit_status import USER_ERROR
@@ -21,6 +22,20 @@ class UserError(Exception):
     """
 
     exit_code = USER_ERROR
+
+
+@contextlib.contextmanager
+def naming_stage(stage: str) -> Iterator[None]:
+    """Puts ``stage '<stage>':`` in front of any :class:`UserError` raised inside, unless its message names the
+    stage already. The pipeline runs every stage's method inside it, so a shared helper (``alpacafarm.kit``, the
+    model loaders) never has to know, or guess, which stage called it."""
+    try:
+        yield
+    except UserError as error:
+        message = str(error)
+        if not re.search(rf"(?<![\w.-]){re.escape(stage)}(?![\w-])", message):
+            error.args = (f"stage {stage!r}: {message}", *error.args[1:])
+        raise
 
 
 class RecipeError(UserError):

@@ -192,7 +192,7 @@ def mark_finished(samples: list[list[dict[str, Any]]], generator: Any, backend: 
     """
     finished = getattr(generator, "last_finished", None) or ()
     if len(finished) != len(samples) or any(len(f) != len(g) for f, g in zip(finished, samples, strict=True)):
-        raise UserError(f"expert_iteration: the generation backend {backend!r} does not report which completions "
+        raise UserError(f"the generation backend {backend!r} does not report which completions "
                         "were cut at max_new_tokens (Generator.last_finished); a cut winner must not be trained "
                         "to stop there")
     for flags, group in zip(finished, samples, strict=True):
@@ -221,7 +221,7 @@ def build_sft_trainer_on_rows(
     from alpacafarm.model_loading import load_tokenizer, lora_config
 
     if not rows:
-        raise UserError("there is nothing to train on: no preference pair has a usable preference")
+        raise UserError("there is nothing to train on: no training rows")
     set_seed(config.seed)  # fresh LoRA adapters are drawn before the Trainer seeds itself
     trainer = SFTTrainer(
         model=load_merged_causal_lm(spec, model_path, trainable=True),

@@ -29,7 +29,7 @@ from typing import Any
 
 from alpacafarm.code_identity import stage_code_identity
 from alpacafarm.data import source_fingerprint, write_json
-from alpacafarm.errors import UserError, did_you_mean
+from alpacafarm.errors import UserError, did_you_mean, naming_stage
 from alpacafarm.manifest import MANIFEST_FORMAT, check_outputs, record_outputs
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.paths import make_dir
@@ -461,7 +461,8 @@ class Pipeline:
         return {"action": decision.action, "seed": seed, "manifest": manifest}
 
     def _run_method(self, stage: PlannedStage, context: StageContext) -> Artifact:
-        artifact = self.registry.create(stage.kind, stage.method, stage.config).run(context)
+        with naming_stage(stage.name):  # any error the method raises, a shared helper's included, names the stage
+            artifact = self.registry.create(stage.kind, stage.method, stage.config).run(context)
         if not isinstance(artifact, Artifact):
             raise UserError(f"stage {stage.name!r}: method {stage.method!r} of plugin {stage.plugin!r} returned "
                             f"{type(artifact).__name__}, not an Artifact")

@@ -86,12 +86,35 @@ class BrokenDataset(Method):
         return Artifact("dataset", str(context.stage_dir / "rows.jsonl"))
 
 
+class KitHelperFails(Method):
+    """Calls shared kit helpers the way a method does, with inputs they refuse."""
+
+    provides = "nothing"
+
+    def run(self, context: StageContext) -> Artifact:
+        from alpacafarm.kit import build_sft_trainer_on_rows, mark_finished
+
+        if context.stage.startswith("rows"):
+            build_sft_trainer_on_rows(None, None, "", [])
+        mark_finished([[{"output": "a"}]], object(), "my_backend")
+        raise AssertionError("unreachable")
+
+
+class NamesItsStage(Method):
+    provides = "nothing"
+
+    def run(self, context: StageContext) -> Artifact:
+        raise UserError(f"{context.stage}: round 3 has no winners")
+
+
 class FaultyPlugin:
     @alpacafarm.hookimpl
     def register_methods(self, register):
         register("interrupted", Interrupted)
         register("claims_a_model", ClaimsAModel)
         register("broken_dataset", BrokenDataset)
+        register("kit_helper_fails", KitHelperFails)
+        register("names_its_stage", NamesItsStage)
 
 
 @pytest.fixture
@@ -130,6 +153,27 @@ def test_a_stage_whose_outputs_do_not_exist_or_load_is_never_complete(recipe_fil
     assert f"stage 's': method {method!r} of plugin 'faulty-test'" in message and problem in message
     assert "\n" not in message
     assert json.loads((out / "stages" / "s" / "manifest.json").read_text())["status"] != "complete"
+
+
+@pytest.mark.parametrize(("stage", "problem"), [
+    ("rows_warmup", "there is nothing to train on: no training rows"),
+    ("cut_check", "the generation backend 'my_backend' does not report which completions were cut"),
+])
+def test_a_shared_helpers_error_names_the_stage_that_called_it(recipe_file: Path, tmp_path: Path, stage: str,
+                                                               problem: str):
+    """kit helpers know nothing of their caller (they used to name 'expert_iteration' or 'preference pairs'
+    whoever called them); the pipeline puts the stage in front of every error its method raises."""
+    path = tmp_path / "helper.yaml"
+    path.write_text(f"name: helper\nstages:\n  - name: {stage}\n    method: kit_helper_fails\n")
+    with pytest.raises(UserError) as caught:
+        run(path, tmp_path / "run")
+    assert str(caught.value) == f"stage {stage!r}: {problem}" + str(caught.value).split(problem, 1)[1]
+    assert "expert_iteration" not in str(caught.value) and "preference pair" not in str(caught.value)
+
+
+def test_an_error_that_names_its_stage_is_not_prefixed_twice(recipe_file: Path, tmp_path: Path):
+    with pytest.raises(UserError, match=r"^s: round 3 has no winners$"):
+        run(one_stage(tmp_path, "names_its_stage"), tmp_path / "run")
 
 
 # --------------------------------------------------------------------------------------------------- NaN

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from alpacafarm.errors import UserError
 from alpacafarm.kit import build_sft_trainer_on_rows, prompt_completion_rows, train_and_save_policy
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.training import limit, stage_training_args
@@ -50,6 +51,9 @@ def build_feedme_trainer(
         style=spec.prompt_format,
         tokenizer=load_tokenizer(spec, model_path),
     )
+    if not rows:
+        raise UserError(f"there is nothing to train on: none of the {len(records)} preference pairs has a usable "
+                        "preference (ties and unlabelled pairs are dropped)")
     return build_sft_trainer_on_rows(config, spec, model_path, rows, callbacks=callbacks), dropped
 
 
