@@ -43,6 +43,9 @@ class Annotation:
     that never resolved; ``preference`` None, never cached, asked again on the next run). Left out, it follows
     from ``preference`` (None reads as ``unparsed``: what a None meant before outcomes existed). A failure
     carries ``metadata["error"]`` and, for an endpoint, ``metadata["endpoint"]`` (its base URL, never a key).
+    ``acceptable``: a pointwise verdict on each output (``output_1``, ``output_2``: acceptable or not), from an
+    annotator that gives one besides the preference (the gold annotator's ``acceptable_above``); the binary
+    feedback KTO learns from. None when the annotator gives none.
     """
 
     preference: Preference
@@ -57,6 +60,7 @@ class Annotation:
     noise: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
     outcome: Outcome | None = None
+    acceptable: tuple[bool, bool] | None = None
 
     def __post_init__(self) -> None:
         if self.outcome is None:

@@ -210,3 +210,43 @@ def test_a_user_written_gold_drives_a_run_end_to_end(tmp_path: Path, tiny_model_
     first = annotations[0]
     expected_p = judge.probability(*distinct_words_gold([], [first["output_1"], first["output_2"]]))
     assert first["preference"] == pytest.approx(1 + expected_p)
+
+
+def test_the_gold_gives_pointwise_verdicts_that_kto_learns_from(tmp_path: Path, tiny_model_dir: str):
+    """``acceptable_above``: each output of a labelled pair is acceptable when its gold score reaches the bar —
+    whatever the (noisy) preference says — and the preference records carry those verdicts to KTO, which trains on
+    them instead of on 'preferred = desirable'."""
+    from alpacafarm.testing import run_recipe
+
+    recipe = tmp_path / "kto.yaml"
+    recipe.write_text(f"""
+name: gold-kto
+seed: 3
+model: {{name: {tiny_model_dir}, dtype: float32, device: cpu}}
+data:
+  instructions: {{builtin: alpaca_eval_sample, limit: 10}}
+annotator:
+  name: gold
+  config: {{gold: "test_gold:distinct_words_gold", noise: 0.25, acceptable_above: 0.5}}
+stages:
+  - name: split
+    method: split_instructions
+    config: {{eval_size: 2}}
+  - name: preferences
+    method: preference_data
+    config: {{k: 2, sampling: {{temperature: 1.0, max_new_tokens: 8, batch_size: 8}}}}
+  - name: kto
+    method: kto
+    config: {{max_steps: 1, per_device_train_batch_size: 2, max_length: 256, save_strategy: 'no'}}
+""", encoding="utf-8")
+    artifacts = run_recipe(recipe, tmp_path / "run")
+    preferences = [json.loads(line) for line in
+                   (tmp_path / "run/stages/preferences/preferences.jsonl").open()]
+    verdicts = [(p[f"acceptable_{k}"], distinct_words_gold([], [p[f"output_{k}"]])[0]) for p in preferences
+                for k in (1, 2) if f"acceptable_{k}" in p]
+    assert len(verdicts) == 2 * len(preferences) == 16
+    assert all(verdict == (score >= 0.5) for verdict, score in verdicts)
+    assert {v for v, _ in verdicts} == {True, False}  # both kinds, so the counts below can tell
+    meta = artifacts["kto"].metadata
+    desirable = sum(v for v, _ in verdicts)
+    assert (meta["n_desirable"], meta["n_undesirable"]) == (desirable, len(verdicts) - desirable)

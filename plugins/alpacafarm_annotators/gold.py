@@ -54,6 +54,9 @@ class GoldAnnotatorConfig(BaseModel):
     noise: float = Field(0.0, ge=0.0, le=0.5, description="label flip probability, as the pools apply it: with "
                          "probability 2 * noise the label is a fair coin (the paper's p_sim^ann: 0.25)")
     seed: int = Field(0, description="seed of the sampled labels and of the noise")
+    acceptable_above: float | None = Field(
+        None, description="also give each output a pointwise verdict: acceptable when its gold score is at least "
+        "this (the binary feedback KTO learns from; noiseless). None: no verdict")
 
 
 def load_gold(target: str) -> GoldFunction:
@@ -110,12 +113,14 @@ class GoldAnnotator(ScoringAnnotator):
         key = self._key(pair, replicate)
         canonical = pair.output_1 <= pair.output_2  # the draws are made in the canonical (sorted) order
         scores = {"gold_1": gold_1, "gold_2": gold_2}
+        acceptable = None if config.acceptable_above is None else \
+            (gold_1 >= config.acceptable_above, gold_2 >= config.acceptable_above)
         if config.noise and stable_uniform(*key, "noise") < 2 * config.noise:
             coin = 1 + stable_hash(*key, "coin") % 2
-            return Annotation(coin if canonical else 3 - coin, "noise", noise=True,
+            return Annotation(coin if canonical else 3 - coin, "noise", noise=True, acceptable=acceptable,
                               metadata={"p_label_flip": config.noise, **scores})
         if gold_1 == gold_2:  # a tie in every mode (a weighted win-rate counts it 0.5, as 1.5 would be)
-            return Annotation(0, self.name, metadata=scores)
+            return Annotation(0, self.name, metadata=scores, acceptable=acceptable)
         p_2 = self.probability(gold_1, gold_2)
         if config.mode == "continuous":
             preference: float | int = 1.0 + p_2
@@ -126,7 +131,7 @@ class GoldAnnotator(ScoringAnnotator):
             p_high = p_2 if canonical else 1.0 - p_2
             high_wins = u < p_high
             preference = (2 if high_wins else 1) if canonical else (1 if high_wins else 2)
-        return Annotation(preference, self.name, metadata=scores)
+        return Annotation(preference, self.name, metadata=scores, acceptable=acceptable)
 
     async def aannotate(self, pairs: Sequence[Pair], progress: ProgressCallback | None = None, *,
                         replicate: int = 0) -> list[Annotation]:

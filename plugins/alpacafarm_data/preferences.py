@@ -94,6 +94,8 @@ class PreferenceData(Method):
         for example, annotation in zip(examples, annotations, strict=True):
             example.update(preference=annotation.preference, annotator=annotation.annotator,
                            noise=annotation.noise, price_usd=annotation.price_usd, outcome=annotation.outcome)
+            if annotation.acceptable is not None:  # the pointwise labels KTO reads (kto.binary_feedback)
+                example.update(acceptable_1=annotation.acceptable[0], acceptable_2=annotation.acceptable[1])
         path = context.stage_dir / "preferences.jsonl"
         write_jsonl(path, examples)
         labels = Counter(e["preference"] for e in examples)

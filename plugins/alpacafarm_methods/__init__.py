@@ -3,8 +3,10 @@
 - ``supervised/``: supervised fine-tuning on demonstrations (``sft``) and on preference data turned into
   demonstrations (``binary_feedme``, ``binary_reward_conditioning``); TRL's ``SFTTrainer``.
 - ``reward_model/``: the Bradley-Terry reward model (TRL's ``RewardTrainer``) that the reward-driven methods use.
-- ``preference/``: learning from the pairs directly: ``dpo`` and its online, iterative form ``online_dpo``
-  (TRL's ``DPOTrainer``).
+- ``preference/``: direct alignment on the preference data, one TRL trainer each: ``dpo`` and its online,
+  iterative form ``online_dpo`` (``DPOTrainer``), ``ipo`` (``DPOTrainer``'s IPO loss), ``simpo`` (``CPOTrainer``,
+  no reference model), ``orpo`` (``ORPOTrainer``, no reference model) and ``kto`` (``KTOTrainer``, on each output
+  labelled desirable or not); ``direct_alignment.py`` is the stage they share.
 - ``sampling/``: methods that sample and keep what the reward model prefers: ``best_of_n`` (at decoding time) and
   ``expert_iteration`` (then SFT on the winners).
 - ``ppo/`` and ``quark/``: the paper's RL methods as released (our own trainers on one accelerate Accelerator).
@@ -31,6 +33,14 @@ def register_methods(register):
              description="PPO against the reward model with a per-token KL penalty to the SFT model (our trainer)")
     register("dpo", "alpacafarm_methods.preference.dpo:DPO",
              description="Direct Preference Optimization on pairwise preferences, reference = the SFT model")
+    register("ipo", "alpacafarm_methods.preference.ipo:IPO",
+             description="IPO: DPO's data and reference, a squared loss that holds the log-ratio margin at 1/(2 tau)")
+    register("simpo", "alpacafarm_methods.preference.simpo:SimPO",
+             description="SimPO: length-normalised log-likelihood margin above a target gamma, no reference model")
+    register("orpo", "alpacafarm_methods.preference.orpo:ORPO",
+             description="ORPO: NLL on the preferred output plus a log-odds-ratio penalty, no reference model")
+    register("kto", "alpacafarm_methods.preference.kto:KTO",
+             description="KTO: binary feedback (each output desirable or not, from the pairs or acceptable_1/2 labels)")
     register("binary_feedme", "alpacafarm_methods.supervised.feedme:BinaryFeedME",
              description="binary FeedME: supervised fine-tuning on the preferred output of each pair")
     register("binary_reward_conditioning", "alpacafarm_methods.supervised.conditioning:BinaryRewardConditioning",

@@ -27,13 +27,18 @@ def winner(preference: Any) -> int | None:
     return None
 
 
+def check_pair_record(record: dict[str, Any]) -> None:
+    """Refuse a preference record without an instruction and two outputs, naming the fields it has."""
+    missing = [k for k in ("instruction", "output_1", "output_2") if k not in record]
+    if missing:
+        raise UserError(f"a preference record lacks {', '.join(missing)} (fields: {', '.join(sorted(record))})")
+
+
 def ranked(records: list[dict[str, Any]]) -> tuple[list[tuple[dict[str, Any], str, str]], int]:
     """``(record, chosen output, rejected output)`` for every record with a ranking, and how many had none."""
     found, dropped = [], 0
     for record in records:
-        missing = [k for k in ("instruction", "output_1", "output_2") if k not in record]
-        if missing:
-            raise UserError(f"a preference record lacks {', '.join(missing)} (fields: {', '.join(sorted(record))})")
+        check_pair_record(record)
         won = winner(record.get("preference"))
         if won is None:
             dropped += 1
