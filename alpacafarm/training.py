@@ -246,9 +246,10 @@ def rotate_checkpoints(output_dir: str | Path, limit: int | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-#: Files a checkpoint's weights may be in (transformers, peft, our PPO trainer); FSDP and DeepSpeed use subfolders.
+#: Files a checkpoint's weights may be in (transformers, peft, and ``accelerate.save_state``, which our PPO trainer
+#: uses: ``model.safetensors``, or ``pytorch_model.bin`` without safetensors); FSDP and DeepSpeed use subfolders.
 CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                      "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin", "trainable.pt")
+                      "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin")
 
 
 def resume_checkpoint(context: Any) -> str | None:

@@ -33,7 +33,7 @@ def _checkpoint(stage_dir: Path, step: int, *, weights: str = "model.safetensors
     path.mkdir(parents=True)
     if weights == "model.safetensors":
         save_file({"w": torch.ones(4, 4) * step}, str(path / weights))
-    else:  # our PPO trainer's layout
+    else:  # a torch-pickled layout (accelerate's save_state without safetensors)
         torch.save({"w": torch.ones(4, 4) * step}, path / weights)
     torch.save({"state": {}, "param_groups": []}, path / "optimizer.pt")
     write_json(path / "trainer_state.json", {"global_step": step, "log_history": []})
@@ -52,7 +52,7 @@ def _context(stage_dir: Path) -> SimpleNamespace:
 def test_half_written_checkpoints_are_skipped_with_one_warning_each(tmp_path: Path, caplog: pytest.LogCaptureFixture):
     stage = tmp_path / "stage"
     _checkpoint(stage, 2)
-    _checkpoint(stage, 3, weights="trainable.pt")  # the PPO trainer's checkpoint is readable too
+    _checkpoint(stage, 3, weights="pytorch_model.bin")  # a torch-pickled checkpoint is readable too
     (_checkpoint(stage, 4) / "trainer_state.json").unlink()  # died before the trainer state (written last)
     _truncate(_checkpoint(stage, 6) / "model.safetensors")
     _truncate(_checkpoint(stage, 8) / "optimizer.pt")
