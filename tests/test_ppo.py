@@ -579,8 +579,14 @@ def test_4bit_lora_trains_on_quantized_bases(lora_run, tiny_model_dir: str):
     spec = ModelSpec(name=tiny_model_dir, lora={"r": 4, "alpha": 8}, quantization="4bit")
     trainer = _lora_trainer(lora_run, tiny_model_dir, spec)
     assert {type(m).__name__ for m in trainer.models.actor_critic.policy.modules()} >= {"Linear4bit"}
+    quantized = [m.weight for m in trainer.models.actor_critic.policy.modules() if type(m).__name__ == "Linear4bit"]
+    frozen = [w.detach().clone() for w in quantized]
+    before = {n: p.detach().clone() for n, p in trainer.params.items()}
     result = trainer.train()
     assert result.global_step == 2 and len(_llama_backbones(trainer)) == 2
+    # The adapters learned; the quantized base did not move.
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.params.items())
+    assert all(torch.equal(w.detach(), f) for w, f in zip(quantized, frozen, strict=True))
 
 
 def test_quantization_without_lora_is_refused(tiny_model_dir: str):
@@ -588,7 +594,7 @@ def test_quantization_without_lora_is_refused(tiny_model_dir: str):
     from alpacafarm_methods.ppo.config import PPOMethodConfig
     from alpacafarm_methods.ppo.method import build_ppo_trainer
 
-    with pytest.raises(UserError):
+    with pytest.raises(UserError, match="PPO cannot train quantized weights: add 'lora:'"):
         build_ppo_trainer(PPOMethodConfig(output_dir="unused", rollout_batch_size=4, mini_batch_size=4),
                           ModelSpec(name=tiny_model_dir, quantization="4bit"), tiny_model_dir, tiny_model_dir,
                           PROMPTS)

@@ -107,12 +107,20 @@ def test_config_defaults_follow_the_paper_and_the_released_run_and_bad_values_ar
     assert kept_count(config.prompts_per_round * config.rollouts_per_prompt, config.top_quantile) == 128
     assert config.split == "train" and config.max_instructions is None
     assert config.bf16 is False and config.gradient_checkpointing is False  # automatic values on a CPU
-    for bad in ({"top_quantile": 0.0}, {"top_quantile": 1.5}, {"rounds": 0}, {"kl_coef": -0.1},
-                {"temperature": 0.0}, {"steps_per_round": 0}, {"step_batch_size": 0},
-                {"step_batch_size": 12, "per_device_train_batch_size": 8}, {"num_train_epochs": 2},
-                {"max_steps": 5},
-                {"rollouts_per_prompt": 0}, {"max_instructions": 0}):
-        with pytest.raises(ValueError):
+    # Each bad value is refused with the message naming its own field (a check that refuses for another reason,
+    # or a missing check, fails here).
+    for bad, message in (({"top_quantile": 0.0}, "top_quantile must be in"), ({"top_quantile": 1.5}, "top_quantile"),
+                         ({"rounds": 0}, "rounds must be at least 1"), ({"kl_coef": -0.1}, "kl_coef must be"),
+                         ({"temperature": 0.0}, "temperature must be positive"),
+                         ({"steps_per_round": 0}, "steps_per_round must be at least 1"),
+                         ({"step_batch_size": 0}, "step_batch_size must be at least 1"),
+                         ({"step_batch_size": 12, "per_device_train_batch_size": 8}, "a multiple of"),
+                         ({"num_train_epochs": 2}, "num_train_epochs does not apply"),
+                         ({"max_steps": 5}, "max_steps does not apply"),
+                         ({"rollouts_per_prompt": 0}, "rollouts_per_prompt must be at least 1"),
+                         ({"max_instructions": 0}, "max_instructions must be at least 1"),
+                         ({"ensemble": "median"}, "ensemble must be one of")):
+        with pytest.raises(ValueError, match=message):
             QuarkMethodConfig(output_dir=str(tmp_path), **bad)
 
 
