@@ -24,8 +24,8 @@ from alpacafarm.annotation_batches import BatchLedger, BatchRequest
 from alpacafarm.annotation_cache import AnnotationCache, pair_key
 from alpacafarm.testing.batch_server import BatchPlan, FakeBatchServer
 from alpacafarm_annotators.config import PromptedAnnotatorConfig
+from alpacafarm_annotators.endpoint_requests import BudgetExceeded
 from alpacafarm_annotators.prompted import PromptedAnnotator
-from alpacafarm_annotators.requests import BudgetExceeded
 
 KEY = "local-batch-token-5Hq8Zr2Nw6Ty"
 FAST = {"batch_poll_s": 0.05, "batch_max_poll_s": 0.2, "max_retries": 1, "retry_backoff_s": 0.01, "timeout_s": 10.0}

@@ -13,8 +13,8 @@ from alpacafarm.annotation_cache import AnnotationCache
 from alpacafarm.testing.openai_server import FakeOpenAIServer, Fault, request_text
 from alpacafarm.types import Pair
 from alpacafarm_annotators.config import Price, PromptedAnnotatorConfig
+from alpacafarm_annotators.endpoint_requests import BudgetExceeded
 from alpacafarm_annotators.prompted import PromptedAnnotator
-from alpacafarm_annotators.requests import BudgetExceeded
 
 KEY = "sk-test-0123456789abcdefghijklmnop"
 

@@ -46,8 +46,8 @@ from alpacafarm_annotators.alpaca_eval_members import (
 from alpacafarm_annotators.alpaca_eval_parsers import parse_values
 from alpacafarm_annotators.alpaca_eval_render import PADDING, chat_messages, fill_template, logit_bias, pair_row
 from alpacafarm_annotators.config import PoolConfig, Price, PromptedAnnotatorConfig
+from alpacafarm_annotators.endpoint_requests import Completion
 from alpacafarm_annotators.prompted import PromptedAnnotator
-from alpacafarm_annotators.requests import Completion
 
 #: member settings a recipe or the command line may change (the rest is the config's, as AlpacaEval runs it)
 MEMBER_SETTINGS = {"base_url", "api_key_env", "model_map", "price", "max_concurrency", "requests_per_minute",
@@ -201,8 +201,8 @@ class AlpacaEvalSource:
         """The pool of the config's members. ``registry`` goes unused: a preset file (``configs/*.yaml``) is
         registered with the runtime arguments of every preset, a pool's ``registry`` among them."""
         from alpacafarm.annotation_cache import AnnotationCache
+        from alpacafarm_annotators.endpoint_requests import Budget
         from alpacafarm_annotators.pool import AnnotatorPool
-        from alpacafarm_annotators.requests import Budget
 
         self.require()
         values = self.settings(settings)

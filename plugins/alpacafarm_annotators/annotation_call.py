@@ -18,7 +18,7 @@ from alpacafarm.annotation import ProgressCallback
 from alpacafarm.annotation_cache import CacheError
 from alpacafarm.errors import UserError
 from alpacafarm.types import Annotation, Pair
-from alpacafarm_annotators.requests import (
+from alpacafarm_annotators.endpoint_requests import (
     BudgetExceeded,
     Completion,
     RateLimiter,

@@ -4,7 +4,7 @@ cancel it. Every call is retried like a live request (429, 5xx, timeouts, droppe
 honoured) and fails with one line naming the endpoint otherwise; error texts never carry the key.
 
 A batch file's line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {...}}``, its body
-the very dict a live request sends (:func:`~alpacafarm_annotators.requests.request_body`); an output line is
+the very dict a live request sends (:func:`~alpacafarm_annotators.endpoint_requests.request_body`); an output line is
 ``{"custom_id", "response": {"status_code", "body"}, "error"}``.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from alpacafarm.errors import UserError, redact
-from alpacafarm_annotators.requests import (
+from alpacafarm_annotators.endpoint_requests import (
     Completion,
     RequestFailed,
     create_completion,
@@ -45,7 +45,7 @@ def compact(value: Any) -> str:
 
 class BodyCapture:
     """The exact bytes the live path would send for a request, captured from the ``openai`` client itself (the
-    same :func:`~alpacafarm_annotators.requests.create_completion` call, on a transport that keeps the request
+    same :func:`~alpacafarm_annotators.endpoint_requests.create_completion` call, on a transport that keeps the request
     instead of sending it): a batch line's body is byte for byte the live request's, whatever key order or
     encoding the installed client uses."""
 

@@ -44,7 +44,7 @@ from alpacafarm_annotators.batch_api import (
     completion_of,
     line_bytes,
 )
-from alpacafarm_annotators.requests import RequestFailed, endpoint_path
+from alpacafarm_annotators.endpoint_requests import RequestFailed, endpoint_path
 
 logger = logging.getLogger("alpacafarm.annotators")
 

@@ -84,8 +84,8 @@ class AnnotatorFactory:
 def build_pool(config: PoolConfig, name: str, registry: Registry, *, cache: AnnotationCache | None = None) -> Annotator:
     """A pool whose members come from ``registry``; prompted members share one cache and one budget
     (``overrides.max_cost_usd``) and take the pool's ``overrides``."""
+    from alpacafarm_annotators.endpoint_requests import Budget
     from alpacafarm_annotators.pool import AnnotatorPool
-    from alpacafarm_annotators.requests import Budget
 
     budget = Budget(config.overrides.get("max_cost_usd"))
     shared_cache = cache if cache is not None else (AnnotationCache() if config.overrides.get("cache", True) else None)

@@ -62,7 +62,7 @@ from alpacafarm_annotators import parsing, templates
 from alpacafarm_annotators.annotation_call import AnnotationCall
 from alpacafarm_annotators.batch_call import BatchCall
 from alpacafarm_annotators.config import Price, PromptedAnnotatorConfig
-from alpacafarm_annotators.requests import (
+from alpacafarm_annotators.endpoint_requests import (
     Budget,
     Completion,
 )

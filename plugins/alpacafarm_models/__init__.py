@@ -7,6 +7,6 @@ from alpacafarm import hookimpl
 def register_methods(register):
     register(
         "inspect_model",
-        "alpacafarm_models.inspect:InspectModel",
+        "alpacafarm_models.inspect_model:InspectModel",
         description="load the recipe's model, record its size and answer a few instructions greedily",
     )
