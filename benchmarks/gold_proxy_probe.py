@@ -14,6 +14,10 @@ Targets: the built-in gold and each of its parts. 0.5 is chance.
 Measured (2026-11-28, 96 validation-run training instructions x 4 samples, 382 distinct texts): 0.52-0.60 for
 the gold and every part, noisy or clean labels, weight decay 0.01 to 10 (docs/gold.md).
 
+``--features rating`` (the state after a rating question appended to the answer) and ``--features mean`` (the
+answer's mean hidden state, two blocks below the top) try other frozen features (2026-11-28, same 382 answers,
+noiseless / noisy labels): organisation 0.84 / 0.79 and 0.75 / 0.62, the gold 0.55-0.57 and 0.49-0.57.
+
 ``--top-blocks K`` also trains the top K transformer blocks with the head (on the hidden states entering them,
 computed once; 4 epochs of 16 pairs at learning rate 1e-4, head 1e-3) on the gold, for ``--folds`` folds: can a
 proxy with trainable layers see the rubric? Measured with K = 2 on one fold: 0.566 from noisy labels, 0.614 from
@@ -54,14 +58,39 @@ def distinct_texts(preferences: Path) -> tuple[Any, str, Any, dict[str, tuple[di
     return spec, path, tokenizer, texts
 
 
-def features(preferences: Path, max_length: int) -> tuple[Any, list[dict[str, Any]], list[str]]:
-    """Last-token features of every distinct (prompt, answer) of the preference file, as the stage reads them."""
+#: Appended after the answer for ``--features rating``: the model is asked to judge the answer it just read, and the
+#: head reads the state where it would start its verdict (SmolLM2's chat markup).
+RATING_QUESTION = ("\n<|im_start|>user\nHow good was your answer, from 1 to 10?<|im_end|>\n<|im_start|>assistant\n"
+                   "My answer deserves a")
+
+
+def features(preferences: Path, max_length: int, kind: str = "last") -> tuple[Any, list[dict[str, Any]], list[str]]:
+    """Frozen features of every distinct (prompt, answer) of the preference file: ``last``, the final hidden state
+    at the last real token, as the reward-model stage reads it; ``rating``, the same after :data:`RATING_QUESTION`
+    is appended; ``mean``, the mean over the answer's tokens of the hidden states entering the top two blocks."""
+    import torch
+
     from alpacafarm.model_loading import load_classifier
+    from alpacafarm.prompts import PromptFormat
     from alpacafarm_methods.reward_model.head import last_token_features
 
     spec, path, tokenizer, texts = distinct_texts(preferences)
     model = load_classifier(spec, path)
-    matrix = last_token_features(model, tokenizer, list(texts), batch_size=16, max_length=max_length)
+    keys = list(texts)
+    if kind == "mean":
+        prompt = PromptFormat.for_model(spec.prompt_format, path, tokenizer)
+        base, rows = model.base_model, []
+        with torch.inference_mode():
+            for key, (record, _) in texts.items():
+                ids = tokenizer(key, return_tensors="pt", truncation=True, max_length=max_length)["input_ids"]
+                start = len(tokenizer(prompt(record["instruction"], record["input"]))["input_ids"])
+                states = base(input_ids=ids, output_hidden_states=True).hidden_states[len(base.layers) - 2][0]
+                rows.append(states[min(start, len(states) - 2):-1].mean(0).float())  # the answer, not the EOS
+        matrix = torch.stack(rows)
+    else:
+        keys = [k + RATING_QUESTION for k in keys] if kind == "rating" else keys
+        matrix = last_token_features(model, tokenizer, keys, batch_size=16,
+                                     max_length=None if kind == "rating" else max_length)  # keep the question whole
     return matrix, [r for r, _ in texts.values()], [a for _, a in texts.values()]
 
 
@@ -208,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-blocks", type=int, default=0,
                         help="also train the top K blocks with the head on the gold (0: the head alone)")
     parser.add_argument("--folds", type=int, default=1, help="folds (of 4) for --top-blocks")
+    parser.add_argument("--features", choices=("last", "rating", "mean"), default="last",
+                        help="the head's frozen features (see features()); last: what the reward-model stage reads")
     args = parser.parse_args(argv)
     if args.top_blocks > 0:
         for labels, noise, temperature in (("noisy", args.noise, args.temperature), ("clean", 0.0, None)):
@@ -215,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                                             folds=args.folds, noise=noise, temperature=temperature)
             print(f"top {args.top_blocks} blocks + head, gold, {labels} labels: held-out accuracy "
                   f"{sum(accuracies) / len(accuracies):.3f} (folds: {', '.join(f'{a:.3f}' for a in accuracies)})")
-    matrix, records, answers = features(args.preferences, args.max_length)
+    matrix, records, answers = features(args.preferences, args.max_length, args.features)
     by_instruction: dict[str, list[int]] = {}
     for i, record in enumerate(records):
         by_instruction.setdefault(record["instruction"] + "\x00" + record["input"], []).append(i)
