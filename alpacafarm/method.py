@@ -255,13 +255,16 @@ class StageContext:
         return distributed.run_on_main(generate, f"stage {self.stage!r}: generation ({backend})")
 
     def reward_function(self, *, batch_size: int = 8, max_length: int | None = None,
-                        model_input: str = "reward_model") -> RewardScorer:
+                        model_input: str = "reward_model", ensemble: str = "mean",
+                        ensemble_coefficient: float = 0.0) -> RewardScorer:
         """The reward model of input ``model_input`` as a :data:`~alpacafarm.rewards.RewardFunction` (any folder
-        layout; sampled and scored in the model block's ``inference_dtype``)."""
+        layout; sampled and scored in the model block's ``inference_dtype``); an ensemble's members combined by
+        ``ensemble`` (:func:`~alpacafarm.rewards.combine_members`)."""
         from alpacafarm.rewards import RewardScorer
 
         return RewardScorer.from_path(self.input(model_input).path, self.recipe.model, max_length=max_length,
-                                      batch_size=batch_size)
+                                      batch_size=batch_size, ensemble=ensemble,
+                                      ensemble_coefficient=ensemble_coefficient)
 
     @contextmanager
     def progress(self, description: str, total: int | None) -> Iterator[Any]:

@@ -159,12 +159,15 @@ def _cast_to_weight_dtype(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]
     return tuple(a.to(dtype) if getattr(a, "is_floating_point", lambda: False)() else a for a in args)
 
 
-def load_sequence_classifier(spec: ModelSpec, path: str | None = None, num_labels: int = 1, *,
+def load_sequence_classifier(spec: ModelSpec, path: str | None = None, num_labels: int | None = None, *,
                              partitioned: bool = False) -> Any:
     """A sequence-classification head on the model (a reward model when ``num_labels == 1``); ``partitioned`` as
-    for :func:`load_causal_lm`."""
+    for :func:`load_causal_lm`. ``num_labels`` None: a saved classifier keeps its own outputs (a reward-model
+    ensemble has one per member), any other model gets one new output."""
     from transformers import AutoModelForSequenceClassification
 
+    if num_labels is None:
+        num_labels = saved_classifier_outputs(spec, path) or 1
     model = _load(AutoModelForSequenceClassification, spec, path, partitioned=partitioned, num_labels=num_labels)
     if spec.quantization is not None and hasattr(getattr(model, "score", None), "weight"):
         # bitsandbytes' CPU kernels return bfloat16 activations whatever the compute dtype, while the freshly
@@ -175,6 +178,20 @@ def load_sequence_classifier(spec: ModelSpec, path: str | None = None, num_label
         tokenizer = load_tokenizer(spec, path)
         model.config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+def saved_classifier_outputs(spec: ModelSpec, path: str | None) -> int | None:
+    """How many outputs the sequence classifier saved at ``path`` has; None when the folder holds another kind of
+    model (a causal LM, whose config's ``num_labels`` is only transformers' default)."""
+    from transformers import AutoConfig
+
+    location = resolve_model_path(path or spec.name)
+    if not (Path(location) / "config.json").is_file():
+        return None
+    config = AutoConfig.from_pretrained(location, trust_remote_code=spec.trust_remote_code)
+    if not any(a.endswith("ForSequenceClassification") for a in config.architectures or ()):
+        return None
+    return int(config.num_labels)
 
 
 def is_adapter_folder(path: str | Path) -> bool:
@@ -211,7 +228,8 @@ def load_merged_causal_lm(spec: ModelSpec, path: str, *, trainable: bool = False
 
 
 def load_classifier(spec: ModelSpec, path: str, *, trainable: bool = False) -> Any:
-    """A one-output sequence classifier from ``path``: full weights, or peft adapters merged into their base.
+    """A sequence classifier from ``path`` (one output, or one per member of a saved reward-model ensemble): full
+    weights, or peft adapters merged into their base.
 
     An adapter folder (an un-merged LoRA SFT or reward model) names its base model; the classifier is built on
     that base and the adapters (and a saved ``score`` head, if any) are merged in, so callers get plain weights.

@@ -6,13 +6,18 @@ trained by the ``reward_model`` method on ``format_prompt(instruction, input) + 
 :class:`RewardScorer` builds texts exactly the same way and reads the classifier's scalar at the last real token,
 which is what training optimised. Any folder layout loads (full weights, adapters, adapters on an
 adapter-trained base: see :func:`alpacafarm.model_loading.load_classifier`).
+
+A classifier with ``k`` outputs is an ensemble of ``k`` reward models sharing one backbone (the ``reward_model``
+method's ``ensemble_size``); :func:`combine_members` turns its members' scores into one reward by the consumer's
+``ensemble`` rule.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from alpacafarm.prompts import format_prompt
 
@@ -24,6 +29,55 @@ if TYPE_CHECKING:
 RewardFunction = Callable[[Sequence[dict[str, Any]], Sequence[str]], list[float]]
 
 
+#: How an ensemble's member scores become one reward, as Coste et al. (2024, "Reward Model Ensembles Help Mitigate
+#: Overoptimization", ICLR, Section 3) define them: ``mean``; ``worst`` (worst-case optimisation, WCO: the lowest
+#: member); ``uncertainty_weighted`` (UWO: the mean minus ``coefficient`` times the members' variance).
+EnsembleRule = Literal["mean", "worst", "uncertainty_weighted"]
+ENSEMBLE_RULES: tuple[str, ...] = get_args(EnsembleRule)
+
+
+def check_ensemble(rule: str, coefficient: float) -> None:
+    """Refuse an unknown rule or a negative coefficient, as a ``ValueError`` naming the field."""
+    if rule not in ENSEMBLE_RULES:
+        raise ValueError(f"ensemble must be one of {', '.join(ENSEMBLE_RULES)}, not {rule!r}")
+    if not (coefficient >= 0.0 and math.isfinite(coefficient)):
+        raise ValueError(f"ensemble_coefficient must be a finite number >= 0, not {coefficient!r}")
+
+
+#: The default ``ensemble_coefficient`` (UWO's lambda). Coste et al. tune it per setting and report UWO robust to
+#: its value; 0.5 is this toolkit's choice, not the paper's: tune it on validation instructions.
+DEFAULT_ENSEMBLE_COEFFICIENT = 0.5
+
+
+@dataclass
+class EnsembleOptions:
+    """The two fields of every config that scores with the reward model (mixed into dataclass configs; pydantic
+    configs declare the same two). With a single reward model they change nothing."""
+
+    ensemble: str = field(default="mean", metadata={
+        "help": "how an ensemble reward model's members combine: mean | worst | uncertainty_weighted (Coste et al.)"})
+    ensemble_coefficient: float = field(default=DEFAULT_ENSEMBLE_COEFFICIENT, metadata={
+        "help": "uncertainty_weighted: the mean minus this times the members' variance"})
+
+
+def combine_members(members: Sequence[Sequence[float]], rule: str = "mean", coefficient: float = 0.0) -> list[float]:
+    """One reward per text from ``members[i]`` (the ensemble members' scores of text ``i``) by ``rule``
+    (:data:`ENSEMBLE_RULES`). The variance is the population variance over the members (``1/k``), as in Coste et
+    al.'s Eq. for UWO; with one member every rule returns its score."""
+    check_ensemble(rule, coefficient)
+    out = []
+    for scores in members:
+        k = len(scores)
+        mean = sum(scores) / k
+        if rule == "mean":
+            out.append(mean)
+        elif rule == "worst":
+            out.append(min(scores))
+        else:
+            out.append(mean - coefficient * sum((s - mean) ** 2 for s in scores) / k)
+    return out
+
+
 def with_eos(text: str, eos: str | None) -> str:
     """``text`` ending with the EOS token text (as TRL's RewardTrainer appends it to chosen/rejected)."""
     return text if not eos or text.endswith(eos) else text + eos
@@ -33,8 +87,11 @@ class RewardScorer:
     """Batched, gradient-free reward-model scores; calling it is a :data:`RewardFunction`."""
 
     def __init__(self, model: Any, tokenizer: Any, *, prompt_format: str = "alpaca", max_length: int | None = None,
-                 batch_size: int = 8) -> None:
+                 batch_size: int = 8, ensemble: str = "mean", ensemble_coefficient: float = 0.0) -> None:
+        check_ensemble(ensemble, ensemble_coefficient)
         self.model = model.eval()
+        self.ensemble = ensemble
+        self.ensemble_coefficient = ensemble_coefficient
         self.tokenizer = tokenizer
         self.tokenizer.padding_side = "right"  # the classifier finds the last real token from the pad id
         self.prompt_format = prompt_format
@@ -45,15 +102,21 @@ class RewardScorer:
             model.config.pad_token_id = tokenizer.pad_token_id
 
     @classmethod
-    def from_path(cls, path: str, spec: ModelSpec, *, max_length: int | None = None,
-                  batch_size: int = 8) -> RewardScorer:
+    def from_path(cls, path: str, spec: ModelSpec, *, max_length: int | None = None, batch_size: int = 8,
+                  ensemble: str = "mean", ensemble_coefficient: float = 0.0) -> RewardScorer:
         """Load a reward model folder (a ``reward_model`` stage's ``model/``) with the recipe's model block
         (in its ``inference_dtype``, if it sets one)."""
         from alpacafarm.model_loading import load_classifier, load_tokenizer
 
         spec = spec.for_inference()
         return cls(load_classifier(spec, path), load_tokenizer(spec, path), prompt_format=spec.prompt_format,
-                   max_length=max_length, batch_size=batch_size)
+                   max_length=max_length, batch_size=batch_size, ensemble=ensemble,
+                   ensemble_coefficient=ensemble_coefficient)
+
+    @property
+    def members(self) -> int:
+        """How many reward models the classifier holds (its outputs; 1 for a single reward model)."""
+        return int(self.model.config.num_labels)
 
     def __call__(self, records: Sequence[dict[str, Any]], completions: Sequence[str]) -> list[float]:
         return self.score_records(records, completions)
@@ -73,7 +136,13 @@ class RewardScorer:
                                 batch_size=batch_size)
 
     def score_texts(self, texts: Sequence[str], *, batch_size: int | None = None) -> list[float]:
-        """Rewards of already formatted full texts (prompt + response; EOS is appended when missing)."""
+        """Rewards of already formatted full texts (prompt + response; EOS is appended when missing): an
+        ensemble's members combined by the scorer's ``ensemble`` rule."""
+        return combine_members(self.member_scores(texts, batch_size=batch_size), self.ensemble,
+                               self.ensemble_coefficient)
+
+    def member_scores(self, texts: Sequence[str], *, batch_size: int | None = None) -> list[list[float]]:
+        """Every member's score of each full text: ``[len(texts)][members]``."""
         import torch
 
         batch_size = batch_size or self.batch_size
@@ -81,17 +150,17 @@ class RewardScorer:
         texts = [with_eos(t, eos) for t in texts]
         # Longest first: batches of similar lengths waste less compute on padding.
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-        scores = [0.0] * len(texts)
+        scores: list[list[float]] = [[]] * len(texts)
         with torch.inference_mode():
             for start in range(0, len(order), batch_size):
                 chunk = order[start:start + batch_size]
                 batch = self.tokenizer([texts[i] for i in chunk], padding=True, return_tensors="pt",
                                        truncation=self.max_length is not None, max_length=self.max_length)
                 batch = {k: v.to(self.device) for k, v in batch.items()}
-                logits = self.model(**batch).logits.squeeze(-1).float().tolist()
-                for i, value in zip(chunk, logits if isinstance(logits, list) else [logits], strict=True):
-                    scores[i] = float(value)
-        bad = sum(not math.isfinite(s) for s in scores)
+                logits = self.model(**batch).logits.float().reshape(len(chunk), -1).tolist()
+                for i, values in zip(chunk, logits, strict=True):
+                    scores[i] = [float(v) for v in values]
+        bad = sum(not all(math.isfinite(v) for v in s) for s in scores)
         if bad:  # a reward model trained to NaN would otherwise rank every candidate alike, silently
             from alpacafarm.errors import UserError
 

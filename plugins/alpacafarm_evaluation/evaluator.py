@@ -25,6 +25,7 @@ from alpacafarm.annotation import Annotator, ProgressCallback, aannotate_replica
 from alpacafarm.annotation_cache import LedgerTotals
 from alpacafarm.method import Artifact, Method, StageContext
 from alpacafarm.recipe import DataSource
+from alpacafarm.rewards import DEFAULT_ENSEMBLE_COEFFICIENT, EnsembleRule
 from alpacafarm.types import Annotation, Pair
 
 
@@ -41,6 +42,9 @@ class WinRateConfig(BaseModel):
     max_unlabelled_fraction: float = Field(
         0.05, ge=0.0, le=1.0, description="the stage fails when more of a system's pairs than this have no label "
         "(failed or unparsed); what was judged is cached, so a re-run asks only for the rest")
+    ensemble: EnsembleRule = Field("mean", description="the proxy column's rule for an ensemble reward model")
+    ensemble_coefficient: float = Field(DEFAULT_ENSEMBLE_COEFFICIENT, ge=0.0,
+                                        description="uncertainty_weighted: the members' variance is weighted by this")
 
 
 @dataclass
@@ -133,7 +137,8 @@ class WinRateEvaluator(Method):
                 evaluated.append((system, metrics, pairs, per_instruction))
         finally:
             annotator.close()
-        rewards = proxy_rewards(context, [(s, pairs) for s, _, pairs, _ in evaluated])
+        rewards = proxy_rewards(context, [(s, pairs) for s, _, pairs, _ in evaluated],
+                               ensemble=(config.ensemble, config.ensemble_coefficient))
         golds = [gold_scores(annotator.inner, pairs) for _, _, pairs, _ in evaluated]
         kls = [policy_kl(system) for system, _, _, _ in evaluated]
         rows = results_rows([(s, m, per) for s, m, _, per in evaluated], rewards, golds, kls)

@@ -29,17 +29,19 @@ COLUMNS = ("system", "stage", "n", "win_rate", "standard_error", "length_control
 SIGNIFICANCE_SES = 2.0
 
 
-def proxy_rewards(context: Any, systems: Sequence[tuple[Any, list[dict[str, Any]]]]) -> list[float | None]:
+def proxy_rewards(context: Any, systems: Sequence[tuple[Any, list[dict[str, Any]]]],
+                  ensemble: tuple[str, float] = ("mean", 0.0)) -> list[float | None]:
     """Mean reward-model score of each system's judged outputs.
 
-    A system whose stage recorded ``proxy_reward`` (best-of-n, scored with its reward model) keeps it; the others
-    are scored here with the run's ``reward_model`` input when there is one, else ``None``.
+    A system whose stage recorded ``proxy_reward`` (best-of-n, scored with its reward model and its own ensemble
+    rule) keeps it; the others are scored here with the run's ``reward_model`` input when there is one (an
+    ensemble's members combined by ``ensemble``: rule, coefficient), else ``None``.
     """
     values: list[float | None] = [s.info.get("proxy_reward") for s, _ in systems]
     missing = [i for i, v in enumerate(values) if v is None]
     if not missing or "reward_model" not in context.inputs:
         return values
-    reward = context.reward_function()
+    reward = context.reward_function(ensemble=ensemble[0], ensemble_coefficient=ensemble[1])
     with context.progress("proxy reward", len(missing)) as advance:
         for i in missing:
             pairs = systems[i][1]

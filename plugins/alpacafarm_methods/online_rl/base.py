@@ -22,11 +22,12 @@ from typing import Any
 
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, StageContext
+from alpacafarm.rewards import EnsembleOptions, check_ensemble
 from alpacafarm.training import TrainingDefaults
 
 
 @dataclass
-class OnlineRLOptions(TrainingDefaults):
+class OnlineRLOptions(TrainingDefaults, EnsembleOptions):
     """Fields of both configs; inherit it first: ``@dataclass class X(OnlineRLOptions, trl.XConfig)``."""
 
     split: str = field(default="train", metadata={"help": "file (or metadata key) of the instruction_splits input"})
@@ -52,6 +53,7 @@ class OnlineRLOptions(TrainingDefaults):
             raise ValueError("max_instructions must be at least 1")
         if self.annotator_reference not in ("recorded", "sft"):
             raise ValueError(f"annotator_reference must be 'recorded' or 'sft', got {self.annotator_reference!r}")
+        check_ensemble(self.ensemble, self.ensemble_coefficient)
         if not 0.0 <= self.max_unlabelled_fraction <= 1.0:
             raise ValueError("max_unlabelled_fraction must be in [0, 1]")
         bad = [t for t in self.rule_rewards if t.count(":") != 1]
@@ -91,7 +93,8 @@ def reward_sources(context: StageContext, config: Any) -> list[Any]:
         if "reward_model" not in context.inputs:
             raise UserError(f"stage {context.stage!r}: use_reward_model is true but no reward_model input is wired; "
                             "add a reward_model stage before it, or set use_reward_model: false and name rule_rewards")
-        scorer = context.reward_function(batch_size=config.score_batch_size, max_length=config.score_max_length)
+        scorer = context.reward_function(batch_size=config.score_batch_size, max_length=config.score_max_length,
+                                         ensemble=config.ensemble, ensemble_coefficient=config.ensemble_coefficient)
         sources.append(TRLReward("reward_model", scorer))
     for target in config.rule_rewards:
         name = target.rpartition(":")[2].rpartition(".")[2]

@@ -6,13 +6,14 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from alpacafarm.rewards import EnsembleOptions, check_ensemble
 from alpacafarm.training import TrainingDefaults
 from alpacafarm_methods.ppo.core import KL_PENALTIES
 from alpacafarm_methods.ppo.models import VALUE_HEAD_INITS
 
 
 @dataclass
-class PPOMethodConfig(TrainingDefaults, TrainingArguments):
+class PPOMethodConfig(TrainingDefaults, EnsembleOptions, TrainingArguments):
     """Every ``transformers.TrainingArguments`` field, plus PPO's.
 
     Where each default comes from:
@@ -117,4 +118,5 @@ class PPOMethodConfig(TrainingDefaults, TrainingArguments):
         if self.fp16:
             raise ValueError("fp16 is not supported by the PPO trainer; use bf16 (automatic on a suitable "
                              "GPU)")
+        check_ensemble(self.ensemble, self.ensemble_coefficient)
         super().__post_init__()  # TrainingDefaults (bf16, checkpointing for this machine), TrainingArguments

@@ -117,7 +117,8 @@ def build_ppo_trainer(config: PPOMethodConfig, spec: Any, sft_path: str, reward_
             if reward_classifier is None:
                 reward_classifier = load_classifier(spec, reward_path)  # frozen: the model block's dtype
             reward_fn = RewardScorer(reward_classifier, load_tokenizer(spec, reward_path),
-                                     prompt_format=spec.prompt_format, batch_size=config.score_batch_size)
+                                     prompt_format=spec.prompt_format, batch_size=config.score_batch_size,
+                                     ensemble=config.ensemble, ensemble_coefficient=config.ensemble_coefficient)
     prompt_format = PromptFormat.for_model(spec.prompt_format, sft_path, tokenizer)
     return PPOTrainer(config, models, tokenizer, records, reward_fn, prompt_format=prompt_format,
                       callbacks=callbacks)

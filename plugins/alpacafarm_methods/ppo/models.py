@@ -51,12 +51,13 @@ def disable_dropout(module: nn.Module) -> None:
 
 
 def classifier_head(classifier: Any) -> nn.Linear:
-    """The one-output linear head of a sequence classifier (``score`` in LLMs, ``classifier`` in BERT)."""
+    """The linear head of a sequence classifier (``score`` in LLMs, ``classifier`` in BERT): one output, or one
+    per member of a reward-model ensemble."""
     for name in ("score", "classifier"):
         head = getattr(classifier, name, None)
-        if isinstance(head, nn.Linear) and head.out_features == 1:
+        if isinstance(head, nn.Linear):
             return head
-    raise UserError(f"{type(classifier).__name__} has no one-output linear head ('score' or 'classifier'), "
+    raise UserError(f"{type(classifier).__name__} has no linear head ('score' or 'classifier'), "
                     "so the value model cannot be initialised from this reward model")
 
 
@@ -102,13 +103,19 @@ def value_head(classifier: Any, init: str = "zero") -> nn.Linear:
 
     ``zero`` (the released implementation): a new linear layer whose weight and bias are 0, so every value is 0
     at step 0, in the same units as the whitened returns it learns; ``reward_head``: a copy of the reward model's
-    score head, so a sequence's value is its raw reward score at step 0.
+    score head, so a sequence's value is its raw reward score at step 0 (an ensemble's members averaged: the
+    mean member's score).
     """
     if init not in VALUE_HEAD_INITS:
         raise ValueError(f"value_head_init must be one of {', '.join(VALUE_HEAD_INITS)}, not {init!r}")
     source = classifier_head(classifier)
     if init == "reward_head":
-        head = copy.deepcopy(source).float()
+        head = nn.Linear(source.in_features, 1, bias=source.bias is not None, dtype=torch.float32,
+                         device=source.weight.device)
+        with torch.no_grad():
+            head.weight.copy_(source.weight.float().mean(0, keepdim=True))
+            if source.bias is not None:
+                head.bias.copy_(source.bias.float().mean(0, keepdim=True))
     else:
         head = nn.Linear(source.in_features, 1, bias=True, dtype=torch.float32, device=source.weight.device)
         nn.init.zeros_(head.weight)

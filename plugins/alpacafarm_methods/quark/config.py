@@ -6,11 +6,12 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from alpacafarm.rewards import EnsembleOptions, check_ensemble
 from alpacafarm.training import TrainingDefaults
 
 
 @dataclass
-class QuarkMethodConfig(TrainingDefaults, TrainingArguments):
+class QuarkMethodConfig(TrainingDefaults, EnsembleOptions, TrainingArguments):
     """Every ``transformers.TrainingArguments`` field (they apply to each round's training), plus the loop's.
 
     From the paper (Appendix B.2): KL coefficient 0.05, peak learning rate 3e-6 decaying to 0 over the whole
@@ -108,4 +109,5 @@ class QuarkMethodConfig(TrainingDefaults, TrainingArguments):
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        check_ensemble(self.ensemble, self.ensemble_coefficient)
         super().__post_init__()  # TrainingDefaults (bf16, checkpointing for this machine), TrainingArguments

@@ -116,7 +116,8 @@ class Quark(Method):
         tokenizer = load_tokenizer(spec, sft_path)
         prompt_format = PromptFormat.for_model(spec.prompt_format, sft_path, tokenizer)
         policy, reference, _ = load_policy_and_reference(spec, sft_path, args)
-        reward = context.reward_function(batch_size=args.score_batch_size)
+        reward = context.reward_function(batch_size=args.score_batch_size, ensemble=args.ensemble,
+                                         ensemble_coefficient=args.ensemble_coefficient)
 
         trainer = build_quark_trainer(args, policy, tokenizer, reference)
         context.logger.info("stage %s: Quark for %d rounds on %d instructions (%s reference)", context.stage,

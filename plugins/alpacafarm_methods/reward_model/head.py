@@ -8,6 +8,11 @@ instead of once per pair side per epoch as ``RewardTrainer`` would; with several
 The head is then fitted full-batch with Adam on standardised features (L2 penalty ``weight_decay``) and
 written back as the classifier's ``score`` weight (the standardisation folded in), so the saved folder is an
 ordinary sequence classifier that :class:`~alpacafarm.rewards.RewardScorer` and PPO load unchanged.
+
+An ensemble (``ensemble_size`` k > 1) is k heads on the one set of features, saved as a classifier with k outputs:
+member ``i`` is fitted on a bootstrap resample of the training pairs (drawn with replacement, seed + i). Coste et
+al. (2024) vary the seed of each member's training instead; a full-batch fit of this convex loss from a zero
+start reaches the same head whatever the seed, so members are made to differ by their data, as in bagging.
 """
 
 from __future__ import annotations
@@ -105,13 +110,33 @@ def train_head_only(config: Any, spec: Any, model_path: str, rows: list[dict[str
     del inference
     steps = config.max_steps if config.max_steps and config.max_steps > 0 else \
         max(1, round(config.num_train_epochs * STEPS_PER_EPOCH))
-    weight, history = fit_head(features, [c for c, _ in pairs], [r for _, r in pairs],
+    weights, history = [], []
+    for member, member_pairs in enumerate(member_samples(pairs, config.ensemble_size, seed)):
+        weight, log = fit_head(features, [c for c, _ in member_pairs], [r for _, r in member_pairs],
                                learning_rate=config.learning_rate, steps=steps, weight_decay=config.weight_decay,
-                               seed=seed)
+                               seed=seed + member)
+        weights.append(weight)
+        history.extend({**entry, "member": member} if config.ensemble_size > 1 else entry for entry in log)
     model = load_classifier(spec, model_path)
     model.config.pad_token_id = tokenizer.pad_token_id
+    if len(weights) > 1:  # one output per member
+        model.score = torch.nn.Linear(model.score.in_features, len(weights), bias=False,
+                                      dtype=model.score.weight.dtype, device=model.score.weight.device)
+        model.config.num_labels = len(weights)
     with torch.no_grad():
-        model.score.weight.copy_(weight.to(model.score.weight.dtype).reshape_as(model.score.weight))
-    metrics = {"train_loss": history[-1]["loss"], "train_accuracy": history[-1]["accuracy"], "steps": steps,
-               "n_distinct_texts": len(texts), "log_history": history}
+        model.score.weight.copy_(torch.stack(weights).to(model.score.weight.dtype))
+    last = [entry for entry in history if entry["step"] == steps]
+    metrics = {"train_loss": round(sum(e["loss"] for e in last) / len(last), 6),
+               "train_accuracy": round(sum(e["accuracy"] for e in last) / len(last), 6), "steps": steps,
+               "ensemble_size": len(weights), "n_distinct_texts": len(texts), "log_history": history}
     return model, tokenizer, metrics
+
+
+def member_samples(pairs: list[Any], members: int, seed: int) -> list[list[Any]]:
+    """The training pairs of each ensemble member: all of them for a single reward model; for k > 1, k bootstrap
+    resamples (as many pairs, drawn with replacement; member ``i`` from seed + i)."""
+    import random
+
+    if members == 1:
+        return [pairs]
+    return [random.Random(seed + i).choices(pairs, k=len(pairs)) for i in range(members)]

@@ -51,6 +51,11 @@ class RewardModelConfig(TrainingDefaults, RewardConfig):
                 "A CPU saving: backward then stops N blocks below the head (about 2.5x faster with N=4 of 30). "
                 "0: the score head only, fitted on features computed once per distinct text (reward_head.py)"})
 
+    ensemble_size: int = field(default=1, metadata={
+        "help": "k > 1: an ensemble of k reward models (Coste et al. 2024), k heads on the frozen backbone, each "
+                "on a bootstrap resample of the pairs; needs trainable_layers: 0. Consumers choose how members "
+                "combine (their ensemble field: mean | worst | uncertainty_weighted)"})
+
     learning_rate: float = 3e-6
     num_train_epochs: float = 1.0
     max_length: int | None = 512
@@ -62,6 +67,12 @@ class RewardModelConfig(TrainingDefaults, RewardConfig):
             raise ValueError("max_examples must be at least 1")
         if self.trainable_layers is not None and self.trainable_layers < 0:
             raise ValueError("trainable_layers must be at least 0")
+        if self.ensemble_size < 1:
+            raise ValueError("ensemble_size must be at least 1")
+        if self.ensemble_size > 1 and self.trainable_layers != 0:
+            raise ValueError("ensemble_size > 1 is built as k heads on the frozen backbone: set trainable_layers: 0 "
+                             "(an ensemble of fine-tuned reward models is not built; TRL's RewardTrainer trains one "
+                             "output)")
         super().__post_init__()
 
 

@@ -27,6 +27,7 @@ from alpacafarm.data import write_jsonl
 from alpacafarm.generation import SamplingConfig
 from alpacafarm.kit import mean, score_groups, select
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
+from alpacafarm.rewards import DEFAULT_ENSEMBLE_COEFFICIENT, EnsembleRule
 
 
 def powers_of_two(n_max: int) -> list[int]:
@@ -57,6 +58,9 @@ class BestOfNConfig(BaseModel):
         description="n is taken from the field above; a sampling block given replaces the default (unset fields "
                     "take SamplingConfig's own defaults, top_p 1.0)")
     score_batch_size: int = Field(8, ge=1)
+    ensemble: EnsembleRule = Field("mean", description="how an ensemble reward model's members combine")
+    ensemble_coefficient: float = Field(DEFAULT_ENSEMBLE_COEFFICIENT, ge=0.0,
+                                        description="uncertainty_weighted: the members' variance is weighted by this")
     backend: str = "transformers"
     backend_config: dict[str, Any] = Field(default_factory=dict)
 
@@ -89,7 +93,8 @@ class BestOfN(Method):
         # processes (the same samples and scores as one process); the main process alone writes the files.
         rows, _ = context.generate_on_ranks(config.backend, config.backend_config, records, sampling,
                                             f"best-of-{config.n}: sampling")
-        reward = context.reward_function(batch_size=config.score_batch_size)
+        reward = context.reward_function(batch_size=config.score_batch_size, ensemble=config.ensemble,
+                                         ensemble_coefficient=config.ensemble_coefficient)
         samples = score_groups(reward, records, rows, config.n, config.score_batch_size,
                                f"stage {context.stage!r}: scoring")
         if not context.is_main:

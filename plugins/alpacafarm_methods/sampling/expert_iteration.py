@@ -37,6 +37,7 @@ from alpacafarm.errors import UserError
 from alpacafarm.generation import SamplingConfig
 from alpacafarm.kit import build_sft_trainer_on_rows, mark_finished, mean, score_groups, select, training_rows
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
+from alpacafarm.rewards import EnsembleOptions, check_ensemble
 from alpacafarm.training import save_policy, stage_training_args, train_summary
 from alpacafarm.training_progress import training_progress
 from alpacafarm_methods.supervised.sft import SFTMethodConfig
@@ -46,7 +47,7 @@ TRUNCATED_WINNERS = ("keep", "drop")
 
 
 @dataclass
-class ExpertIterationConfig(SFTMethodConfig):
+class ExpertIterationConfig(SFTMethodConfig, EnsembleOptions):
     """Best-of-n settings, rounds, and every ``trl.SFTConfig`` field for the fine-tuning of each round."""
 
     rounds: int = field(default=1, metadata={"help": "best-of-n + SFT rounds (the paper: 1)"})
@@ -73,6 +74,7 @@ class ExpertIterationConfig(SFTMethodConfig):
             raise ValueError("init must be 'previous' or 'sft'")
         if self.truncated_winners not in TRUNCATED_WINNERS:
             raise ValueError(f"truncated_winners must be one of {', '.join(TRUNCATED_WINNERS)}")
+        check_ensemble(self.ensemble, self.ensemble_coefficient)
         super().__post_init__()
 
     def sampling(self, seed: int) -> SamplingConfig:
@@ -127,7 +129,8 @@ class ExpertIteration(Method):
         records = context.records("instruction_splits", config.split)[: config.max_instructions]
         if not records:
             raise UserError(f"expert_iteration: the {config.split!r} split has no instructions")
-        reward = context.reward_function(batch_size=config.score_batch_size) if context.is_main else None
+        reward = context.reward_function(batch_size=config.score_batch_size, ensemble=config.ensemble,
+                                         ensemble_coefficient=config.ensemble_coefficient) if context.is_main else None
         policy_path, rounds = sft_path, []
         for r in range(1, config.rounds + 1):
             round_dir = Path(context.stage_dir) / f"round_{r}"
