@@ -257,9 +257,9 @@ def test_a_failing_two_process_run_prints_one_line_and_exits_2(tmp_path: Path, t
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert done.returncode == 2
     errors = [line for line in done.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
-    assert errors == ["error: an SFT record has no 'output' field (fields: input, instruction); set "
-                      "stages.<name>.config.response_field"]
-    assert "UserError: an SFT record" in (tmp_path / "run" / "error.log").read_text()  # the traceback, once
+    assert errors == ["error: stage 'sft': an SFT record has no 'output' field (fields: input, instruction); set "
+                      "stages.<name>.config.response_field"]  # the stage that called the shared helper, named once
+    assert "UserError: stage 'sft': an SFT record" in (tmp_path / "run" / "error.log").read_text()  # the traceback
 
 
 @pytest.mark.distributed
