@@ -100,6 +100,11 @@ class RewardScorer:
         self.device = next(model.parameters()).device
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
+        if ensemble != "mean" and self.members == 1:
+            from alpacafarm.errors import UserError
+
+            raise UserError(f"ensemble: {ensemble} needs an ensemble reward model (reward_model ensemble_size > 1); "
+                            "this one has a single member, so the rule would change nothing")
 
     @classmethod
     def from_path(cls, path: str, spec: ModelSpec, *, max_length: int | None = None, batch_size: int = 8,

@@ -139,3 +139,14 @@ def test_ensemble_settings_a_run_cannot_use_are_refused_naming_the_field(tiny_mo
                        "    config: {ensemble: worst, ensemble_coefficient: -1.0}\n")
         with pytest.raises(RecipeError, match="ensemble_coefficient"):
             load_recipe(bad).check()
+
+
+def test_a_conservative_rule_on_a_single_reward_model_is_refused(tiny_model_dir: str):
+    """worst / uncertainty_weighted on one member would silently be the plain score: a mistaken recipe."""
+    from alpacafarm.errors import UserError
+
+    spec = ModelSpec(name=tiny_model_dir)
+    assert RewardScorer.from_path(tiny_model_dir, spec).members == 1  # the mean is fine
+    for rule in ("worst", "uncertainty_weighted"):
+        with pytest.raises(UserError, match=f"ensemble: {rule} needs an ensemble reward model"):
+            RewardScorer.from_path(tiny_model_dir, spec, ensemble=rule)
