@@ -1,9 +1,9 @@
 """What a stage manifest records about the files a finished stage produced, and how the record is checked.
 
 A complete stage's manifest (format :data:`MANIFEST_FORMAT`) holds ``outputs``: every file of its artifact that
-lies inside the run directory (the artifact's path — a file, or a folder walked recursively — and any
-run-directory path its metadata names), keyed by its path relative to the run directory, with its size,
-modification time (ns) and SHA-256::
+lies inside the run directory (the artifact's path — a file, or a folder walked recursively —, the paths of
+its typed hand-offs and any run-directory path its metadata names), keyed by its path relative to the run
+directory, with its size, modification time (ns) and SHA-256::
 
     "outputs": {"stages/sft/model/model.safetensors": {"size": 1234, "mtime_ns": 1712..., "sha256": "ab12..."}}
 
@@ -21,18 +21,26 @@ import re
 from pathlib import Path
 from typing import Any
 
+from alpacafarm.artifacts import Artifact, run_relative
 from alpacafarm.data import file_sha256
-from alpacafarm.method import run_relative
 
-#: 1: no ``outputs`` record (alpacafarm before issue 13); 2: ``outputs``, run-relative paths, ``fingerprint_parts``.
-MANIFEST_FORMAT = 2
+#: 1: no ``outputs`` record (alpacafarm before issue 13); 2: ``outputs``, run-relative paths, ``fingerprint_parts``;
+#: 3: the artifact's typed hand-offs (:mod:`alpacafarm.artifacts`) and its ``output_id`` outside ``metadata``.
+MANIFEST_FORMAT = 3
 #: Folders inside an artifact folder that are not outputs (trainer checkpoints, half-written ones).
 _SKIPPED_DIRS = re.compile(r"^checkpoint-\d+($|\.)")
 _SKIPPED_FILES = {"manifest.json", "manifest.json.tmp"}
 
 
-def artifact_roots(artifact: Any, run_dir: Path) -> list[str]:
-    """The run-relative paths an artifact stands for: its path and the run-directory paths its metadata names."""
+def recorded_output_id(manifest: dict[str, Any] | None) -> str | None:
+    """The ``output_id`` a complete stage's manifest recorded (manifests before typed hand-offs: in metadata)."""
+    artifact = (manifest or {}).get("artifact") or {}
+    return artifact.get("output_id") or (artifact.get("metadata") or {}).get("output_id")
+
+
+def artifact_roots(artifact: Artifact, run_dir: Path) -> list[str]:
+    """The run-relative paths an artifact stands for: its path, the paths of its hand-offs (named files, systems'
+    outputs, snapshot folders, judged pairs) and the run-directory paths its metadata names."""
     found: list[str] = []
 
     def visit(value: Any) -> None:
@@ -47,10 +55,13 @@ def artifact_roots(artifact: Any, run_dir: Path) -> list[str]:
             if relative is not None and relative not in found:
                 found.append(relative)
 
-    if artifact.path is not None and Path(artifact.path).exists():
-        relative = run_relative(artifact.path, run_dir)
-        if relative is not None:
-            found.append(relative)
+    named = [artifact.path, *artifact.files.values(), *(s.outputs for s in artifact.systems),
+             *(s.path for s in artifact.snapshots), *(j.annotations for j in artifact.judged)]
+    for path in named:
+        if path is not None and Path(path).exists():
+            relative = run_relative(str(path), run_dir)
+            if relative is not None and relative not in found:
+                found.append(relative)
     visit(artifact.metadata)
     return found
 

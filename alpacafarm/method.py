@@ -9,11 +9,21 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
+
+# The hand-off types are part of the method contract: ``from alpacafarm.method import Artifact`` keeps working.
+from alpacafarm.artifacts import (  # noqa: F401
+    RUN_DIR_TOKEN,
+    Artifact,
+    JudgedSystem,
+    Snapshot,
+    System,
+    Table,
+    run_relative,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -27,76 +37,6 @@ if TYPE_CHECKING:
 
 #: The conventional outputs file of a stage folder (``generate_outputs`` writes it).
 OUTPUTS_FILE = "outputs.jsonl"
-
-
-#: How a manifest writes a run-directory path inside an artifact's metadata (``${run_dir}/stages/x/file``), so
-#: that a copied or moved run directory resolves it in its new place.
-RUN_DIR_TOKEN = "${run_dir}"
-
-
-@dataclass
-class Artifact:
-    """What a stage produced: a kind (``model``, ``dataset``, ``policy``, ``evaluation``, ...), a path, metadata."""
-
-    kind: str
-    path: str | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self, run_dir: Path) -> dict[str, Any]:
-        """JSON for a manifest. Paths inside the run directory are stored relative to it (the artifact's path
-        with ``path_base: run_dir``; metadata strings as ``${run_dir}/...``), so a run directory can be copied
-        or moved; an existing path outside it is stored absolute; anything else (a hub ID) as it is."""
-        path, base = self.path, None
-        if path is not None:
-            relative = run_relative(path, run_dir)
-            if relative is not None:
-                path, base = relative, "run_dir"
-            elif Path(path).exists():
-                path = str(Path(path).absolute())
-        data: dict[str, Any] = {"kind": self.kind, "path": path, "metadata": _map_strings(
-            self.metadata, lambda s: _run_token(s, run_dir))}
-        if base:
-            data["path_base"] = base
-        return data
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any], run_dir: Path) -> Artifact:
-        """The artifact of a manifest, its run-directory paths resolved under ``run_dir`` (where it is now)."""
-        path = data.get("path")
-        if path is not None and not Path(path).is_absolute() and (
-                data.get("path_base") == "run_dir" or (run_dir / path).exists()):  # the latter: older manifests
-            path = str(run_dir / path)
-        prefix = RUN_DIR_TOKEN + "/"
-        metadata = _map_strings(dict(data.get("metadata") or {}),
-                                lambda s: str(run_dir / s[len(prefix):]) if s.startswith(prefix) else s)
-        return cls(data["kind"], path, metadata)
-
-
-def run_relative(path: str, run_dir: Path) -> str | None:
-    """``path`` relative to ``run_dir`` when it lies inside it (POSIX form), else ``None``."""
-    try:
-        relative = Path(path).resolve().relative_to(run_dir.resolve())
-    except (ValueError, OSError):
-        return None
-    return relative.as_posix() if relative.parts else None
-
-
-def _run_token(value: str, run_dir: Path) -> str:
-    """A metadata string naming a path inside the run directory, as ``${run_dir}/...``; others unchanged."""
-    if not (os.path.isabs(value) or value.startswith(f"{run_dir}{os.sep}")) or "\n" in value or len(value) > 4096:
-        return value
-    relative = run_relative(value, run_dir)
-    return value if relative is None else f"{RUN_DIR_TOKEN}/{relative}"
-
-
-def _map_strings(value: Any, fn: Any) -> Any:
-    if isinstance(value, str):
-        return fn(value)
-    if isinstance(value, dict):
-        return {k: _map_strings(v, fn) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_map_strings(v, fn) for v in value]
-    return value
 
 
 class Ranks(enum.Enum):
@@ -147,28 +87,29 @@ class StageContext:
     def records(self, name: str, file: str | None = None) -> list[dict[str, Any]]:
         """The records of an input: a recipe data source, or a dataset file written by an earlier stage.
 
-        For a stage output that is a folder, ``file`` names the file inside it (e.g. ``"train.jsonl"``) or the
-        artifact's metadata key that holds the file name (e.g. ``"train"``).
+        For a stage output that is a folder, ``file`` is one of the artifact's named :attr:`~Artifact.files`
+        (e.g. ``"train"``) or a file name inside the folder (e.g. ``"train.jsonl"``).
         """
         from alpacafarm.data import load_source, read_records
-        from alpacafarm.recipe import DataSource
 
         artifact = self.input(name)
         if artifact.kind == "data_source":
-            return load_source(DataSource.model_validate(artifact.metadata["source"]))
+            return load_source(artifact.source)
         if artifact.path is None:
             raise ValueError(f"input {name!r} of stage {self.stage!r} has no file")
         path = Path(artifact.path)
+        if file is not None and file in artifact.files:
+            return read_records(Path(artifact.files[file]))
         if path.is_dir():
             if file is None:
                 raise ValueError(f"input {name!r} is a folder; say which file to read")
-            path = path / str(artifact.metadata.get(file, file))
+            path = path / file
         return read_records(path)
 
     def outputs(self, name: str) -> list[dict[str, Any]]:
         """The answers an input holds (records with ``instruction``, optional ``input``, ``output``): a data source
-        or an outputs file as it is; a folder whose metadata key ``outputs`` names the file, else its
-        ``outputs.jsonl``. What an evaluator reads from its ``policy`` input."""
+        or an outputs file as it is; a folder's ``outputs.jsonl``. What an evaluator reads from a ``policy`` input
+        that lists no :attr:`~Artifact.systems` (one that does: read each ``System.outputs``)."""
         from alpacafarm.errors import UserError
 
         artifact = self.input(name)
@@ -180,12 +121,11 @@ class StageContext:
             raise UserError(f"stage {self.stage!r}: input {name!r} ({artifact.kind}) has no outputs file; {hint}")
         if not path.is_dir():
             return self.records(name)
-        if "outputs" in artifact.metadata:
-            return self.records(name, "outputs")
         if (path / OUTPUTS_FILE).is_file():
             return self.records(name, OUTPUTS_FILE)
-        raise UserError(f"stage {self.stage!r}: input {name!r} is a folder ({path}) without {OUTPUTS_FILE} and its "
-                        f"artifact names no 'outputs' file; to evaluate a model, {hint}")
+        listed = f"; it lists {len(artifact.systems)} systems (read each System.outputs)" if artifact.systems else ""
+        raise UserError(f"stage {self.stage!r}: input {name!r} is a folder ({path}) without {OUTPUTS_FILE}"
+                        f"{listed}; to evaluate a model, {hint}")
 
     def annotator_ref(self, role: str = "feedback") -> PluginRef:
         """The recipe's annotator for ``role``: ``feedback`` (training labels) or ``evaluation``."""
@@ -287,7 +227,8 @@ class Method:
 
     Subclasses set ``config_class`` (a pydantic model or dataclass, or ``None``), ``requires`` (names of the
     inputs the pipeline must wire: ``base_model``, ``sft_model``, ``preferences``, ``reward_model``, a data name,
-    ...), ``provides`` (what the output is, so later stages find it), ``annotator_role`` if they use an
+    ...), ``provides`` (what the output is, so later stages find it), ``produces`` (the typed hand-offs its
+    artifact always carries), ``annotator_role`` if they use an
     annotator, ``ranks`` (where the stage runs under several processes), and implement :meth:`run`. The pipeline
     builds the method as ``Method(config)``; ``self.config`` is the validated config object.
     """
@@ -306,6 +247,10 @@ class Method:
     #: Where the stage runs under several processes (``alpacafarm run --num-processes N``): :class:`Ranks`
     #: ``MAIN`` (the default), ``ALL`` or ``SINGLE_PROCESS``.
     ranks: ClassVar[Ranks] = Ranks.MAIN
+    #: The typed hand-offs (:mod:`alpacafarm.artifacts`) its artifact always carries, among ``files``,
+    #: ``systems``, ``snapshots``, ``judged``, ``table``: a stage whose artifact lacks one fails when it ends
+    #: (``best_of_n``: ``("systems",)``). Those it carries only sometimes are checked too, but not required.
+    produces: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Refuse, when the class is defined, the attributes that ``ranks`` replaced and a ``ranks`` that is not a
@@ -316,6 +261,13 @@ class Method:
             if old in vars(cls):
                 raise TypeError(f"{cls.__module__}.{cls.__qualname__} sets {old}, which alpacafarm no longer reads: "
                                 f"set {new} instead (from alpacafarm.method import Ranks)")
+        from alpacafarm.artifacts import HANDOFFS
+
+        unknown = [p for p in cls.produces if p not in HANDOFFS] if isinstance(cls.produces, tuple) else [
+            cls.produces]
+        if unknown:
+            raise TypeError(f"{cls.__module__}.{cls.__qualname__}.produces = {cls.produces!r}: it must be a tuple "
+                            f"of {', '.join(HANDOFFS)}")
         if not isinstance(cls.ranks, Ranks):
             raise TypeError(f"{cls.__module__}.{cls.__qualname__}.ranks is {cls.ranks!r}; it must be Ranks.MAIN, "
                             f"Ranks.ALL or Ranks.SINGLE_PROCESS (from alpacafarm.method import Ranks)")

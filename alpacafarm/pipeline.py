@@ -27,11 +27,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from alpacafarm.artifacts import Artifact, handoff_problem
 from alpacafarm.code_identity import stage_code_identity
 from alpacafarm.data import source_fingerprint, write_json
 from alpacafarm.errors import UserError, did_you_mean, naming_stage
-from alpacafarm.manifest import MANIFEST_FORMAT, check_outputs, record_outputs
-from alpacafarm.method import Artifact, Method, Ranks, StageContext
+from alpacafarm.manifest import MANIFEST_FORMAT, check_outputs, record_outputs, recorded_output_id
+from alpacafarm.method import Method, Ranks, StageContext
 from alpacafarm.paths import make_dir
 from alpacafarm.recipe import LoadedRecipe
 from alpacafarm.registry import Registry
@@ -195,15 +196,13 @@ class Pipeline:
         self.run_dir = run_directory(loaded, output_dir)
 
     def _input_identity(self, provider: str, outcomes: dict[str, StageOutcome]) -> tuple[str, Artifact]:
-        if provider == BASE_MODEL:
-            spec = self.recipe.model.model_dump(mode="json")
-            return _digest(spec), Artifact("model", self.recipe.model.name, {"spec": spec, "resolved": False})
+        if provider == BASE_MODEL:  # loaded with the recipe's model block, as every model folder is
+            return _digest(self.recipe.model.model_dump(mode="json")), Artifact("model", self.recipe.model.name)
         if provider in self.recipe.data:
             source = self.recipe.data[provider]
-            return source_fingerprint(source), Artifact("data_source", source.path,
-                                                        {"source": source.model_dump(mode="json")})
+            return source_fingerprint(source), Artifact("data_source", source.path, source=source)
         outcome = outcomes[provider]
-        return outcome.artifact.metadata["output_id"], outcome.artifact
+        return outcome.artifact.output_id, outcome.artifact
 
     def _annotator_identity(self, stage: PlannedStage) -> Any:
         """The annotator a stage uses (by its ``annotator_role``), so that changing the judge re-runs it."""
@@ -291,8 +290,8 @@ class Pipeline:
             for requirement, provider in stage.inputs.items():
                 if provider in manifests:  # an earlier stage: its recorded output, unless it will run again
                     earlier = next(d for d in decisions if d.name == provider)
-                    identities[requirement] = (((manifests[provider] or {}).get("artifact") or {}).get(
-                        "metadata", {}).get("output_id") if earlier.action == "skip" else None)
+                    identities[requirement] = (recorded_output_id(manifests[provider])
+                                               if earlier.action == "skip" else None)
                 else:
                     identities[requirement] = self._input_identity(provider, {})[0]
             manifests[stage.name] = self._read_manifest(stage)
@@ -471,11 +470,12 @@ class Pipeline:
     def _finish_stage(self, stage: PlannedStage, artifact: Artifact, manifest: dict[str, Any],
                       seconds: float) -> Artifact:
         """On the main process: check the stage's declared outputs, record them and mark its manifest complete."""
-        problem = artifact_problem(artifact, self.run_dir)
-        if problem is not None:  # never "complete" with outputs the next stage cannot read
+        # never "complete" with outputs or hand-offs the next stage cannot read: refused here, in the stage's name
+        problem = artifact_problem(artifact, self.run_dir) or handoff_problem(artifact, stage.method_cls.produces)
+        if problem is not None:
             raise UserError(f"stage {stage.name!r}: method {stage.method!r} of plugin {stage.plugin!r} returned "
                             f"a {artifact.kind} artifact whose {problem}; the stage is not recorded complete")
-        artifact.metadata["output_id"] = uuid.uuid4().hex
+        artifact.output_id = uuid.uuid4().hex
         manifest.update(status="complete", finished_at=_now(), duration_s=round(seconds, 3),
                         artifact=artifact.to_json(self.run_dir), outputs=record_outputs(artifact, self.run_dir))
         write_json(self.run_dir / "stages" / stage.name / "manifest.json", manifest)

@@ -15,7 +15,7 @@ from conftest import run_cli
 import alpacafarm
 from alpacafarm.data import BUILTIN_DIR, read_records
 from alpacafarm.errors import UserError
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, Method, StageContext, System
 from alpacafarm.testing import write_records
 from alpacafarm_evaluation import metrics as wr
 
@@ -263,7 +263,9 @@ def test_win_rate_evaluator_in_a_pipeline(tmp_path: Path, register_test_plugin):
     assert metrics["generator"] == "first-sentence" and metrics["n_unmatched"] == 0
     artifact = outcomes["evaluate"].artifact
     assert artifact.kind == "evaluation" and Path(artifact.path) == metrics_path
-    assert artifact.metadata["table"]["rows"][0][0] == "all"
+    assert artifact.table.rows[0][0] == "all"
+    assert [(j.name, Path(j.annotations).name, j.win_rate) for j in artifact.judged] == [
+        ("policy", "annotations.json", metrics["win_rate"])]
     assert len(json.loads((run_dir / "stages" / "evaluate" / "annotations.json").read_text())) == 10
 
     again = {o.name: o for o in Pipeline(load_recipe(recipe), get_registry(), run_dir).run()}
@@ -292,10 +294,12 @@ def test_evaluator_reads_folder_artifacts(tmp_path: Path):
     def context(artifact: Artifact) -> StageContext:
         return StageContext("evaluate", tmp_path / "evaluate", tmp_path, 0, {"policy": artifact}, None, None)
 
-    named = context(Artifact("policy", str(folder), {"outputs": "generations.jsonl"}))
-    assert len(named.outputs("policy")) == 2
+    assert len(context(Artifact("outputs", str(folder / "generations.jsonl"))).outputs("policy")) == 2
     with pytest.raises(UserError, match="add a generate_outputs stage"):
         context(Artifact("model", str(folder))).outputs("policy")
+    listing = Artifact("outputs", str(folder), systems=[System("a", str(folder / "generations.jsonl"))])
+    with pytest.raises(UserError, match=r"without outputs.jsonl; it lists 1 systems \(read each System.outputs\)"):
+        context(listing).outputs("policy")
     with pytest.raises(UserError, match="add a generate_outputs stage"):
         context(Artifact("model", None)).outputs("policy")
     write_records(folder / "outputs.jsonl", _truncated_outputs(3))  # the conventional file, without metadata
@@ -340,7 +344,7 @@ def test_an_evaluation_whose_judge_fails_is_never_complete_and_a_rerun_asks_only
 
 
 def test_results_mark_differences_to_the_first_system_beyond_two_paired_ses():
-    from alpacafarm_evaluation.evaluator import System
+    from alpacafarm_evaluation.evaluator import Candidate
     from alpacafarm_evaluation.results import results_rows, results_table
 
     keys = [f"q{i}" for i in range(40)]
@@ -352,7 +356,7 @@ def test_results_mark_differences_to_the_first_system_beyond_two_paired_ses():
     def metrics(scores: dict[str, float]) -> dict[str, float]:
         return {"win_rate": 100 * sum(scores.values()) / len(scores), "standard_error": 0.0, "avg_length": 10}
 
-    evaluated = [(System(name, name, []), metrics(s), s) for name, s in
+    evaluated = [(Candidate(name, name, []), metrics(s), s) for name, s in
                  [("outputs", sft), ("better", better), ("noisy", noisy), ("same", same)]]
     rows = results_rows(evaluated, [None] * 4)
     assert [r["vs_system"] for r in rows] == [None, "outputs", "outputs", "outputs"]

@@ -147,14 +147,14 @@ def test_weighted_win_rate_in_a_pipeline_is_judged_apart_from_hard_labels(tmp_pa
 
 
 def test_the_results_table_names_weighted_win_rates():
-    from alpacafarm_evaluation.evaluator import System
+    from alpacafarm_evaluation.evaluator import Candidate
     from alpacafarm_evaluation.results import results_rows, results_table
 
     keys = [f"q{i}" for i in range(8)]
     first, second = {k: 0.2 for k in keys}, {k: 0.9 if i % 2 else 0.3 for i, k in enumerate(keys)}
 
     def evaluated(continuous: bool) -> list:
-        return [(System(name, name, []), {"win_rate": 100 * sum(s.values()) / len(s), "standard_error": 1.0,
+        return [(Candidate(name, name, []), {"win_rate": 100 * sum(s.values()) / len(s), "standard_error": 1.0,
                                           "continuous_preferences": continuous}, s)
                 for name, s in (("sft", first), ("better", second))]
 

@@ -131,7 +131,7 @@ def test_first_run_writes_artifacts_and_manifests(recipe_file: Path, tmp_path: P
     manifest = json.loads((out / "stages" / "numbers" / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["method"] == "make_numbers"
     assert manifest["artifact"]["path"] == "stages/numbers/numbers.jsonl"  # relative: a run dir can move
-    assert manifest["format"] == 2 and list(manifest["outputs"]) == ["stages/numbers/numbers.jsonl"]
+    assert manifest["format"] == 3 and list(manifest["outputs"]) == ["stages/numbers/numbers.jsonl"]
     assert set(manifest["fingerprint_parts"]) == {"method", "plugin", "plugin_version", "config", "seed", "model",
                                                   "annotator", "code"}
     assert (manifest["inputs"]["instructions"]["from"] == "instructions"
@@ -139,7 +139,7 @@ def test_first_run_writes_artifacts_and_manifests(recipe_file: Path, tmp_path: P
     assert manifest["versions"]["alpacafarm"] == alpacafarm.__version__ and "pluggy" in manifest["versions"]
     assert manifest["recipe"]["name"] == "toy" and isinstance(manifest["seed"], int)
     downstream = json.loads((out / "stages" / "total" / "manifest.json").read_text())
-    assert downstream["inputs"]["numbers"]["id"] == manifest["artifact"]["metadata"]["output_id"]
+    assert downstream["inputs"]["numbers"]["id"] == manifest["artifact"]["output_id"]
     assert (out / "recipe.yaml").is_file() and (out / "run.log").is_file()
     assert json.loads((out / "run.json").read_text())["seed"] == 42
 

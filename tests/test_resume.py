@@ -167,7 +167,7 @@ def test_a_deleted_output_reruns_its_stage_and_what_depends_on_it(recipe: Path, 
     run = tmp_path / "run"
     assert statuses(recipe, run) == ALL_RAN
     manifest = json.loads((run / "stages/split/manifest.json").read_text())
-    assert manifest["format"] == 2 and set(manifest["outputs"]) == {"stages/split/train.jsonl",
+    assert manifest["format"] == 3 and set(manifest["outputs"]) == {"stages/split/train.jsonl",
                                                                      "stages/split/eval.jsonl"}
     assert set(manifest["outputs"]["stages/split/train.jsonl"]) == {"size", "mtime_ns", "sha256"}
     (run / "stages/split/train.jsonl").unlink()
@@ -240,7 +240,7 @@ def test_an_older_manifest_without_outputs_is_kept_and_upgraded(recipe: Path, tm
         path.write_text(json.dumps(manifest))
     assert statuses(recipe, run) == ALL_SKIPPED  # no re-training after an upgrade
     upgraded = json.loads((run / "stages/split/manifest.json").read_text())
-    assert upgraded["format"] == 2 and "stages/split/train.jsonl" in upgraded["outputs"]
+    assert upgraded["format"] == 3 and "stages/split/train.jsonl" in upgraded["outputs"]
     (run / "stages/split/train.jsonl").unlink()
     assert statuses(recipe, run) == ALL_RAN
 

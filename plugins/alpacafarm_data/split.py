@@ -48,6 +48,7 @@ class SplitInstructions(Method):
     config_class = SplitInstructionsConfig
     requires = ("instructions",)
     provides = "instruction_splits"
+    produces = ("files",)  # train, eval (and validation, test): context.records("instruction_splits", "train")
 
     def run(self, context: StageContext) -> Artifact:
         config: SplitInstructionsConfig = self.config
@@ -70,13 +71,13 @@ class SplitInstructions(Method):
         if config.max_train:
             train_rows = train_rows[: config.max_train]
         eval_rows = validation_rows if config.evaluate_on == "validation" else test_rows
-        files = {"train": "train.jsonl", "eval": "eval.jsonl"}
-        write_jsonl(context.stage_dir / "train.jsonl", train_rows)
-        write_jsonl(context.stage_dir / "eval.jsonl", eval_rows)
+        splits = {"train": train_rows, "eval": eval_rows}
         if config.validation_size:
-            write_jsonl(context.stage_dir / "validation.jsonl", validation_rows)
-            write_jsonl(context.stage_dir / "test.jsonl", test_rows)
-            files.update(validation="validation.jsonl", test="test.jsonl")
+            splits.update(validation=validation_rows, test=test_rows)
+        files: dict[str, str] = {}
+        for split, split_rows in splits.items():
+            files[split] = str(context.stage_dir / f"{split}.jsonl")
+            write_jsonl(context.stage_dir / f"{split}.jsonl", split_rows)
         sources = Counter(str(r.get("dataset", "?")) for r in eval_rows)
         context.logger.info("split %d unique of %d records: %d train, %d validation, %d held out; eval.jsonl = %s",
                             len(rows), len(records), len(train_rows), len(validation_rows), len(test_rows),
@@ -84,7 +85,8 @@ class SplitInstructions(Method):
         return Artifact(
             "dataset",
             str(context.stage_dir),
-            {**files, "n_records": len(records), "n_unique": len(rows), "n_train": len(train_rows),
+            {"n_records": len(records), "n_unique": len(rows), "n_train": len(train_rows),
              "n_eval": len(eval_rows), "n_validation": len(validation_rows), "evaluate_on": config.evaluate_on,
              "eval_sources": dict(sources)},
+            files=files,
         )

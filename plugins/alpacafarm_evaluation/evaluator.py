@@ -1,8 +1,10 @@
 """The ``win_rate`` evaluator: the pipeline's final ``evaluate`` stage.
 
-Its ``policy`` input is the artifact of the evaluated stage, read with
-:meth:`~alpacafarm.method.StageContext.outputs` (an outputs file, or a folder naming one). The outputs are
-paired with reference outputs, judged by the recipe's evaluation annotator (``evaluation.annotator``, else
+Its ``policy`` input is the artifact of the evaluated stage: one system per
+:class:`~alpacafarm.artifacts.System` it hands on, else its outputs file (read with
+:meth:`~alpacafarm.method.StageContext.outputs`). Its artifact hands the gate what it judged (``judged``: one
+:class:`~alpacafarm.artifacts.JudgedSystem` per system, naming its ``annotations.json``) and a ``table``. The
+outputs are paired with reference outputs, judged by the recipe's evaluation annotator (``evaluation.annotator``, else
 ``annotator``), and scored (see ``metrics.py``).
 
 A system with more pairs without a label than ``max_unlabelled_fraction`` (failed: the judge got no answer;
@@ -15,7 +17,7 @@ pairs are cached). Within the tolerance, unlabelled pairs are dropped from the w
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from alpacafarm.annotation import Annotator, ProgressCallback, aannotate_replicate, check_unlabelled
 from alpacafarm.annotation_cache import LedgerTotals
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, JudgedSystem, Method, StageContext, System, Table
 from alpacafarm.recipe import DataSource
 from alpacafarm.rewards import DEFAULT_ENSEMBLE_COEFFICIENT, EnsembleRule
 from alpacafarm.types import Annotation, Pair
@@ -48,20 +50,38 @@ class WinRateConfig(BaseModel):
 
 
 @dataclass
-class System:
-    """One evaluated system: its name, its output records, and what its stage recorded about it (n, proxy reward)."""
+class Candidate:
+    """One system being evaluated: its name, the stage it came from, its output records, and what its stage handed
+    on about it (:class:`~alpacafarm.artifacts.System`: n, step, proxy reward, KL); a stage that hands on no
+    systems is one candidate named after the stage."""
 
     name: str
     stage: str
     outputs: list[dict[str, Any]]
-    info: dict[str, Any] = field(default_factory=dict)
+    declared: System | None = None
+
+    @property
+    def n(self) -> int | None:
+        return self.declared.n if self.declared else None
+
+    @property
+    def step(self) -> int | None:
+        return self.declared.step if self.declared else None
+
+    @property
+    def proxy_reward(self) -> float | None:
+        return self.declared.proxy_reward if self.declared else None
+
+    @property
+    def train_reward(self) -> float | None:
+        return self.declared.train_reward if self.declared else None
 
 
 class WinRateEvaluator(Method):
     """Win-rate of the evaluated stages' outputs against reference outputs, judged by the recipe's annotator.
 
     Evaluates one system (``evaluation.policy: <stage>``) or several (a list of stages; a stage whose artifact
-    lists ``systems``, such as ``best_of_n``, contributes one system per entry). Writes ``results.csv`` /
+    hands on ``systems``, such as ``best_of_n``, contributes one system per entry). Writes ``results.csv`` /
     ``results.json`` (system, win-rate ± SE, avg length, proxy reward) and, when systems carry ``n``, the
     ``results.png`` curve of win-rate and proxy reward against n. The proxy reward is the mean reward-model
     score of a system's outputs: recorded by its stage (best-of-n), else scored here with the run's latest
@@ -71,27 +91,26 @@ class WinRateEvaluator(Method):
     config_class = WinRateConfig
     requires = ("policy",)
     optional = ("reward_model",)
+    produces = ("judged", "table")
     provides = "evaluation"
     annotator_role = "evaluation"
 
-    def systems(self, context: StageContext) -> list[System]:
+    def systems(self, context: StageContext) -> list[Candidate]:
         """Every evaluated system, in the recipe's order."""
         from alpacafarm.data import read_records
 
         evaluation = context.recipe.evaluation
         default_stage = (evaluation.policy if evaluation and isinstance(evaluation.policy, str) else None) \
             or context.recipe.stages[-1].name
-        found: list[System] = []
+        found: list[Candidate] = []
         for key, artifact in context.inputs.items():
             if key != "policy" and not key.startswith("policy:"):
                 continue
             stage = key.split(":", 1)[1] if ":" in key else default_stage
-            listed = artifact.metadata.get("systems")
-            if listed and artifact.path and Path(artifact.path).is_dir():
-                for name, info in listed.items():
-                    found.append(System(name, stage, read_records(Path(artifact.path) / info["outputs"]), dict(info)))
-            else:
-                found.append(System(stage, stage, context.outputs(key)))
+            for system in artifact.systems:  # checked when its stage ended: each names an outputs file
+                found.append(Candidate(system.name, stage, read_records(Path(system.outputs)), system))
+            if not artifact.systems:
+                found.append(Candidate(stage, stage, context.outputs(key)))
         names = [s.name for s in found]
         for system in found:  # two stages listing the same system name: qualify both with their stage
             if names.count(system.name) > 1:
@@ -110,7 +129,8 @@ class WinRateEvaluator(Method):
         references = load_references(config.references, config.reference_field)
         single = len(systems) == 1
         annotator = RecordingAnnotator(context.make_annotator("evaluation"))
-        evaluated: list[tuple[System, dict[str, Any], list[dict[str, Any]], dict[str, float]]] = []
+        judged: list[JudgedSystem] = []
+        evaluated: list[tuple[Candidate, dict[str, Any], list[dict[str, Any]], dict[str, float]]] = []
         try:
             for system in systems:
                 pairs, skipped = pair_outputs(system.outputs, references, config.max_instructions,
@@ -135,6 +155,8 @@ class WinRateEvaluator(Method):
                 context.logger.info("%s: %s win-rate %.2f ± %.2f over %d pairs", context.stage, system.name,
                                     metrics["win_rate"] or 0.0, metrics["standard_error"] or 0.0, metrics["n_total"])
                 evaluated.append((system, metrics, pairs, per_instruction))
+                judged.append(JudgedSystem(system.name, system.stage, str(out_dir / "annotations.json"),
+                                           metrics["win_rate"], metrics["standard_error"]))
         finally:
             annotator.close()
         rewards = proxy_rewards(context, [(s, pairs) for s, _, pairs, _ in evaluated],
@@ -148,15 +170,17 @@ class WinRateEvaluator(Method):
         if single:
             metrics = {**evaluated[0][1], "proxy_reward": rows[0]["proxy_reward"], "results": files}
             title = f"win-rate of {metrics.get('generator')} vs {reference} (judge: {judge})"
-            return Artifact("evaluation", str(context.stage_dir / "metrics.json"),
-                            {**metrics, "table": metrics_table(metrics, title)})
+            return Artifact("evaluation", str(context.stage_dir / "metrics.json"), metrics, judged=judged,
+                            table=Table(**metrics_table(metrics, title)))
         table = results_table(rows, f"win-rate vs {reference} (judge: {judge})")
-        return Artifact("evaluation", files["json"], {"systems": rows, "annotator": judge, "reference": reference,
-                                                      "results": files, "table": table})
+        return Artifact("evaluation", files["json"], {"annotator": judge, "reference": reference, "results": files},
+                        judged=judged, table=Table(**table))
 
 
 class RecordingAnnotator(Annotator):
     """The stage's judge, keeping the annotations of its last call (their outcomes decide the tolerance check)."""
+
+    accepts_replicate = True  # passed on to the judge, which may refuse replicate k > 0 itself
 
     def __init__(self, inner: Annotator) -> None:
         self.inner = inner
@@ -187,14 +211,14 @@ def gold_scores(judge: Annotator, pairs: Sequence[dict[str, Any]]) -> dict[str, 
     return {f"{p['instruction']}\x00{p['input']}": v for p, v in zip(pairs, values, strict=True)}
 
 
-def policy_kl(system: System) -> tuple[float, float | None] | None:
-    """``(KL to the reference model, its SE)`` of a system: from the log-probabilities its stage wrote with each
-    output (``generate_outputs`` with a ``kl_reference`` input), or in closed form for a best-of-n system
-    (``log n - (n - 1)/n``, SE 0); None when neither is known."""
-    from alpacafarm.divergence import best_of_n_kl, kl_estimate
+def policy_kl(system: Candidate) -> tuple[float, float | None] | None:
+    """``(KL to the reference model, its SE)`` of a system: as its stage handed it on (best-of-n: in closed form,
+    ``log n - (n - 1)/n``, SE 0), else from the log-probabilities its stage wrote with each output
+    (``generate_outputs`` with a ``kl_reference`` input); None when neither is known."""
+    from alpacafarm.divergence import kl_estimate
 
-    if system.info.get("n") is not None:
-        return best_of_n_kl(int(system.info["n"])), 0.0
+    if system.declared is not None and system.declared.kl is not None:
+        return system.declared.kl, system.declared.kl_se
     if system.outputs and all("logprob" in r and "reference_logprob" in r for r in system.outputs):
         return kl_estimate([r["logprob"] for r in system.outputs], [r["reference_logprob"] for r in system.outputs])
     return None

@@ -37,7 +37,7 @@ def proxy_rewards(context: Any, systems: Sequence[tuple[Any, list[dict[str, Any]
     rule) keeps it; the others are scored here with the run's ``reward_model`` input when there is one (an
     ensemble's members combined by ``ensemble``: rule, coefficient), else ``None``.
     """
-    values: list[float | None] = [s.info.get("proxy_reward") for s, _ in systems]
+    values: list[float | None] = [s.proxy_reward for s, _ in systems]
     missing = [i for i, v in enumerate(values) if v is None]
     if not missing or "reward_model" not in context.inputs:
         return values
@@ -91,24 +91,24 @@ def results_rows(evaluated: Sequence[tuple[Any, dict[str, Any], dict[str, float]
     first_name, first_scores = (evaluated[0][0].name, evaluated[0][2]) if evaluated else (None, {})
     sweeps: dict[str, tuple[int, dict[str, float]]] = {}
     for system, _, scores in evaluated:
-        n = system.info.get("n")
+        n = system.n
         if n is not None and (system.stage not in sweeps or n < sweeps[system.stage][0]):
             sweeps[system.stage] = (n, scores)
     rows = []
     for (system, metrics, scores), reward, gold, kl in zip(evaluated, rewards, golds, kls, strict=True):
         delta = paired_se = None
-        if system.info.get("n") is not None:
+        if system.n is not None:
             delta, paired_se = paired_difference(scores, sweeps[system.stage][1])
         versus = {"vs_system": None, "delta_vs_system": None, "paired_se_vs_system": None, "significant": None}
         if rows:  # not the first system itself
             diff, se = paired_difference(scores, first_scores)
             versus = {"vs_system": first_name, "delta_vs_system": diff, "paired_se_vs_system": se,
                       "significant": significant(diff, se)}
-        rows.append({"system": system.name, "stage": system.stage, "n": system.info.get("n"),
+        rows.append({"system": system.name, "stage": system.stage, "n": system.n,
                      **{k: metrics.get(k) for k in COLUMNS[3:11]}, "proxy_reward": reward,
                      "delta_vs_smallest_n": delta, "paired_standard_error": paired_se, **versus,
                      "continuous_preferences": bool(metrics.get("continuous_preferences")),
-                     "step": system.info.get("step"), "train_reward": system.info.get("train_reward"),
+                     "step": system.step, "train_reward": system.train_reward,
                      **gold_columns(gold, first_gold if rows else None),
                      "kl": kl[0] if kl else None, "kl_se": kl[1] if kl else None})
     return rows

@@ -5,13 +5,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from alpacafarm.generation import SamplingConfig, write_completions
-from alpacafarm.method import OUTPUTS_FILE, Artifact, Method, Ranks, StageContext
+from alpacafarm.method import OUTPUTS_FILE, Artifact, Method, Ranks, StageContext, System
+from alpacafarm.recipe import GenerationBackendFields
 
 
-class GenerateOutputsConfig(BaseModel):
+class GenerateOutputsConfig(GenerationBackendFields):
     """Which instructions and how to sample them.
 
     Sampling defaults to the evaluation decoding: temperature 0.7 (the paper, Section 4.1: every system but
@@ -27,8 +28,6 @@ class GenerateOutputsConfig(BaseModel):
         default_factory=lambda: SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=128),
         description="omitted: the evaluation decoding; a sampling block given replaces it (unset fields take "
                     "SamplingConfig's own defaults, top_p 1.0)")
-    backend: str = "transformers"
-    backend_config: dict[str, Any] = Field(default_factory=dict, description="the backend's own options")
     snapshots: bool = Field(False, description=(
         "also sample every snapshot the model's stage listed (e.g. PPO's snapshot_steps): one system per step for "
         "the evaluation, so win-rate and proxy reward can be followed over training"))
@@ -37,12 +36,12 @@ class GenerateOutputsConfig(BaseModel):
 class GenerateOutputs(Method):
     """Writes ``outputs.jsonl`` (instruction, input, output, sample_index, ...) for the chosen split.
 
-    With ``snapshots: true`` it samples each snapshot of the ``sft_model`` input too (its artifact's ``snapshots``:
-    ``{step: folder relative to that stage's folder}``) into ``step-<N>.jsonl``, with the same seed for every
-    step, and lists them as the artifact's ``systems`` (``<stage>@<step>``, each with its ``step`` and the
-    ``train_reward`` its stage recorded there, e.g. PPO's mean rollout reward at that step): the
-    evaluation judges each and plots win-rate and proxy reward against the step. ``outputs.jsonl`` holds the
-    final model's samples either way."""
+    With ``snapshots: true`` it samples each snapshot of the ``sft_model`` input too (its artifact's
+    :class:`~alpacafarm.artifacts.Snapshot` list) into ``step-<N>.jsonl``, with the same seed for every step, and
+    hands them on as the artifact's :class:`~alpacafarm.artifacts.System` list (``<stage>@<step>``, each with its
+    ``step`` and the ``train_reward`` its stage recorded there, e.g. PPO's mean rollout reward at that step): the
+    evaluation judges each and plots win-rate and proxy reward against the step. The artifact's path is
+    ``outputs.jsonl``, the final model's samples, either way."""
 
     config_class = GenerateOutputsConfig
     requires = ("sft_model", "instruction_splits")
@@ -66,39 +65,34 @@ class GenerateOutputs(Method):
             write_completions(path, self.with_logprobs(context, rows, context.input("sft_model").path))
         metadata = {"n_instructions": len(records), "n_outputs": len(rows), "seconds": round(seconds, 2),
                     "tokens_per_second": round(tokens / seconds, 1) if tokens else None}
-        if config.snapshots:
-            metadata["systems"] = self.sample_snapshots(context, records, sampling)
-            return Artifact("outputs", str(context.stage_dir), {**metadata, "outputs": OUTPUTS_FILE})
-        return Artifact("outputs", str(path), metadata)
+        systems = self.sample_snapshots(context, records, sampling) if config.snapshots else []
+        return Artifact("outputs", str(path), metadata, systems=systems)
 
     def sample_snapshots(self, context: StageContext, records: list[dict[str, Any]],
-                         sampling: Any) -> dict[str, dict[str, Any]]:
-        """Sample every snapshot of the ``sft_model`` input; ``{system name: {"outputs", "step"}}`` by step."""
+                         sampling: Any) -> list[System]:
+        """Sample every snapshot of the ``sft_model`` input; one :class:`System` per snapshot, by step."""
         from pathlib import Path
 
         from alpacafarm.errors import UserError
 
         model = context.input("sft_model")
-        listed = model.metadata.get("snapshots")
-        if not listed:
-            raise UserError(f"stage {context.stage!r}: snapshots: true, but the model's stage lists no snapshots "
-                            "(PPO writes them with snapshot_steps)")
-        stage_folder = Path(model.path).parent
-        train_rewards = model.metadata.get("snapshot_scores") or {}
-        systems: dict[str, dict[str, Any]] = {}
-        for step, folder in sorted(listed.items(), key=lambda item: int(item[0])):
-            if folder == "model":  # the final policy: sampled above
-                name = OUTPUTS_FILE
+        if not model.snapshots:
+            raise UserError(f"stage {context.stage!r}: snapshots: true, but the model's stage hands on no "
+                            "snapshots (PPO writes them with snapshot_steps)")
+        final = Path(model.path).resolve() if model.path else None
+        systems: list[System] = []
+        for snapshot in sorted(model.snapshots, key=lambda s: s.step):
+            if Path(snapshot.path).resolve() == final:  # the final policy: sampled above
+                path = context.stage_dir / OUTPUTS_FILE
             else:
-                name = f"step-{step}.jsonl"
+                path = context.stage_dir / f"step-{snapshot.step}.jsonl"
                 rows, _ = context.generate_on_ranks(self.config.backend, self.config.backend_config, records,
-                                                    sampling, f"generating step {step} ({self.config.backend})",
-                                                    model_path=stage_folder / folder)
+                                                    sampling, f"generating step {snapshot.step} "
+                                                    f"({self.config.backend})", model_path=snapshot.path)
                 if context.is_main:
-                    write_completions(context.stage_dir / name,
-                                      self.with_logprobs(context, rows, str(stage_folder / folder)))
-            systems[f"{context.stage}@{step}"] = {"outputs": name, "step": int(step),
-                                                  "train_reward": train_rewards.get(step)}
+                    write_completions(path, self.with_logprobs(context, rows, str(snapshot.path)))
+            systems.append(System(f"{context.stage}@{snapshot.step}", str(path), step=snapshot.step,
+                                  train_reward=snapshot.train_reward))
         return systems
 
     def with_logprobs(self, context: StageContext, rows: list[dict[str, Any]], model_path: str) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ import time
 from pydantic import BaseModel, ConfigDict, Field
 
 from alpacafarm.data import write_json
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, Method, StageContext, Table
 
 
 class InspectModelConfig(BaseModel):
@@ -25,6 +25,7 @@ class InspectModel(Method):
     """Writes ``summary.json``: architecture, parameter count, dtype, vocabulary, load time, greedy answers."""
 
     config_class = InspectModelConfig
+    produces = ("table",)
     requires = ("sft_model", "instruction_splits")
     provides = "model_report"
 
@@ -72,8 +73,8 @@ class InspectModel(Method):
         }
         write_json(context.stage_dir / "summary.json", summary)
         rows = [[s["instruction"][:60], s["output"][:80].replace("\n", " ")] for s in samples]
-        table = {"title": f"{spec.name}: {summary['parameters'] / 1e6:.1f}M parameters",
-                 "columns": ["instruction", "greedy answer"], "rows": rows}
+        table = Table(f"{spec.name}: {summary['parameters'] / 1e6:.1f}M parameters", ["instruction", "greedy answer"],
+                      rows)
         return Artifact("report", str(context.stage_dir / "summary.json"),
-                        {key: summary[key] for key in ("architecture", "parameters", "dtype", "load_seconds")}
-                        | {"table": table})
+                        {key: summary[key] for key in ("architecture", "parameters", "dtype", "load_seconds")},
+                        table=table)

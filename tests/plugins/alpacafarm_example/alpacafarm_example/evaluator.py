@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from alpacafarm.data import load_source, write_json
 from alpacafarm.errors import UserError
-from alpacafarm.method import Artifact, Method, StageContext
+from alpacafarm.method import Artifact, Method, StageContext, Table
 from alpacafarm.recipe import DataSource
 from alpacafarm.types import Pair
 
@@ -77,8 +77,8 @@ class LengthWinRate(Method):
         write_json(context.stage_dir / "metrics.json", metrics)
         context.logger.info("%s: win-rate %s over %d pairs (judge %s)", context.stage, metrics["win_rate"],
                             len(pairs), annotator.name)
-        table = {"title": f"length_win_rate (judge: {annotator.name})",
-                 "columns": ["n", "wins", "ties", "losses", "win-rate %", "avg len", "avg ref len"],
-                 "rows": [[len(pairs), metrics["n_wins"], metrics["n_ties"], metrics["n_losses"],
-                           metrics["win_rate"], metrics["avg_length"], metrics["avg_reference_length"]]]}
-        return Artifact("evaluation", str(context.stage_dir / "metrics.json"), {**metrics, "table": table})
+        table = Table(f"length_win_rate (judge: {annotator.name})",
+                      ["n", "wins", "ties", "losses", "win-rate %", "avg len", "avg ref len"],
+                      [[len(pairs), metrics["n_wins"], metrics["n_ties"], metrics["n_losses"],
+                        metrics["win_rate"], metrics["avg_length"], metrics["avg_reference_length"]]])
+        return Artifact("evaluation", str(context.stage_dir / "metrics.json"), metrics, table=table)
