@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from alpacafarm.errors import MissingPackageError, UserError
 from alpacafarm.model_sources import resolve_model_path
+from alpacafarm.prompts import PromptConditioning
 
 if TYPE_CHECKING:
     from alpacafarm.recipe import ModelSpec
@@ -256,27 +257,98 @@ def save_dtype(spec: ModelSpec) -> Any:
     return getattr(torch, spec.save_dtype) if spec.save_dtype is not None else torch_dtype(spec)
 
 
-def save_model(model: Any, tokenizer: Any, directory: str | Path, *, merge_adapters: bool = False,
-               dtype: Any = None, state_dict: dict[str, Any] | None = None) -> str:
-    """Save weights (or adapters) and tokenizer; with ``merge_adapters`` a peft model is merged first.
+def save_model(model: Any, tokenizer: Any, directory: str | Path, spec: ModelSpec | None = None, *,
+               start_from: str | Path | None = None, state_dict: dict[str, Any] | None = None,
+               conditioning: PromptConditioning | None = None, logger: Any = None) -> bool:
+    """Write a trained model folder at ``directory``: the one function that does, for every trainer (full weights,
+    LoRA or QLoRA adapters, adapters merged, adapters trained on an adapter folder). Returns whether adapters were
+    merged into full weights.
 
-    ``dtype`` (a torch dtype) is the dtype full weights are written in; the model in memory is not touched (its
-    float32 master weights may still be training). Adapters (a peft model that is not merged) and quantized
-    weights are written as they are. ``state_dict`` (full weights) is written instead of the model's own: the
-    weights of a sharded model, gathered whole (``accelerator.get_state_dict``).
+    The folder holds the weights (or adapters), the tokenizer and, when ``conditioning`` is not empty, the prompt
+    conditioning the model was trained behind (:class:`~alpacafarm.prompts.PromptConditioning`: it is sampled
+    behind it). ``spec``, the recipe's model block, decides how the weights are written: full weights in its save
+    dtype (:func:`save_dtype`; the model in memory is not touched, its float32 master weights may still train),
+    adapters as they are, or merged into full weights when the block says ``merge_adapters`` or when ``start_from``
+    (the folder training started from) is itself an adapter folder: new adapters on it describe a model that no
+    folder holds (their base is the pre-SFT model). Without ``spec`` the model is written as it is. Quantized
+    weights are written as they are.
+
+    ``state_dict``: the full weights a caller gathered from a sharded model (``accelerator.get_state_dict``; an empty
+    dict off the main process), written instead of the model's own (merging needs the model whole in memory, so it
+    is not used then). Without one, DeepSpeed ZeRO-3's partitioned weights are gathered here
+    (:func:`gathered_state_dict`, a collective): call it on every rank. Only the main process writes, into
+    ``<directory>.partial``, renamed to ``directory`` when whole, so a folder at ``directory`` is always complete;
+    a refused write (full disk, NaN weights) is one line and leaves nothing behind.
     """
+    import shutil
+
+    from alpacafarm import distributed
+
+    merge = bool(spec is not None and spec.lora is not None
+                 and (spec.merge_adapters or (start_from is not None and is_adapter_folder(start_from))))
+    if state_dict is None:
+        state_dict = gathered_state_dict(model)  # every rank: a collective under ZeRO-3
+    if not distributed.is_main():
+        return merge
+    if merge and spec is not None and not spec.merge_adapters and logger is not None:
+        logger.info("the starting model is an adapter folder: the new adapters are merged and saved as full weights")
     directory = Path(directory)
-    check_finite_weights(model if state_dict is None else state_dict, str(directory))
-    if merge_adapters and hasattr(model, "merge_and_unload"):
-        model = model.merge_and_unload()
+    check_finite_weights(model if state_dict is None or merge else state_dict, str(directory))
+    full_weights = spec is not None and (spec.lora is None or merge)
+    partial = directory.with_name(directory.name + ".partial")
     try:
-        _save(model, tokenizer, directory, dtype, state_dict)
+        shutil.rmtree(partial, ignore_errors=True)
+        _save(merged_copy(model) if merge else model, tokenizer, partial,
+              save_dtype(spec) if full_weights else None, None if merge else state_dict)
+        if conditioning is not None and conditioning != PromptConditioning():
+            conditioning.save(partial)
+        shutil.rmtree(directory, ignore_errors=True)
+        partial.rename(directory)
     except Exception as exc:  # a full disk surfaces as safetensors' own error type, not an OSError
+        shutil.rmtree(partial, ignore_errors=True)
         error = _save_error(exc, directory)
         if error is None:
             raise
         raise error from exc
-    return str(directory)
+    return merge
+
+
+def merged_copy(model: Any) -> Any:
+    """The adapters of a peft ``model`` merged into a copy of its base: peft's ``merge_and_unload`` merges in place
+    and drops the adapters, and a model saved mid-training (a PPO snapshot) must go on training as it was."""
+    import copy
+
+    return copy.deepcopy(model).merge_and_unload()
+
+
+def gathered_state_dict(model: Any) -> dict[str, Any] | None:
+    """The full weights of ``model`` when DeepSpeed ZeRO-3 partitioned them (on the main process; an empty dict
+    elsewhere), else ``None`` (the model holds them whole: save its own state dict).
+
+    A collective under ZeRO-3: every rank must call it. Weights are gathered one tensor at a time (never the whole
+    model on a GPU at once) and copied to the CPU in their training dtype (float32 master weights).
+    """
+    import torch
+
+    from alpacafarm import distributed
+
+    parameters = dict(model.named_parameters())
+    if not any(hasattr(p, "ds_id") for p in parameters.values()):
+        return None
+    if hasattr(model, "peft_config"):
+        raise UserError("LoRA adapters under DeepSpeed ZeRO-3 are not supported yet; use zero2, ddp or fsdp2")
+    import deepspeed
+
+    whole: dict[int, torch.Tensor] = {}
+    for parameter in parameters.values():
+        with deepspeed.zero.GatheredParameters([parameter], modifier_rank=None):
+            if distributed.is_main():
+                whole[id(parameter)] = parameter.detach().to("cpu", copy=True)
+    if not distributed.is_main():
+        return {}
+    # keep_vars: a state dict entry is the parameter itself, so tied weights map to the one gathered copy
+    return {name: whole[id(t)] if id(t) in whole else t.detach().to("cpu", copy=True)
+            for name, t in model.state_dict(keep_vars=True).items()}
 
 
 def _save_error(exc: BaseException, directory: Path) -> Exception | None:

@@ -1,4 +1,4 @@
-"""What trainer-based methods share: machine-aware config defaults, per-stage trainer arguments, resume, saving.
+"""What trainer-based methods share: machine-aware config defaults, per-stage trainer arguments, checkpoints.
 
 For any method built on a ``transformers.Trainer`` / TRL trainer (the built-in ones and third-party plugins):
 
@@ -10,9 +10,11 @@ For any method built on a ``transformers.Trainer`` / TRL trainer (the built-in o
 * :func:`stage_training_args` — the config for this stage (``output_dir`` = the stage folder, the stage seed),
   built right before its trainer: building it sets accelerate's process state up afresh;
 * :func:`resume_checkpoint` — the newest readable checkpoint an interrupted attempt left (half-written ones are
-  skipped with a warning), for ``trainer.train(resume_from_checkpoint=...)``;
-* :func:`save_policy` — the one rule for saving what was trained from the SFT model (policies and reward models),
-  called on every rank (:func:`trained_state_dict` gathers ZeRO-3's partitioned weights);
+  skipped with a warning), for ``trainer.train(resume_from_checkpoint=...)``: the one way every trainer finds its
+  checkpoint. TRL / ``transformers.Trainer`` stages write theirs with the Trainer; our own loops (PPO, Quark) with
+  :func:`save_checkpoint` and read them back with :func:`load_checkpoint` (``accelerator.save_state`` /
+  ``load_state``);
+* saving what was trained is :func:`alpacafarm.model_loading.save_model`'s job (one function for every trainer);
 * :func:`fp32_master_weights` — trainable tensors as float32 master copies (load the trained model with
   ``trainable=True``, see :meth:`alpacafarm.recipe.ModelSpec.for_training`; frozen copies keep ``dtype``);
 * :func:`train_summary`, :func:`limit`.
@@ -246,6 +248,90 @@ def rotate_checkpoints(output_dir: str | Path, limit: int | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+#: The trainer state in every ``checkpoint-N`` folder, written last (:func:`checkpoint_problem` looks for it).
+TRAINER_STATE = "trainer_state.json"
+
+
+def save_checkpoint(accelerator: Any, state: Any, output_dir: str | Path, *, trained_tensors_of: Any = None,
+                    limit: int | None = None, extra: dict[str, Any] | None = None) -> Path:
+    """``output_dir/checkpoint-<global_step>/`` for a training loop of our own (PPO, Quark): everything the
+    ``accelerator`` prepared (weights, optimizer, RNG states: ``accelerator.save_state``), ``extra`` (file name →
+    JSON value) and the ``transformers.TrainerState`` ``state``, written last. Call it on every rank.
+
+    ``trained_tensors_of``: a model the accelerator prepared whose trained tensors (those that require gradients)
+    alone are written, not its frozen ones (a LoRA layout's base, loaded again anyway). Written as
+    ``checkpoint-N.partial`` and renamed when whole, so a crash never leaves a half checkpoint; the newest ``limit``
+    checkpoints are kept (all when unset).
+    """
+    import json
+    import shutil
+
+    output_dir = Path(output_dir)
+    final = output_dir / f"checkpoint-{state.global_step}"
+    partial = output_dir / f"{final.name}.partial"
+    if accelerator.is_main_process:  # created here: only the main process writes in the run directory
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+
+    def trained_only(models: list[Any], weights: list[dict[str, Any]], directory: str) -> None:
+        # weights: the state dicts accelerate is about to write, one per prepared model (none where DeepSpeed or
+        # FSDP write their own files), named as in the unwrapped model
+        for model, weight in zip(models, weights, strict=False):
+            if model is trained_tensors_of:
+                keep = trained_names(accelerator.unwrap_model(model))
+                for name in [k for k in weight if k not in keep]:
+                    del weight[name]
+
+    handle = accelerator.register_save_state_pre_hook(trained_only)
+    try:
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(partial))
+        accelerator.wait_for_everyone()
+    finally:
+        handle.remove()
+    if accelerator.is_main_process:
+        for name, value in (extra or {}).items():
+            (partial / name).write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
+        state.save_to_json(str(partial / TRAINER_STATE))
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+        rotate_checkpoints(output_dir, limit)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator: Any, path: str | Path, *, trained_tensors_of: Any = None) -> Any:
+    """Restore what :func:`save_checkpoint` wrote at ``path`` into the ``accelerator``'s prepared objects (under the
+    same launch config) and return the ``transformers.TrainerState`` saved with it. Call it on every rank.
+
+    ``trained_tensors_of`` as for :func:`save_checkpoint`: the rest of that model stays as loaded; a checkpoint that
+    lacks one of its trained tensors (written for another model or layout) is one line naming it.
+    """
+    from transformers.trainer_callback import TrainerState
+
+    from alpacafarm.errors import UserError
+
+    path = Path(path)
+    weights = path / "model.safetensors"
+    kwargs: dict[str, Any] = {}
+    if trained_tensors_of is not None and weights.is_file():  # trained tensors only: the rest is as loaded
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt") as handle:
+            missing = sorted(trained_names(accelerator.unwrap_model(trained_tensors_of)) - set(handle.keys()))
+        if missing:
+            raise UserError(f"checkpoint {path} does not match this model ({len(missing)} tensors missing, "
+                            f"e.g. {missing[0]})")
+        kwargs["strict"] = False
+    accelerator.load_state(str(path), **kwargs)
+    return TrainerState.load_from_json(str(path / TRAINER_STATE))
+
+
+def trained_names(model: Any) -> set[str]:
+    """The names of ``model``'s parameters that train (require gradients)."""
+    return {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+
+
 #: Files a checkpoint's weights may be in (transformers, peft, and ``accelerate.save_state``, which our PPO trainer
 #: uses: ``model.safetensors``, or ``pytorch_model.bin`` without safetensors); FSDP and DeepSpeed use subfolders.
 CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -356,76 +442,6 @@ def train_summary(trainer: Any, result: Any) -> dict[str, Any]:
 def limit(records: list[dict[str, Any]], max_examples: int | None) -> list[dict[str, Any]]:
     """The first ``max_examples`` records (all of them when ``None``)."""
     return records if max_examples is None else records[:max_examples]
-
-
-def save_trained(model: Any, tokenizer: Any, spec: Any, model_path: str, directory: str | Path, *,
-                 state_dict: dict[str, Any] | None = None, logger: Any = None) -> bool:
-    """The one way every trainer saves what it trained (weights or adapters, and tokenizer) to ``directory``;
-    returns whether adapters were merged. Call it on the main process.
-
-    Full weights are written in the model block's save dtype (:func:`alpacafarm.model_loading.save_dtype`), adapters as
-    they are. New adapters trained on top of an adapter folder (``model_path``) describe a model that no folder on
-    disk holds (their ``base_model_name_or_path`` is the pre-SFT base), so they are merged and saved as full
-    weights, as they are with ``merge_adapters``. ``state_dict``: the full weights gathered from a sharded model
-    (written instead of the model's own; merging needs the model whole in memory, so it is not used then).
-    """
-    from alpacafarm.model_loading import is_adapter_folder, save_dtype, save_model
-
-    stacked = spec.lora is not None and is_adapter_folder(model_path)
-    merge = bool(spec.lora is not None and (spec.merge_adapters or stacked))
-    if stacked and not spec.merge_adapters and logger is not None:
-        logger.info("the starting model is an adapter folder: the new adapters are merged and saved as full weights")
-    full_weights = spec.lora is None or merge
-    save_model(model, tokenizer, directory, merge_adapters=merge, dtype=save_dtype(spec) if full_weights else None,
-               state_dict=None if merge else state_dict)
-    return merge
-
-
-def save_policy(trainer: Any, spec: Any, model_path: str, directory: str | Path, logger: Any = None) -> bool:
-    """:func:`save_trained` for a ``transformers.Trainer`` (its ``model`` and ``processing_class``); returns whether
-    it merged. Call it on every rank: under ZeRO-3 the weights are gathered whole first (a collective, see
-    :func:`trained_state_dict`); only the main process writes."""
-    from alpacafarm import distributed
-    from alpacafarm.model_loading import is_adapter_folder
-
-    state = trained_state_dict(trainer)
-    if not distributed.is_main():
-        return bool(spec.lora is not None and (spec.merge_adapters or is_adapter_folder(model_path)))
-    return save_trained(trainer.model, trainer.processing_class, spec, model_path, directory, state_dict=state,
-                        logger=logger)
-
-
-def trained_state_dict(trainer: Any) -> dict[str, Any] | None:
-    """The full weights of ``trainer.model`` when DeepSpeed ZeRO-3 partitioned them (on the main process; an empty
-    dict elsewhere), else ``None`` (the model holds them whole: save its own state dict).
-
-    A collective under ZeRO-3: every rank must call it. Weights are gathered one tensor at a time (never the whole
-    model on a GPU at once) and copied to the CPU in their training dtype (float32 master weights).
-    """
-    import torch
-
-    from alpacafarm import distributed
-
-    model = trainer.model
-    parameters = dict(model.named_parameters())
-    if not any(hasattr(p, "ds_id") for p in parameters.values()):
-        return None
-    if hasattr(model, "peft_config"):
-        from alpacafarm.errors import UserError
-
-        raise UserError("LoRA adapters under DeepSpeed ZeRO-3 are not supported yet; use zero2, ddp or fsdp2")
-    import deepspeed
-
-    whole: dict[int, torch.Tensor] = {}
-    for parameter in parameters.values():
-        with deepspeed.zero.GatheredParameters([parameter], modifier_rank=None):
-            if distributed.is_main():
-                whole[id(parameter)] = parameter.detach().to("cpu", copy=True)
-    if not distributed.is_main():
-        return {}
-    # keep_vars: a state dict entry is the parameter itself, so tied weights map to the one gathered copy
-    return {name: whole[id(t)] if id(t) in whole else t.detach().to("cpu", copy=True)
-            for name, t in model.state_dict(keep_vars=True).items()}
 
 
 def fp32_master_weights(model: Any) -> int:

@@ -19,7 +19,8 @@ import torch
 from alpacafarm.errors import RecipeError
 from alpacafarm.recipe import ModelSpec, load_recipe
 from alpacafarm.testing import run_recipe, write_records
-from alpacafarm_methods.ppo import core as ppo_core
+from alpacafarm_methods.ppo.advantages import compute_gae, kl_penalized_rewards, masked_whiten
+from alpacafarm_methods.ppo.losses import clipped_policy_loss, clipped_value_loss, entropy_of, logprobs_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -77,7 +78,7 @@ def assert_value_is_the_reward(trainer: Any, spec: ModelSpec, rm_path: str, *, e
     """The critic's value of each whole sequence (read where its next token would be predicted) equals the score
     of the reward model folder, loaded on its own, for that sequence."""
     from alpacafarm.model_loading import load_classifier
-    from alpacafarm_methods.ppo.core import collate
+    from alpacafarm_methods.ppo.rollouts import collate
 
     tokenizer, pad = trainer.tokenizer, trainer.pad_id
     answers = ["A fine answer.", "No.", "Item 3 is useful and interesting."]
@@ -120,7 +121,7 @@ SCORES = [2.0, -1.0]
 def test_kl_shaped_rewards_and_gae_match_hand_computed_values():
     mask, logprobs, ref_logprobs = torch.tensor(MASK), torch.tensor(LOGPROBS), torch.tensor(REF_LOGPROBS)
     scores = torch.tensor(SCORES)
-    rewards, kl, penalized = ppo_core.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1,
+    rewards, kl, penalized = kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1,
                                                            penalty="k1")
     # kl = logp - ref on real tokens; the score lands on each row's last real token, padding stays 0.
     close(kl, [[0.5, -0.5, 0.5], [1.0, 0.0, 0.0]])
@@ -130,23 +131,23 @@ def test_kl_shaped_rewards_and_gae_match_hand_computed_values():
 
     # The default (the released implementation's): the penalty is charged on max(logp - ref, 0), so the token
     # the policy finds less likely than the reference (-0.5) earns no bonus. The sampled KL is unchanged.
-    rewards, kl, penalized = ppo_core.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1)
+    rewards, kl, penalized = kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1)
     close(kl, [[0.5, -0.5, 0.5], [1.0, 0.0, 0.0]])
     close(penalized, [[0.5, 0.0, 0.5], [1.0, 0.0, 0.0]])
     assert rewards.tolist()[0] == pytest.approx([-0.05, 0.0, 1.95])
     assert rewards.tolist()[1] == pytest.approx([-0.1, -1.0, 0.0])
     with pytest.raises(ValueError, match="unknown KL penalty"):
-        ppo_core.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1, penalty="k3")
+        kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1, penalty="k3")
 
     # Whitened over the five real tokens, mean kept: mean 0.16, population variance 0.9374.
     mean, std = 0.16, 0.9374 ** 0.5
-    whitened = ppo_core.masked_whiten(rewards, mask, shift_mean=False)
+    whitened = masked_whiten(rewards, mask, shift_mean=False)
     close(whitened, [[(-0.05 - mean) / std + mean, (0.0 - mean) / std + mean, (1.95 - mean) / std + mean],
                      [(-0.1 - mean) / std + mean, (-1.0 - mean) / std + mean, 0.0]])
 
     rewards = torch.tensor([[0.1, -0.2, 1.0], [0.3, 2.0, 9.0]])  # 9.0 and 7.0 sit on padding: ignored
     values = torch.tensor([[0.5, 0.4, 0.3], [1.0, -1.0, 7.0]])
-    advantages, returns = ppo_core.compute_gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    advantages, returns = compute_gae(rewards, values, mask, gamma=1.0, lam=1.0)
     # gamma = lambda = 1: returns are reward-to-go, advantages returns minus values.
     assert returns.tolist()[0] == pytest.approx([0.9, 0.8, 1.0])
     assert returns.tolist()[1] == pytest.approx([2.3, 2.0, 0.0])
@@ -154,14 +155,14 @@ def test_kl_shaped_rewards_and_gae_match_hand_computed_values():
     assert advantages.tolist()[1] == pytest.approx([1.3, 3.0, 0.0])
 
     # gamma = lambda = 0.5 on the first row, by hand: deltas 0.7, -0.45, -0.2 from the end.
-    advantages, returns = ppo_core.compute_gae(rewards[:1], values[:1], mask[:1], gamma=0.5, lam=0.5)
+    advantages, returns = compute_gae(rewards[:1], values[:1], mask[:1], gamma=0.5, lam=0.5)
     assert advantages.tolist()[0] == pytest.approx([-0.26875, -0.275, 0.7])
     assert returns.tolist()[0] == pytest.approx([0.23125, 0.125, 1.0])
 
-    whitened = ppo_core.masked_whiten(torch.tensor([[1.0, 2.0], [3.0, 100.0]]),
+    whitened = masked_whiten(torch.tensor([[1.0, 2.0], [3.0, 100.0]]),
                                       torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
     close(whitened, [[-1.224745, 0.0], [1.224745, 0.0]])
-    kept_mean = ppo_core.masked_whiten(torch.tensor([[1.0, 3.0]]), torch.ones(1, 2), shift_mean=False)
+    kept_mean = masked_whiten(torch.tensor([[1.0, 3.0]]), torch.ones(1, 2), shift_mean=False)
     close(kept_mean, [[1.0, 3.0]], atol=1e-4)  # std 1 already, mean 2 kept
 
 
@@ -171,28 +172,28 @@ def test_clipped_losses_match_hand_computed_values():
     new = (old + ratios.log()).requires_grad_(True)
     advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0, 5.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])  # the last token is padding
-    terms = ppo_core.clipped_policy_loss(new, old, advantages, mask, cliprange=0.2)
+    terms = clipped_policy_loss(new, old, advantages, mask, cliprange=0.2)
     # per token max(-A r, -A clip(r)): -1.2 (clipped), -0.5, 1.1, 0.8 (clipped) → mean 0.05
     assert float(terms.loss.detach()) == pytest.approx(0.05)
     assert float(terms.clip_fraction) == pytest.approx(0.5)
     terms.loss.backward()
     # Clipped tokens pass no gradient; the others -A * r / n_tokens.
     assert new.grad.tolist()[0] == pytest.approx([0.0, -0.5 / 4, 1.1 / 4, 0.0, 0.0])
-    summed = ppo_core.clipped_policy_loss(new.detach(), old, advantages, mask, cliprange=0.2, denominator=8.0)
+    summed = clipped_policy_loss(new.detach(), old, advantages, mask, cliprange=0.2, denominator=8.0)
     assert float(summed.loss) == pytest.approx(0.2 / 8)
 
     old_values = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
     new_values = torch.tensor([[0.5, -0.1, 1.3, 50.0]])
     returns = torch.tensor([[1.0, 0.5, 0.0, 0.0]])
     value_mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    terms = ppo_core.clipped_value_loss(new_values, old_values, returns, value_mask, cliprange_value=0.2)
+    terms = clipped_value_loss(new_values, old_values, returns, value_mask, cliprange_value=0.2)
     # squared errors: max(0.25, 0.64 clipped), 0.36 either way, max(1.69, 1.44) → 0.5 * mean(0.64, 0.36, 1.69)
     assert float(terms.loss) == pytest.approx(0.5 * (0.64 + 0.36 + 1.69) / 3)
     assert float(terms.clip_fraction) == pytest.approx(1 / 3)
 
     logits = torch.log(torch.tensor([[[0.5, 0.25, 0.25]]]))
-    assert float(ppo_core.entropy_of(logits)) == pytest.approx(1.5 * torch.log(torch.tensor(2.0)).item())
-    close(ppo_core.logprobs_of(logits, torch.tensor([[1]])), [[torch.log(torch.tensor(0.25)).item()]])
+    assert float(entropy_of(logits)) == pytest.approx(1.5 * torch.log(torch.tensor(2.0)).item())
+    close(logprobs_of(logits, torch.tensor([[1]])), [[torch.log(torch.tensor(0.25)).item()]])
 
 
 def test_the_trainer_by_default_clamps_the_kl_penalty_and_whitens_the_shaped_rewards():
@@ -203,7 +204,7 @@ def test_the_trainer_by_default_clamps_the_kl_penalty_and_whitens_the_shaped_rew
 
     from alpacafarm.sampling import Sample
     from alpacafarm_methods.ppo.config import PPOMethodConfig
-    from alpacafarm_methods.ppo.core import Rollouts
+    from alpacafarm_methods.ppo.rollouts import Rollouts
     from alpacafarm_methods.ppo.trainer import PPOTrainer
 
     def rollouts() -> Rollouts:
@@ -337,8 +338,8 @@ def test_value_model_is_the_reward_models_backbone_with_a_zero_head(full_run, ti
     0 at step 0); ``value_head_init: reward_head`` starts the head as the reward model's score head instead."""
     from alpacafarm.model_loading import load_classifier
     from alpacafarm_methods.ppo.config import PPOMethodConfig
-    from alpacafarm_methods.ppo.core import collate
     from alpacafarm_methods.ppo.method import build_ppo_trainer
+    from alpacafarm_methods.ppo.rollouts import collate
 
     spec = ModelSpec(name=tiny_model_dir)
     rm_path = full_run["artifacts"]["rm"].path
@@ -377,9 +378,6 @@ def _llama_backbones(trainer: Any) -> set[int]:
         for sub in module.modules():
             if isinstance(sub, LlamaModel):
                 storages.add(sub.embed_tokens.weight.data_ptr())
-    owned = getattr(trainer.reward_fn.model, "_models", None)
-    if owned:  # the shared reward classifier runs on the shared base
-        storages.add(owned[0].backbone.embed_tokens.weight.data_ptr())
     return storages
 
 
@@ -497,7 +495,7 @@ def _trainer(sft_path: str, rm_path: str, spec: ModelSpec, logger: Any = None, *
 
 
 def _assert_critic_starts_at_zero(trainer: Any) -> None:
-    from alpacafarm_methods.ppo.core import collate
+    from alpacafarm_methods.ppo.rollouts import collate
 
     batch = collate(trainer.queries[:3], [[5, 6, 7]] * 3, trainer.pad_id)
     with torch.no_grad():
@@ -512,8 +510,8 @@ def test_lora_policy_on_the_sft_base_and_the_critic_on_the_merged_reward_adapter
 
     from alpacafarm.model_loading import is_adapter_folder
     from alpacafarm.rewards import RewardScorer
-    from alpacafarm_methods.ppo.core import collate
     from alpacafarm_methods.ppo.models import RewardModelCritic
+    from alpacafarm_methods.ppo.rollouts import collate
 
     spec = ModelSpec(name=tiny_model_dir, lora={"r": 4, "alpha": 8})
     rm_path = lora_run["artifacts"]["rm"].path
@@ -522,12 +520,12 @@ def test_lora_policy_on_the_sft_base_and_the_critic_on_the_merged_reward_adapter
     trainer = _trainer(tiny_model_dir, rm_path, spec, logger=notes)
     models = trainer.models
     policy, critic = models.actor_critic.policy, models.actor_critic.critic
-    assert set(policy.peft_config) == {"policy"} and isinstance(critic, RewardModelCritic)
+    assert set(policy.peft_config) == {"default"} and isinstance(critic, RewardModelCritic)
     assert any("fresh LoRA adapter and a new zero-initialised value head" in n for n in notes.lines), notes.lines
     _assert_critic_starts_at_zero(trainer)
     assert len(_llama_backbones(trainer)) == 2  # the SFT base (policy, reference), the reward model's (critic)
     trained = set(trainer.params)
-    assert trained and all(".policy." in n or ".value." in n or n.startswith("critic.head.") for n in trained)
+    assert trained and all(".default." in n or ".value." in n or n.startswith("critic.head.") for n in trained)
     assert any(n.startswith("critic.head.") for n in trained) and any(".value." in n for n in trained)
 
     # The reward model scores exactly like the reward model folder loaded on its own.
@@ -642,7 +640,7 @@ def test_reward_adapters_on_another_base_are_loaded_merged_for_the_critic(lora_r
     spec = ModelSpec(name=sft, lora={"r": 4, "alpha": 8})
     rm_path = lora_run["artifacts"]["rm"].path
     trainer = _trainer(sft, rm_path, spec, value_head_init="reward_head")
-    assert set(trainer.models.actor_critic.policy.peft_config) == {"policy"}
+    assert set(trainer.models.actor_critic.policy.peft_config) == {"default"}
     assert_value_is_the_reward(trainer, spec, rm_path)  # the reward_head start: values are the reward at step 0
 
 
@@ -655,7 +653,7 @@ def test_bfloat16_models_train_float32_master_weights_that_move_at_the_paper_lea
     trained weights must be float32 or most of them never move."""
     from safetensors.torch import load_file
 
-    from alpacafarm_methods.ppo.method import save_trained_policy
+    from alpacafarm.model_loading import save_model
 
     rm_path = full_run["artifacts"]["rm"].path
 
@@ -678,8 +676,8 @@ def test_bfloat16_models_train_float32_master_weights_that_move_at_the_paper_lea
     assert moved_fp32 > 0.5 and moved_bf16 >= 0.8 * moved_fp32, (moved_bf16, moved_fp32)
 
     # Saved in the recipe's dtype; the float32 master weights in memory are left as they are.
-    save_trained_policy(trainer, ModelSpec(name=tiny_model_dir, dtype="bfloat16"), tiny_model_dir,
-                        tmp_path / "model", trainer.policy_state_dict())
+    save_model(trainer.policy, trainer.tokenizer, tmp_path / "model", ModelSpec(name=tiny_model_dir, dtype="bfloat16"),
+               start_from=tiny_model_dir, state_dict=trainer.policy_state_dict())
     assert {t.dtype for t in load_file(str(tmp_path / "model/model.safetensors")).values()} == {torch.bfloat16}
     assert {p.dtype for p in models.actor_critic.policy.parameters()} == {torch.float32}
 
@@ -745,6 +743,7 @@ def test_snapshots_are_saved_sampled_and_judged_step_by_step(one_torch_thread: N
                                                              tmp_path: Path, register_test_plugin):
     import alpacafarm
     from alpacafarm.annotation import Annotator
+    from alpacafarm.artifacts import System
 
     judge = type("LongerAnswerJudge", (_LongerAnswerJudge, Annotator), {})
 
@@ -763,27 +762,28 @@ def test_snapshots_are_saved_sampled_and_judged_step_by_step(one_torch_thread: N
     artifacts = run_recipe(recipe, tmp_path / "run")
 
     stage = tmp_path / "run" / "stages" / "ppo"
-    listed = artifacts["ppo"].metadata["snapshots"]
-    assert listed == {"1": "snapshots/step-1", "2": "snapshots/step-2", "3": "snapshots/step-3", "4": "model"}
-    weights = [load_weights(stage / folder) for folder in listed.values()]
+    listed = {s.step: s.path for s in artifacts["ppo"].snapshots}
+    assert listed == {1: str(stage / "snapshots/step-1"), 2: str(stage / "snapshots/step-2"),
+                      3: str(stage / "snapshots/step-3"), 4: str(stage / "model")}
+    weights = [load_weights(Path(folder)) for folder in listed.values()]
     assert all(not torch.equal(a, b) for a, b in itertools.pairwise(weights))  # each step moved it
     assert not list((stage / "snapshots").glob("*.partial"))
 
     outputs = tmp_path / "run" / "stages" / "outputs"
-    systems = artifacts["outputs"].metadata["systems"]
-    scores = artifacts["ppo"].metadata["snapshot_scores"]
+    systems = artifacts["outputs"].systems
+    scores = {s.step: s.train_reward for s in artifacts["ppo"].snapshots}
     logged = steps_of(json.loads((stage / "metrics.json").read_text())["log_history"])
-    assert scores == {str(s): logged[s]["score"] for s in (1, 2, 3, 4)}
-    assert systems == {f"outputs@{s}": {"outputs": "outputs.jsonl" if s == 4 else f"step-{s}.jsonl", "step": s,
-                                        "train_reward": scores[str(s)]} for s in (1, 2, 3, 4)}
-    for info in systems.values():
-        assert len((outputs / info["outputs"]).read_text().splitlines()) == 4
+    assert scores == {s: logged[s]["score"] for s in (1, 2, 3, 4)}
+    assert systems == [System(f"outputs@{s}", str(outputs / ("outputs.jsonl" if s == 4 else f"step-{s}.jsonl")),
+                              step=s, train_reward=scores[s]) for s in (1, 2, 3, 4)]
+    for system in systems:
+        assert len(Path(system.outputs).read_text().splitlines()) == 4
 
     evaluation = tmp_path / "run" / "stages" / "evaluate"
     rows = json.loads((evaluation / "results.json").read_text())["rows"]
     assert [(r["system"], r["step"]) for r in rows] == [(f"outputs@{s}", s) for s in (1, 2, 3, 4)]
     assert all(isinstance(r["proxy_reward"], float) for r in rows)
-    assert [r["train_reward"] for r in rows] == [scores[str(s)] for s in (1, 2, 3, 4)]
+    assert [r["train_reward"] for r in rows] == [scores[s] for s in (1, 2, 3, 4)]
     assert (evaluation / "over_training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -805,5 +805,35 @@ def test_snapshots_of_a_stage_that_wrote_none_is_one_line(tiny_model_dir: str, t
                       "stages:\n  - {name: split, method: split_instructions, config: {eval_size: 2}}\n"
                       "  - {name: outputs, method: generate_outputs,"
                       " config: {snapshots: true, sampling: {max_new_tokens: 2, batch_size: 2}}}\n")
-    with pytest.raises(UserError, match="lists no snapshots"):
+    with pytest.raises(UserError, match="snapshots: true, but the model's stage hands on no snapshots"):
         run_recipe(recipe, tmp_path / "run")
+
+
+def test_a_policy_whose_forward_cannot_keep_only_the_response_logits_is_one_line():
+    """Every forward passes ``logits_to_keep`` (transformers' causal LMs take it); no signature is inspected, and a
+    model class that does not take it fails in one line naming it."""
+    from transformers import LlamaForCausalLM
+
+    from alpacafarm.errors import UserError
+    from alpacafarm.testing import tiny_causal_lm, tiny_sequence_classifier, tiny_tokenizer
+    from alpacafarm_methods.ppo.models import SeparateModels, ValueModel
+    from alpacafarm_methods.ppo.rollouts import collate
+
+    class AllLogitsLM(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, use_cache=None):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   use_cache=use_cache)
+
+    tokenizer = tiny_tokenizer()
+    plain = tiny_causal_lm(tokenizer)
+    batch = collate([[1, 2, 3]], [[5, 6]], tokenizer.pad_token_id)
+    critic = ValueModel.from_classifier(tiny_sequence_classifier(tokenizer))
+    logits, _ = SeparateModels(plain, copy.deepcopy(plain), critic).actor_critic(**vars(batch))
+    assert logits.shape[:2] == (1, 2)
+    odd = AllLogitsLM(plain.config)
+    models = SeparateModels(odd, copy.deepcopy(odd), critic)
+    with pytest.raises(UserError, match=r"^PPO needs a causal LM whose forward takes logits_to_keep .*; "
+                                        r"AllLogitsLM does not$"):
+        models.actor_critic(**vars(batch))
+    with pytest.raises(UserError, match="AllLogitsLM does not"):
+        models.reference_logits(batch)

@@ -90,7 +90,7 @@ def _worker(mode: str, out: Path) -> None:
                   if "score" in e],
     }
     if trainer.accelerator.is_main_process:
-        save_model(policy, tokenizer, out / f"model-{mode}", dtype=torch.float32, state_dict=full)
+        save_model(policy, tokenizer, out / f"model-{mode}", state_dict=full)  # as trained: float32
     (out / f"{mode}-rank{d.rank()}.json").write_text(json.dumps(result), encoding="utf-8")
     d.shutdown()
 

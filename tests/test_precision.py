@@ -103,11 +103,11 @@ def test_saved_full_weights_use_the_save_dtype_and_leave_the_master_copy_alone(
         fp32_model_dir: str, tmp_path: Path, save_dtype: str | None, expected: str):
     from safetensors.torch import load_file
 
-    from alpacafarm.training import save_policy
+    from alpacafarm.model_loading import save_model
 
     trainer = _sft_trainer(fp32_model_dir, tmp_path, "bfloat16", steps=1)
     spec = ModelSpec(name=fp32_model_dir, dtype="bfloat16", save_dtype=save_dtype)
-    save_policy(trainer, spec, fp32_model_dir, tmp_path / "saved")
+    save_model(trainer.model, trainer.processing_class, tmp_path / "saved", spec, start_from=fp32_model_dir)
     written = load_file(str(tmp_path / "saved" / "model.safetensors"))
     assert {str(t.dtype).removeprefix("torch.") for t in written.values()} == {expected}
     assert json.loads((tmp_path / "saved" / "config.json").read_text())["dtype"] == expected
@@ -121,7 +121,6 @@ def test_a_lora_reward_model_scores_after_reload_as_it_did_in_training(fp32_mode
     base that its adapters' ``base_model_name_or_path`` names; on a full-weights SFT model it stays adapters."""
     from alpacafarm.model_loading import is_adapter_folder, save_model
     from alpacafarm.rewards import RewardScorer
-    from alpacafarm.training import save_policy
     from alpacafarm_methods.reward_model.method import RewardModelConfig, build_reward_trainer
 
     sft = _sft_trainer(fp32_model_dir, tmp_path, "float32", lora=sft_layout == "adapters", steps=3)
@@ -139,7 +138,7 @@ def test_a_lora_reward_model_scores_after_reload_as_it_did_in_training(fp32_mode
     texts = [p["prompt"] + p[side] for p in PAIRS[:4] for side in ("chosen", "rejected")]
     in_training = RewardScorer(trainer.model.eval(), trainer.processing_class, prompt_format="alpaca")
     expected = in_training.score_texts(texts, batch_size=4)
-    save_policy(trainer, spec, str(sft_dir), tmp_path / "rm-model")
+    save_model(trainer.model, trainer.processing_class, tmp_path / "rm-model", spec, start_from=str(sft_dir))
     reloaded = RewardScorer.from_path(str(tmp_path / "rm-model"), spec).score_texts(texts, batch_size=4)
     assert reloaded == pytest.approx(expected, abs=1e-4)
     assert len(set(round(x, 4) for x in expected)) > 1  # a trained head, not a constant

@@ -86,13 +86,14 @@ class BrokenDataset(Method):
         return Artifact("dataset", str(context.stage_dir / "rows.jsonl"))
 
 
-class KitHelperFails(Method):
-    """Calls shared kit helpers the way a method does, with inputs they refuse."""
+class MethodHelperFails(Method):
+    """Calls shared method helpers the way a method does, with inputs they refuse."""
 
     provides = "nothing"
 
     def run(self, context: StageContext) -> Artifact:
-        from alpacafarm.kit import build_sft_trainer_on_rows, mark_finished
+        from alpacafarm.policy_training import build_sft_trainer_on_rows
+        from alpacafarm.reward_selection import mark_finished
 
         if context.stage.startswith("rows"):
             build_sft_trainer_on_rows(None, None, "", [])
@@ -113,7 +114,7 @@ class FaultyPlugin:
         register("interrupted", Interrupted)
         register("claims_a_model", ClaimsAModel)
         register("broken_dataset", BrokenDataset)
-        register("kit_helper_fails", KitHelperFails)
+        register("method_helper_fails", MethodHelperFails)
         register("names_its_stage", NamesItsStage)
 
 
@@ -161,10 +162,10 @@ def test_a_stage_whose_outputs_do_not_exist_or_load_is_never_complete(recipe_fil
 ])
 def test_a_shared_helpers_error_names_the_stage_that_called_it(recipe_file: Path, tmp_path: Path, stage: str,
                                                                problem: str):
-    """kit helpers know nothing of their caller (they used to name 'expert_iteration' or 'preference pairs'
+    """Shared method helpers know nothing of their caller (they used to name 'expert_iteration' or 'preference pairs'
     whoever called them); the pipeline puts the stage in front of every error its method raises."""
     path = tmp_path / "helper.yaml"
-    path.write_text(f"name: helper\nstages:\n  - name: {stage}\n    method: kit_helper_fails\n")
+    path.write_text(f"name: helper\nstages:\n  - name: {stage}\n    method: method_helper_fails\n")
     with pytest.raises(UserError) as caught:
         run(path, tmp_path / "run")
     assert str(caught.value) == f"stage {stage!r}: {problem}" + str(caught.value).split(problem, 1)[1]
@@ -215,6 +216,17 @@ def test_diverged_weights_are_never_saved_and_a_nan_reward_model_never_scores(tm
 
 
 def test_a_full_disk_while_saving_a_model_is_one_line(tmp_path: Path):
+    """One line, and the folder a previous save wrote is left whole (save_model writes a temporary folder and
+    renames it when whole), with no temporary folder left behind."""
+    import torch
+    from safetensors.torch import load_file
+
+    from alpacafarm.model_loading import save_model
+    from alpacafarm.testing import tiny_causal_lm, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    save_model(tiny_causal_lm(tokenizer, seed=1), tokenizer, tmp_path / "model")
+    before = load_file(str(tmp_path / "model/model.safetensors"))
     code = ("import resource, signal, sys\n"
             "from alpacafarm.testing import tiny_causal_lm, tiny_tokenizer\n"
             "from alpacafarm.model_loading import save_model\n"
@@ -230,6 +242,9 @@ def test_a_full_disk_while_saving_a_model_is_one_line(tmp_path: Path):
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("USER ")] or [result.stdout]
     assert line.startswith(f"USER cannot save the model to {tmp_path / 'model'}: file too large"), result.stdout
     assert "EFBIG" in line
+    after = load_file(str(tmp_path / "model/model.safetensors"))
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "hf") == ["model"]
 
 
 # ---------------------------------------------------------------------------------------- damaged records

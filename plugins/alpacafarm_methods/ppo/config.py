@@ -8,7 +8,7 @@ from transformers import TrainingArguments
 
 from alpacafarm.rewards import EnsembleOptions, check_ensemble
 from alpacafarm.training import TrainingDefaults
-from alpacafarm_methods.ppo.core import KL_PENALTIES
+from alpacafarm_methods.ppo.advantages import KL_PENALTIES
 from alpacafarm_methods.ppo.models import VALUE_HEAD_INITS
 
 
@@ -47,7 +47,7 @@ class PPOMethodConfig(TrainingDefaults, EnsembleOptions, TrainingArguments):
     """
 
     split: str = field(default="train",
-                       metadata={"help": "file (or metadata key) of the instruction_splits input"})
+                       metadata={"help": "file (or named file) of the instruction_splits input"})
     max_instructions: int | None = field(default=None, metadata={"help": "use the first N prompts only"})
     rollout_batch_size: int = field(default=512, metadata={"help": "responses sampled per PPO step"})
     mini_batch_size: int = field(default=256, metadata={"help": "rollouts per optimizer step"})

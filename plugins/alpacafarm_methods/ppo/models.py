@@ -1,5 +1,5 @@
-"""The model layouts of the PPO trainer: the trained policy and value model as one module, the frozen reference
-and the reward model beside them.
+"""PPO's models: the trained policy and value model as one module, the frozen reference and the reward model beside
+them, built from the recipe's model block and the SFT and reward-model folders.
 
 The policy and the critic train together as one :class:`ActorCritic` module, which the trainer hands to
 ``accelerate`` once (DDP, FSDP2 or DeepSpeed ZeRO-2/3 from the launch config): one forward gives the policy's
@@ -12,32 +12,194 @@ copy of the reward model's score head instead, so that values are raw reward sco
   trainable copy of the reward model's backbone (:class:`ValueModel`); the rewards are scored by the reward model
   loaded on its own.
 * With ``lora:`` (and optionally 4-bit) in the model block (:class:`SharedBaseModels`): ONE base, the SFT model,
-  carries the ``policy`` adapter, and the reference is that base with its adapter disabled; the critic is the
+  carries the policy's adapter, and the reference is that base with its adapter disabled; the critic is the
   reward model itself (frozen, in the model block's dtype, quantized if asked) with a fresh LoRA ``value`` adapter
   on its backbone (:class:`RewardModelCritic`), and the rewards are scored by that backbone with the adapter off.
   No adapter is switched while a gradient is computed, so activation checkpointing recomputes exactly what ran.
 
-The layouts are built from folders by :mod:`alpacafarm_methods.ppo.build`; the trainer
+Precision follows the project rule: what trains (the full policy and value model, or the LoRA adapters and the
+value head) holds float32 master weights; the frozen copies (reference, reward model, a LoRA layout's bases) stay
+in the model block's ``dtype`` (bfloat16 on a GPU by default), quantized if asked. The trainer
 (:mod:`alpacafarm_methods.ppo.trainer`) only talks to the :class:`PolicyAndValue` interface.
 """
 
 from __future__ import annotations
 
-import copy
-import inspect
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from alpacafarm.errors import UserError
-from alpacafarm_methods.ppo.core import Batch
+from alpacafarm.model_loading import (
+    enable_activation_checkpointing,
+    load_classifier,
+    load_merged_causal_lm,
+    lora_config,
+)
+from alpacafarm.training import fp32_master_weights
+from alpacafarm_methods.ppo.rollouts import Batch
 
-#: The adapters of the LoRA layout: the policy's on the shared SFT base, the critic's on the reward model.
-POLICY, VALUE = "policy", "value"
+#: The critic's adapter in the LoRA layout (the policy's is peft's default adapter, saved as a plain LoRA folder).
+VALUE = "value"
 #: How the critic's head starts (``PPOMethodConfig.value_head_init``).
 VALUE_HEAD_INITS = ("zero", "reward_head")
+
+
+def build_models(spec: Any, sft_path: str, reward_path: str, *, gradient_checkpointing: bool,
+                 value_head_init: str = "zero", logger: Any = None) -> PolicyAndValue:
+    """The layout the model block asks for, from the SFT and reward-model folders: :class:`SharedBaseModels` with
+    ``lora:``, else :class:`SeparateModels`.
+
+    An un-merged LoRA SFT stage is merged into its base (so "adapters off" means the SFT model), and reward adapters
+    into theirs, as :class:`~alpacafarm.rewards.RewardScorer` loads them. Without LoRA the policy and the reward
+    model load as trainable copies (float32 master weights) beside a frozen reference; with it both load frozen, in
+    the model block's dtype, quantized if asked."""
+    shared = spec.lora is not None
+    if not shared and spec.quantization is not None:
+        raise UserError("PPO cannot train quantized weights: add 'lora:' to the model block to use quantization")
+    policy = load_merged_causal_lm(spec, sft_path, trainable=not shared)
+    reference = None if shared else load_merged_causal_lm(spec, sft_path)
+    classifier = load_classifier(spec, reward_path, trainable=not shared)
+    for model in (policy, classifier):
+        if spec.quantization is not None:
+            from peft import prepare_model_for_kbit_training
+
+            prepare_model_for_kbit_training(model, use_gradient_checkpointing=bool(gradient_checkpointing),
+                                            gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif gradient_checkpointing:
+            enable_activation_checkpointing(model)
+    adapter = lora_config(spec)
+    models = (SharedBaseModels(policy, classifier, adapter, value_head_init) if shared
+              else SeparateModels(policy, reference, ValueModel.from_classifier(classifier, value_head_init)))
+    fp32_master_weights(models.actor_critic)  # what trains: the policy and the critic (or their adapters)
+    if logger is not None:
+        logger.info("value model: %s a %s value head%s",
+                    "the reward model (frozen) with a fresh LoRA adapter and" if shared
+                    else "a trainable copy of the reward model's backbone with",
+                    "new zero-initialised" if value_head_init == "zero" else "copy of its score head as the",
+                    "; the rewards are scored by the same backbone with the adapter off" if shared else "")
+    return models
+
+
+class PolicyAndValue:
+    """What the trainer needs of its models: the trained :class:`ActorCritic`, the reference and the reward."""
+
+    #: the policy and the critic, trained together
+    actor_critic: ActorCritic
+    #: a sequence classifier scoring with the reward model these models already hold (None: load it on its own)
+    reward_classifier: nn.Module | None = None
+
+    def reference_logits(self, batch: Batch) -> torch.Tensor:
+        """Logits of the frozen reference (the SFT model) predicting each response token."""
+        raise NotImplementedError
+
+    def frozen_modules(self) -> list[nn.Module]:
+        """Models held beside the actor-critic (moved to the device, never trained)."""
+        return []
+
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        """Every trained tensor by its name in :attr:`actor_critic` (what a checkpoint stores)."""
+        return {n: p for n, p in self.actor_critic.named_parameters() if p.requires_grad}
+
+
+class SeparateModels(PolicyAndValue):
+    """Full fine-tuning: a trainable policy and critic, and a frozen reference copy of the policy."""
+
+    def __init__(self, policy: Any, reference: Any, value: ValueModel) -> None:
+        self.reference = reference.requires_grad_(False)
+        for module in (policy, reference, value):
+            disable_dropout(module)
+        self.actor_critic = ActorCritic(policy, value)
+
+    def reference_logits(self, batch: Batch) -> torch.Tensor:
+        return response_logits(self.reference, batch)
+
+    def frozen_modules(self) -> list[nn.Module]:
+        return [self.reference]
+
+
+class SharedBaseModels(PolicyAndValue):
+    """LoRA/QLoRA: one SFT base with the policy's adapter (the reference is the base with it disabled) and a
+    :class:`RewardModelCritic` on the reward model. No second copy of the policy's weights exists.
+
+    ``base`` is the SFT model (frozen, quantized if asked), ``classifier`` the reward model, ``adapter`` the model
+    block's LoRA config. The rewards are scored by the critic's backbone with its adapter off
+    (:attr:`reward_classifier`)."""
+
+    def __init__(self, base: Any, classifier: Any, adapter: Any, value_head_init: str = "zero") -> None:
+        import copy
+
+        from peft import get_peft_model
+
+        value_adapter = copy.deepcopy(adapter)
+        value_adapter.task_type = None  # on the bare backbone, not on a causal LM
+        peft_model = get_peft_model(base, adapter)
+        critic = RewardModelCritic(classifier, value_adapter, value_head_init)
+        disable_dropout(peft_model)
+        self.actor_critic = ActorCritic(peft_model, critic)
+        self._peft_model = [peft_model]  # the reference runs it with the adapter off, outside any wrapper
+        self.reward_classifier = critic.reward_model()
+
+    def reference_logits(self, batch: Batch) -> torch.Tensor:
+        peft_model = self._peft_model[0]
+        with peft_model.disable_adapter():
+            return response_logits(peft_model, batch)
+
+
+class ActorCritic(nn.Module):
+    """The policy and the critic as one module: what ``accelerate`` prepares, what one backward trains.
+
+    ``forward`` returns the policy's logits predicting each response token (``[b, R, vocab]``, divided by nothing)
+    and the critic's value before each response token (``[b, R]``, float32).
+    """
+
+    def __init__(self, policy: nn.Module, critic: ValueModel) -> None:
+        super().__init__()
+        self.policy = policy
+        self.critic = critic
+        # What accelerate's FSDP auto-wrap policy reads from the module it wraps: the transformer block classes
+        self._no_split_modules = transformer_blocks(policy) + [
+            name for name in transformer_blocks(critic) if name not in transformer_blocks(policy)]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                response_ids: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = Batch(input_ids, attention_mask, position_ids, response_ids, response_mask)
+        return response_logits(self.policy, batch), self.critic(batch)
+
+
+def response_logits(model: Any, batch: Batch) -> torch.Tensor:
+    """Logits predicting each response token (positions ``P-1 .. P+R-2``), ``[b, R, vocab]``.
+
+    Only those positions are computed (``logits_to_keep``, which the forward of transformers' causal LMs takes); a
+    model whose forward does not is one line naming it."""
+    n = batch.response_ids.shape[1]
+    try:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       position_ids=batch.position_ids, use_cache=False, logits_to_keep=n + 1).logits
+    except TypeError as exc:
+        if "logits_to_keep" not in str(exc):
+            raise
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        raise UserError(f"PPO needs a causal LM whose forward takes logits_to_keep (transformers' text models do); "
+                        f"{type(base).__name__} does not") from None
+    return logits[:, -(n + 1):-1]
+
+
+def transformer_blocks(model: nn.Module) -> list[str]:
+    """The class names of ``model``'s repeated blocks (the modules of a ``ModuleList`` of one class, outermost
+    lists only): the units FSDP shards and wraps one by one."""
+    names: list[str] = []
+    inside: list[str] = []
+    for path, module in model.named_modules():
+        if any(path.startswith(prefix + ".") for prefix in inside):
+            continue
+        if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
+            inside.append(path)
+            name = type(module[0]).__name__
+            if name not in names:
+                names.append(name)
+    return names
 
 
 def disable_dropout(module: nn.Module) -> None:
@@ -48,33 +210,6 @@ def disable_dropout(module: nn.Module) -> None:
     config = getattr(module, "config", None)
     if config is not None and hasattr(config, "attention_dropout"):
         config.attention_dropout = 0.0
-
-
-def classifier_head(classifier: Any) -> nn.Linear:
-    """The linear head of a sequence classifier (``score`` in LLMs, ``classifier`` in BERT): one output, or one
-    per member of a reward-model ensemble."""
-    for name in ("score", "classifier"):
-        head = getattr(classifier, name, None)
-        if isinstance(head, nn.Linear):
-            return head
-    raise UserError(f"{type(classifier).__name__} has no linear head ('score' or 'classifier'), "
-                    "so the value model cannot be initialised from this reward model")
-
-
-def _accepts_logits_to_keep(model: Any) -> bool:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "logits_to_keep" in inspect.signature(base.forward).parameters
-
-
-def _response_logits(model: Any, batch: Batch, keep: bool) -> torch.Tensor:
-    """Logits predicting each response token (positions ``P-1 .. P+R-2``), ``[b, R, vocab]``."""
-    n = batch.response_ids.shape[1]
-    kwargs = {"logits_to_keep": n + 1} if keep else {}
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                   position_ids=batch.position_ids, use_cache=False, **kwargs).logits
-    return logits[:, -(n + 1):-1]
-
-
 
 
 class ValueModel(nn.Module):
@@ -96,6 +231,17 @@ class ValueModel(nn.Module):
                                position_ids=batch.position_ids, use_cache=False).last_hidden_state
         hidden = hidden[:, -(n + 1):-1]
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+
+
+def classifier_head(classifier: Any) -> nn.Linear:
+    """The linear head of a sequence classifier (``score`` in LLMs, ``classifier`` in BERT): one output, or one
+    per member of a reward-model ensemble."""
+    for name in ("score", "classifier"):
+        head = getattr(classifier, name, None)
+        if isinstance(head, nn.Linear):
+            return head
+    raise UserError(f"{type(classifier).__name__} has no linear head ('score' or 'classifier'), "
+                    "so the value model cannot be initialised from this reward model")
 
 
 def value_head(classifier: Any, init: str = "zero") -> nn.Linear:
@@ -121,99 +267,6 @@ def value_head(classifier: Any, init: str = "zero") -> nn.Linear:
         nn.init.zeros_(head.weight)
         nn.init.zeros_(head.bias)
     return head.requires_grad_(True)
-
-
-class ActorCritic(nn.Module):
-    """The policy and the critic as one module: what ``accelerate`` prepares, what one backward trains.
-
-    ``forward`` returns the policy's logits predicting each response token (``[b, R, vocab]``, divided by nothing)
-    and the critic's value before each response token (``[b, R]``, float32).
-    """
-
-    def __init__(self, policy: nn.Module, critic: ValueModel) -> None:
-        super().__init__()
-        self.policy = policy
-        self.critic = critic
-        self._keep = _accepts_logits_to_keep(policy)
-        # FSDP's transformer auto-wrap reads the layer classes from the wrapped module
-        self._no_split_modules = list(getattr(_base_model(policy), "_no_split_modules", None) or [])
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                response_ids: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = Batch(input_ids, attention_mask, position_ids, response_ids, response_mask)
-        return _response_logits(self.policy, batch, self._keep), self.critic(batch)
-
-
-def _base_model(model: Any) -> Any:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-class PolicyAndValue:
-    """What the trainer needs of its models: the trained :class:`ActorCritic`, the reference and the reward."""
-
-    #: the policy and the critic, trained together
-    actor_critic: ActorCritic
-
-    def reference_logits(self, batch: Batch) -> torch.Tensor:
-        """Logits of the frozen reference (the SFT model) predicting each response token."""
-        raise NotImplementedError
-
-    def reward_model(self) -> nn.Module | None:
-        """A sequence classifier scoring with the reward model these models already hold (None: load it)."""
-        return None
-
-    def policy_export(self, policy: Any) -> Any:
-        """What :func:`alpacafarm.model_loading.save_model` saves as the trained policy (``policy``: the unwrapped
-        one)."""
-        return policy
-
-    def frozen_modules(self) -> list[nn.Module]:
-        """Models held beside the actor-critic (moved to the device, never trained)."""
-        return []
-
-    def trainable_parameters(self) -> dict[str, nn.Parameter]:
-        """Every trained tensor by its name in :attr:`actor_critic` (what a checkpoint stores)."""
-        return {n: p for n, p in self.actor_critic.named_parameters() if p.requires_grad}
-
-
-class SeparateModels(PolicyAndValue):
-    """Full fine-tuning: a trainable policy and critic, and a frozen reference copy of the policy."""
-
-    def __init__(self, policy: Any, reference: Any, value: ValueModel) -> None:
-        self.reference = reference.requires_grad_(False)
-        for module in (policy, reference, value):
-            disable_dropout(module)
-        self.actor_critic = ActorCritic(policy, value)
-        self._keep = _accepts_logits_to_keep(reference)
-
-    def reference_logits(self, batch: Batch) -> torch.Tensor:
-        return _response_logits(self.reference, batch, self._keep)
-
-    def frozen_modules(self) -> list[nn.Module]:
-        return [self.reference]
-
-
-class SharedBaseModels(PolicyAndValue):
-    """LoRA/QLoRA: one SFT base with a ``policy`` adapter (the reference is the base with it disabled) and a
-    :class:`RewardModelCritic` on the reward model. No second copy of the policy's weights exists."""
-
-    def __init__(self, peft_model: Any, *, base_name: str, critic: RewardModelCritic) -> None:
-        self.base_name = base_name
-        disable_dropout(peft_model)
-        self.actor_critic = ActorCritic(peft_model, critic)
-        self._keep = _accepts_logits_to_keep(peft_model)
-        self._peft_model = [peft_model]  # the reference runs it with the adapter off, outside any wrapper
-
-    def reference_logits(self, batch: Batch) -> torch.Tensor:
-        peft_model = self._peft_model[0]
-        with peft_model.disable_adapter():
-            return _response_logits(peft_model, batch, self._keep)
-
-    def reward_model(self) -> nn.Module:
-        return self.actor_critic.critic.reward_model()
-
-    def policy_export(self, policy: Any) -> PolicyAdapterExport:
-        return PolicyAdapterExport(policy, self.base_name)
 
 
 class RewardModelCritic(ValueModel):
@@ -251,34 +304,3 @@ class AdapterOffClassifier(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with self._adapted[0].disable_adapter():
             return self.classifier(*args, **kwargs)
-
-
-class PolicyAdapterExport:
-    """The ``policy`` adapter of the shared model, saved as a plain top-level LoRA folder (as LoRA SFT saves).
-
-    peft would save a non-default adapter in a sub-folder; this writes ``adapter_model.safetensors`` and
-    ``adapter_config.json`` (naming the shared base) at the top, so ``load_causal_lm(spec, folder)`` and
-    ``generate_outputs`` load it directly. ``merge_and_unload()`` returns the base with the policy merged in
-    (call it only when training is over).
-    """
-
-    def __init__(self, peft_model: Any, base_name: str) -> None:
-        self.peft_model = peft_model
-        self.base_name = base_name
-
-    def save_pretrained(self, directory: str | Path, state_dict: dict[str, Any] | None = None) -> None:
-        from peft import get_peft_model_state_dict
-        from safetensors.torch import save_file
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = get_peft_model_state_dict(self.peft_model, state_dict=state_dict, adapter_name=POLICY)
-        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()},
-                  str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = copy.deepcopy(self.peft_model.peft_config[POLICY])
-        config.base_model_name_or_path = self.base_name
-        config.inference_mode = True
-        config.save_pretrained(str(directory))
-
-    def merge_and_unload(self) -> Any:
-        return self.peft_model.merge_and_unload()

@@ -13,8 +13,8 @@ Appendices A.2 and B.1) from the algorithm, checked against the released impleme
   estimate);
 * the shaped rewards are whitened over the whole rollout batch padded to ``max_new_tokens`` columns, their mean
   kept, and GAE (``gamma = lambda = 1``) runs over every column, as released: returns do not depend on a
-  response's length (:func:`~alpacafarm_methods.ppo.core.advantages_and_returns`); advantages are whitened over the
-  whole rollout batch (the paper's first modification); the critic is the reward model's backbone with a new
+  response's length (:func:`~alpacafarm_methods.ppo.advantages.advantages_and_returns`); advantages are whitened
+  over the whole rollout batch (the paper's first modification); the critic is the reward model's backbone with a new
   zero-initialised value head (its second, as released: :mod:`alpacafarm_methods.ppo.models`);
 * the policy and the critic then take ``ppo_epochs`` passes of clipped-loss updates over mini-batches, one
   loss and one backward for both.
@@ -31,14 +31,15 @@ weights up to floating-point summation order (``tests/test_ppo_distributed.py``)
 
 The trainer follows ``transformers.Trainer``'s conventions: a ``TrainingArguments`` subclass for its config
 (:mod:`alpacafarm_methods.ppo.config`), ``TrainerState``/``log_history``, ``TrainerCallback`` events, per-step
-metrics through ``accelerator.log`` to the ``report_to`` trackers, ``checkpoint-N`` folders written with
-``accelerator.save_state`` every ``save_steps`` and ``train(resume_from_checkpoint=...)``.
+metrics through ``accelerator.log`` to the ``report_to`` trackers, ``checkpoint-N`` folders every ``save_steps``
+through the one checkpoint path of our own loops (:func:`alpacafarm.training.save_checkpoint`, which is
+``accelerator.save_state``) and ``train(resume_from_checkpoint=...)`` (:func:`alpacafarm.training.load_checkpoint`).
+The maths a step runs live in :mod:`alpacafarm_methods.ppo.advantages` and :mod:`alpacafarm_methods.ppo.losses`.
 """
 
 from __future__ import annotations
 
 import math
-import shutil
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -52,11 +53,18 @@ from alpacafarm.prompts import PromptFormat
 from alpacafarm.rewards import RewardFunction
 from alpacafarm.sampling import Sample, sample, stop_token_ids, tokenize_prompts
 from alpacafarm.seeding import stable_seed
-from alpacafarm.training import rotate_checkpoints
-from alpacafarm_methods.ppo import core as ppo_core
+from alpacafarm.training import load_checkpoint, save_checkpoint
+from alpacafarm_methods.ppo.advantages import advantages_and_returns, kl_penalized_rewards, masked_whiten
 from alpacafarm_methods.ppo.config import PPOMethodConfig
-from alpacafarm_methods.ppo.core import Rollouts, collate
+from alpacafarm_methods.ppo.losses import (
+    approx_policy_kl,
+    clipped_policy_loss,
+    clipped_value_loss,
+    entropy_of,
+    logprobs_of,
+)
 from alpacafarm_methods.ppo.models import PolicyAndValue
+from alpacafarm_methods.ppo.rollouts import Rollouts, collate, rollout_means
 
 #: Keys of every per-step log entry (besides ``step``), in the order they are documented. ``kl`` is the sampled
 #: KL of a response from the reference (sum of ``log p - log p_ref`` over its tokens), ``penalized_kl`` the
@@ -100,21 +108,20 @@ class PPOTrainer:
             tokenizer.pad_token = tokenizer.eos_token
         self.pad_id = tokenizer.pad_token_id
         policy = models.actor_critic.policy
-        self.eos_ids = stop_token_ids(policy, tokenizer)
-        if isinstance(prompt_format, str):
-            prompt_format = PromptFormat(prompt_format, tokenizer)
-        self.prompt_format = prompt_format
+        self.params = models.trainable_parameters()
+        frozen = models.frozen_modules()
+        self.prompt_format = PromptFormat(prompt_format, tokenizer) if isinstance(prompt_format, str) else prompt_format
         self.records, self.queries, self.n_skipped = self._tokenize_prompts(records)
         self.max_steps = self._max_steps()
+        self.eos_ids = stop_token_ids(policy, tokenizer)
 
         self.accelerator = self._accelerator()
         self.world = self.accelerator.num_processes
         self._check_processes()
         device = self.accelerator.device
-        for module in models.frozen_modules():
+        for module in frozen:
             if next(module.parameters()).device != device:
                 module.to(device)
-        self.params = models.trainable_parameters()
         optimizer = torch.optim.AdamW(list(self.params.values()), lr=args.learning_rate,
                                       betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                                       weight_decay=args.weight_decay)
@@ -125,7 +132,6 @@ class PPOTrainer:
                                           num_training_steps=self.max_steps,
                                           scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
         self.model, self.optimizer = self.accelerator.prepare(models.actor_critic, optimizer)
-        self.accelerator.register_save_state_pre_hook(self._keep_trained_tensors)
         self.state = TrainerState(max_steps=self.max_steps, logging_steps=self._interval(args.logging_steps),
                                   save_steps=self._interval(args.save_steps),
                                   num_train_epochs=math.ceil(self._passes()),
@@ -229,9 +235,8 @@ class PPOTrainer:
         """
         args = self.args
         indices = self.prompt_indices(step)
-        policy = self.accelerator.unwrap_model(self.model).policy
         with self.accelerator.autocast():
-            samples = sample(policy, self.tokenizer, [self.queries[i] for i in indices], n=1,
+            samples = sample(self.policy, self.tokenizer, [self.queries[i] for i in indices], n=1,
                              temperature=args.temperature, top_p=1.0, max_new_tokens=args.max_new_tokens,
                              batch_size=args.generation_batch_size, seed=stable_seed(args.seed, "ppo-rollout", step),
                              stop_ids=self.eos_ids, sharded=True, synced=True)
@@ -260,9 +265,8 @@ class PPOTrainer:
             logits = logits.float() / args.temperature
             with self.accelerator.autocast():
                 ref_logits = self.models.reference_logits(batch).float() / args.temperature
-            terms = {"logprobs": ppo_core.logprobs_of(logits, batch.response_ids),
-                     "entropy": ppo_core.entropy_of(logits),
-                     "ref_logprobs": ppo_core.logprobs_of(ref_logits, batch.response_ids), "values": values.float()}
+            terms = {"logprobs": logprobs_of(logits, batch.response_ids), "entropy": entropy_of(logits),
+                     "ref_logprobs": logprobs_of(ref_logits, batch.response_ids), "values": values.float()}
             del logits, ref_logits
             for j, i in enumerate(chunk):
                 width = len(responses[i])
@@ -292,13 +296,13 @@ class PPOTrainer:
         scores = scores * args.reward_scale
         if args.reward_clip is not None:
             scores = scores.clamp(-args.reward_clip, args.reward_clip)
-        rewards, kl, penalized_kl = ppo_core.kl_penalized_rewards(
+        rewards, kl, penalized_kl = kl_penalized_rewards(
             scores, rollouts.logprobs, rollouts.ref_logprobs, rollouts.mask, args.kl_coef, penalty=args.kl_penalty)
-        advantages, returns = ppo_core.advantages_and_returns(
+        advantages, returns = advantages_and_returns(
             rewards, rollouts.values, rollouts.mask, response_length=args.max_new_tokens, gamma=args.gamma,
             lam=args.lam, whiten_rewards=args.whiten_rewards)
         rollouts.rewards, rollouts.kl, rollouts.penalized_kl, rollouts.returns = rewards, kl, penalized_kl, returns
-        rollouts.advantages = ppo_core.masked_whiten(advantages, rollouts.mask)
+        rollouts.advantages = masked_whiten(advantages, rollouts.mask)
         return rollouts
 
     # ---------------------------------------------------------------- update
@@ -334,14 +338,13 @@ class PPOTrainer:
                         pick = (lambda t, c=chunk, width=r: t[c, :width].to(device))  # noqa: E731
                         mask = batch.response_mask
                         logits, new_values = self.model(**vars(batch))
-                        new_logprobs = ppo_core.logprobs_of(logits.float() / args.temperature, batch.response_ids)
+                        new_logprobs = logprobs_of(logits.float() / args.temperature, batch.response_ids)
                         del logits
                         old_logprobs = pick(rollouts.logprobs)
-                        policy = ppo_core.clipped_policy_loss(new_logprobs, old_logprobs, pick(rollouts.advantages),
-                                                              mask, args.cliprange, denominator=n_tokens)
-                        value = ppo_core.clipped_value_loss(new_values.float(), pick(rollouts.values),
-                                                            pick(rollouts.returns), mask, args.cliprange_value,
-                                                            denominator=n_tokens)
+                        policy = clipped_policy_loss(new_logprobs, old_logprobs, pick(rollouts.advantages), mask,
+                                                     args.cliprange, denominator=n_tokens)
+                        value = clipped_value_loss(new_values.float(), pick(rollouts.values), pick(rollouts.returns),
+                                                   mask, args.cliprange_value, denominator=n_tokens)
                         accelerator.backward(scale * (policy.loss + args.vf_coef * value.loss))
                         if accelerator.sync_gradients:
                             norm = accelerator.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
@@ -354,9 +357,9 @@ class PPOTrainer:
                     sums["value_loss"] += float(value.loss.detach()) * n_tokens
                     sums["clip_fraction"] += float(policy.clip_fraction) * count
                     sums["value_clip_fraction"] += float(value.clip_fraction) * count
-                    approx_kl = ppo_core.approx_policy_kl(new_logprobs.detach(), old_logprobs, mask)
+                    approx_kl = approx_policy_kl(new_logprobs.detach(), old_logprobs, mask)
                     sums["approx_kl"] += float(approx_kl) * count
-        sums = ppo_core.sum_across_ranks(sums)
+        sums = sum_across_ranks(sums)
         tokens_seen = sums.pop("tokens_seen")
         stats = {k: v / max(tokens_seen, 1.0) for k, v in sums.items()}
         stats["loss"] = stats["policy_loss"] + args.vf_coef * stats["value_loss"]
@@ -366,7 +369,7 @@ class PPOTrainer:
         return stats
 
     def rollout_stats(self, rollouts: Rollouts) -> dict[str, float]:
-        return ppo_core.rollout_means(rollouts, self.args.kl_coef)
+        return rollout_means(rollouts, self.args.kl_coef)
 
     def step(self, step: int) -> dict[str, float]:
         """One PPO step: rollouts, advantages, updates. Returns its statistics."""
@@ -431,61 +434,44 @@ class PPOTrainer:
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
         self.control.should_log = False
 
-    def policy_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The trained policy's full weights (call on every rank: sharded ones are gathered); None off the main
-        process where the launch config gathers to it only."""
+    @property
+    def policy(self) -> Any:
+        """The trained policy, unwrapped from what ``accelerate`` prepared."""
+        return self.accelerator.unwrap_model(self.model).policy
+
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained policy's full weights (call on every rank: sharded ones are gathered); an empty dict off the
+        main process where the launch config gathers to it only. What
+        :func:`alpacafarm.model_loading.save_model` writes (its ``state_dict``)."""
         state = self.accelerator.get_state_dict(self.model)
         if state is None:
-            return None
+            return {}
         return {k.removeprefix("policy."): v for k, v in state.items() if k.startswith("policy.")}
 
-    def _keep_trained_tensors(self, models: list[Any], weights: list[dict[str, Any]], output_dir: str) -> None:
-        """``save_state`` hook: a checkpoint holds the trained tensors only (not a LoRA layout's frozen base)."""
-        for state in weights:
-            for name in [k for k in state if k not in self.params]:
-                del state[name]
-
     def _save_checkpoint(self) -> Path:
-        """``checkpoint-N/``: ``accelerator.save_state`` (trained weights, optimizer, RNG) and the trainer state;
-        written under a temporary name and renamed when whole, so a crash never leaves a half checkpoint."""
-        output_dir = Path(self.args.output_dir)
-        final = output_dir / f"checkpoint-{self.state.global_step}"
-        partial = output_dir / f"{final.name}.partial"
-        if self.accelerator.is_main_process:  # created here: only the main process writes in the run directory
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(str(partial))
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            self.state.save_to_json(str(partial / "trainer_state.json"))
-            shutil.rmtree(final, ignore_errors=True)
-            partial.rename(final)
-            rotate_checkpoints(output_dir, self.args.save_total_limit)
-        self.accelerator.wait_for_everyone()
-        return final
+        """``checkpoint-N/`` (:func:`alpacafarm.training.save_checkpoint`): the trained tensors (not a LoRA
+        layout's frozen bases), the optimizer, the RNG states and the trainer state."""
+        return save_checkpoint(self.accelerator, self.state, self.args.output_dir, trained_tensors_of=self.model,
+                               limit=self.args.save_total_limit)
 
     def _load_checkpoint(self, path: Path) -> None:
         """Restore weights, optimizer and step count from ``checkpoint-N/`` (written by :meth:`_save_checkpoint`
         under the same launch config); the learning-rate schedule is replayed to its step (it is a function of
         the step alone, and replaying it unpickles nothing)."""
-        from transformers.trainer_callback import TrainerState
-
-        weights = path / "model.safetensors"
-        kwargs: dict[str, Any] = {}
-        if weights.is_file():  # trained tensors only: the rest of the module is as loaded
-            from safetensors import safe_open
-
-            with safe_open(str(weights), framework="pt") as handle:
-                missing = sorted(set(self.params) - set(handle.keys()))
-            if missing:
-                raise UserError(f"checkpoint {path} does not match this model ({len(missing)} tensors missing, "
-                                f"e.g. {missing[0]})")
-            kwargs["strict"] = False
-        self.accelerator.load_state(str(path), **kwargs)
-        self.state = TrainerState.load_from_json(str(path / "trainer_state.json"))
+        self.state = load_checkpoint(self.accelerator, path, trained_tensors_of=self.model)
         self.state.max_steps = self.max_steps
         with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": a replay, on purpose
             warnings.simplefilter("ignore")
             for _ in range(self.state.global_step):
                 self.lr_scheduler.step()
+
+
+def sum_across_ranks(sums: dict[str, float]) -> dict[str, float]:
+    """``sums`` added up over every rank (one all-reduce, float64); unchanged for one process."""
+    from alpacafarm import distributed
+
+    if distributed.world_size() == 1:
+        return dict(sums)
+    totals = torch.tensor(list(sums.values()), dtype=torch.float64)
+    distributed.all_reduce_sum(totals)
+    return dict(zip(sums, totals.tolist(), strict=True))
