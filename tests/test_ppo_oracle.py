@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from alpacafarm.sampling import Sample
-from alpacafarm_methods.ppo import core as ppo_core
+from alpacafarm_methods.ppo.advantages import advantages_and_returns, kl_penalized_rewards, masked_whiten, whiten
+from alpacafarm_methods.ppo.losses import approx_policy_kl, clipped_policy_loss, clipped_value_loss
 
 PAD = 0  # the released `_shape_reward` finds each row's last token by counting non-pad tokens
 SEEDS = (0, 1, 2, 3)
@@ -108,7 +109,7 @@ def test_kl_shaping_equals_released_shape_reward(released: SimpleNamespace, seed
     theirs = released.ppo.PPOTrainer._shape_reward(
         released_self(kl_coef), rewards=data["scores"], responses=data["responses"], logprobs=data["logprobs"],
         ref_logprobs=data["ref_logprobs"])
-    ours = ppo_core.kl_penalized_rewards(data["scores"], data["logprobs"], data["ref_logprobs"], data["mask"],
+    ours = kl_penalized_rewards(data["scores"], data["logprobs"], data["ref_logprobs"], data["mask"],
                                          kl_coef, penalty="clamped")
     # Released padding has log-probabilities 0, hence KL 0 and shaped reward 0: equal on every position.
     close(ours.rewards, theirs["shaped_rewards"])
@@ -125,7 +126,7 @@ def test_kl_shaping_equals_released_shape_reward(released: SimpleNamespace, seed
 def test_whiten_equals_released_whiten(released: SimpleNamespace, seed: int):
     values = torch.randn(9, 7, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 3
     for shift_mean in (True, False):
-        close(ppo_core.whiten(values, shift_mean=shift_mean), released.torch_ops.whiten(values, shift_mean=shift_mean))
+        close(whiten(values, shift_mean=shift_mean), released.torch_ops.whiten(values, shift_mean=shift_mean))
 
 
 def released_gae(released: SimpleNamespace, rewards: torch.Tensor, values: torch.Tensor, *, response_len: int,
@@ -147,8 +148,8 @@ def test_returns_and_advantages_equal_released_estimate_advantage(released: Simp
     response_len = 16  # the released max_new_tokens; our tensors are only as wide as the longest response (12)
     data = synthetic(seed, batch=10, width=12, offset=1.5)
     mask = data["mask"]
-    shaped = ppo_core.kl_penalized_rewards(data["scores"], data["logprobs"], data["ref_logprobs"], mask, 0.05)
-    advantages, returns = ppo_core.advantages_and_returns(shaped.rewards, data["values"], mask,
+    shaped = kl_penalized_rewards(data["scores"], data["logprobs"], data["ref_logprobs"], mask, 0.05)
+    advantages, returns = advantages_and_returns(shaped.rewards, data["values"], mask,
                                                           response_length=response_len, gamma=gamma, lam=lam,
                                                           whiten_rewards=whiten_rewards)
     theirs = released_gae(released, shaped.rewards, data["values"], response_len=response_len, gamma=gamma,
@@ -163,7 +164,7 @@ def test_returns_and_advantages_equal_released_estimate_advantage(released: Simp
     # whole [batch, response_len] tensor, padding included. Ours equal the released whitening applied to the
     # real-token entries of the released (unwhitened) advantages.
     real = mask.bool()
-    whitened = ppo_core.masked_whiten(advantages, mask)
+    whitened = masked_whiten(advantages, mask)
     close(whitened[real], released.torch_ops.whiten(their_raw_advantages[real], shift_mean=True))
     assert bool((whitened[~real] == 0).all())
     # ... and they are not the released final advantages, which also count the padding's 4 extra columns.
@@ -172,7 +173,7 @@ def test_returns_and_advantages_equal_released_estimate_advantage(released: Simp
 
 def rollouts_of(data: dict[str, torch.Tensor]) -> Any:
     """Our trainer's rollout batch from the synthetic tensors (float32 as the trainer holds them)."""
-    from alpacafarm_methods.ppo.core import Rollouts
+    from alpacafarm_methods.ppo.rollouts import Rollouts
 
     lengths = [int(n) for n in data["lengths"]]
     samples = [Sample([1, 2], [7] * n, "x" * n, True) for n in lengths]
@@ -237,7 +238,7 @@ def test_returns_are_length_invariant_as_released(released: SimpleNamespace, tmp
     torch.testing.assert_close(short, long, rtol=1e-5, atol=1e-6,
                                msg=lambda m: f"first-token returns depend on the length: length 2 "
                                              f"{short.tolist()} vs length 8 {long.tolist()}; {m}")
-    shaped = ppo_core.kl_penalized_rewards(scores, zeros, zeros, mask, 0.0).rewards
+    shaped = kl_penalized_rewards(scores, zeros, zeros, mask, 0.0).rewards
     theirs = released_gae(released, shaped, zeros, response_len=response_len, gamma=1.0, lam=1.0)
     # ours in float32 (as the trainer holds rollouts), summed over 300 columns; the released formula in float64
     torch.testing.assert_close(first, theirs["returns"][:, 0], rtol=1e-3, atol=1e-4)
@@ -278,13 +279,13 @@ def loss_inputs(seed: int, batch: int = 8, width: int = 10) -> dict[str, torch.T
 
 def our_losses(inputs: dict[str, torch.Tensor], mask: torch.Tensor, cliprange: float,
                cliprange_value: float) -> dict[str, float]:
-    policy = ppo_core.clipped_policy_loss(inputs["new_logprobs"], inputs["old_logprobs"], inputs["advantages"],
+    policy = clipped_policy_loss(inputs["new_logprobs"], inputs["old_logprobs"], inputs["advantages"],
                                           mask, cliprange)
-    value = ppo_core.clipped_value_loss(inputs["vpred"], inputs["old_values"], inputs["returns"], mask,
+    value = clipped_value_loss(inputs["vpred"], inputs["old_values"], inputs["returns"], mask,
                                         cliprange_value)
     return {"loss/policy": float(policy.loss), "loss/value": float(value.loss),
             "policy/clipfrac": float(policy.clip_fraction), "val/clipfrac": float(value.clip_fraction),
-            "policy/approxkl": float(ppo_core.approx_policy_kl(inputs["new_logprobs"], inputs["old_logprobs"],
+            "policy/approxkl": float(approx_policy_kl(inputs["new_logprobs"], inputs["old_logprobs"],
                                                                mask))}
 
 
@@ -321,8 +322,8 @@ def test_value_head_starts_at_zero_on_the_reward_models_backbone_as_released(rel
     """Released PPO (``init_value_with_reward``) puts a new zero-initialised head on the reward model's backbone,
     so every value is exactly 0 at step 0; ours must too (not the reward model's score head)."""
     from alpacafarm.testing import tiny_causal_lm, tiny_sequence_classifier, tiny_tokenizer
-    from alpacafarm_methods.ppo.core import collate
     from alpacafarm_methods.ppo.models import ValueModel
+    from alpacafarm_methods.ppo.rollouts import collate
 
     tokenizer = tiny_tokenizer()
     queries, responses = [[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]]
@@ -354,7 +355,7 @@ def test_quark_top_quantile_is_the_released_top_bin(released: SimpleNamespace, b
     """The released ``DataPool`` sorts the pool by reward and cuts it into ``bins`` chunks of ``size // bins``
     (the last takes the remainder); the best-quantile variant trains on the first chunk. Ours keeps
     ``top_quantile(rewards, 1 / bins)``: the same samples, ties going to the earlier sample in both."""
-    from alpacafarm_methods.quark.trainer import top_quantile
+    from alpacafarm_methods.quark.selection import top_quantile
 
     g = torch.Generator().manual_seed(size * 10 + bins)
     rewards = torch.randint(0, size // 2, (size,), generator=g).tolist()  # many ties
@@ -376,7 +377,7 @@ def test_quark_top_quantile_is_the_released_top_bin(released: SimpleNamespace, b
 def test_quark_keeps_one_sample_where_the_released_top_bin_is_empty(released: SimpleNamespace):
     """A pool smaller than the number of bins: the released top bin is empty (``size // bins`` = 0); ours keeps
     the single best sample so that a tiny pool still trains (``kept_count``'s documented floor of one)."""
-    from alpacafarm_methods.quark.trainer import top_quantile
+    from alpacafarm_methods.quark.selection import top_quantile
 
     pool = released.quark.DataPool(SimpleNamespace(additional_special_tokens=[f"<reward_{i}>" for i in range(4)]))
     pool.add(queries=["a", "b", "c"], responses=["x", "y", "z"], rewards=[0.1, 0.9, 0.5])
@@ -427,7 +428,8 @@ def test_quark_loss_equals_released_up_to_its_padding_denominator(released: Simp
     args = QuarkMethodConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, step_batch_size=4,
                              kl_coef=kl_coef, report_to="none", disable_tqdm=True)
     trainer = build_quark_trainer(args, tiny_causal_lm(tokenizer, seed=seed), tokenizer,
-                                  tiny_causal_lm(tokenizer, seed=seed + 10))
+                                  [{"instruction": "not sampled here"}], lambda records, texts: [0.0] * len(texts),
+                                  ref_model=tiny_causal_lm(tokenizer, seed=seed + 10))
     g = torch.Generator().manual_seed(seed)
     for response_lengths in ([5, 2, 7, 3], [6, 6, 6, 6]):
         samples = [Sample(torch.randint(4, 2048, (p,), generator=g).tolist(),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +26,10 @@ def e_share(records: list[dict[str, Any]], completions: list[str]) -> list[float
 
 
 def quark_args(tmp_path: Path, **overrides: Any) -> Any:
+    """Build right before the trainer (building ``TrainingArguments`` sets accelerate's process state up afresh)."""
     from alpacafarm_methods.quark.config import QuarkMethodConfig
 
-    values = {"output_dir": str(tmp_path / "trainer"), "rounds": 2, "prompts_per_round": 8,
+    values = {"output_dir": str(tmp_path), "rounds": 2, "prompts_per_round": 8,
               "rollouts_per_prompt": 4, "top_quantile": 0.25, "max_new_tokens": 10,
               "generation_batch_size": 8, "per_device_train_batch_size": 8, "step_batch_size": 16,
               "learning_rate": 5e-3,
@@ -37,14 +37,21 @@ def quark_args(tmp_path: Path, **overrides: Any) -> Any:
     return QuarkMethodConfig(**values)
 
 
-def tiny_trainer(tmp_path: Path, **overrides: Any) -> Any:
-    """A trainer whose policy and frozen reference are two identical tiny models."""
+def tiny_trainer(tmp_path: Path, records: list[dict[str, Any]] = INSTRUCTIONS, reward: Any = e_share,
+                 **overrides: Any) -> Any:
+    """A trainer whose policy and frozen reference are two identical tiny models; pools and checkpoints go to
+    ``tmp_path``."""
     from alpacafarm.testing import tiny_causal_lm, tiny_tokenizer
     from alpacafarm_methods.quark.trainer import build_quark_trainer
 
     tokenizer = tiny_tokenizer()
-    return build_quark_trainer(quark_args(tmp_path, **overrides), tiny_causal_lm(tokenizer), tokenizer,
-                               tiny_causal_lm(tokenizer))
+    return build_quark_trainer(quark_args(tmp_path, **overrides), tiny_causal_lm(tokenizer), tokenizer, records,
+                               reward, ref_model=tiny_causal_lm(tokenizer))
+
+
+def step_entries(trainer: Any) -> list[dict[str, Any]]:
+    """The per-step log entries (the others are the rounds' statistics)."""
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
 
 
 def read_pool(path: Path) -> list[dict[str, Any]]:
@@ -90,7 +97,7 @@ def quark_recipe(tmp_path: Path, model: str, extra_model: str = "", quark_config
 
 def test_config_defaults_follow_the_paper_and_the_released_run_and_bad_values_are_errors(tmp_path: Path):
     from alpacafarm_methods.quark.config import QuarkMethodConfig
-    from alpacafarm_methods.quark.trainer import kept_count
+    from alpacafarm_methods.quark.selection import kept_count
 
     config = QuarkMethodConfig(output_dir=str(tmp_path))
     paper = (0.05, 3e-6, 1.0)
@@ -99,8 +106,6 @@ def test_config_defaults_follow_the_paper_and_the_released_run_and_bad_values_ar
     # Released, where the paper is silent: 5 warm-up steps (examples/scripts/rlhf_quark.sh), AdamW epsilon 1e-5
     # (quark_utils.TrainingArguments), the stop token never trained (rollouts re-tokenized without it).
     assert (config.warmup_steps, config.adam_epsilon, config.train_eos) == (5, 1e-5, False)
-    docs = QuarkMethodConfig.__doc__
-    assert "rlhf_quark.sh" in docs and "--warmup_steps 5" in docs and "1e-8" in docs and "train_eos" in docs
     assert (config.rounds, config.prompts_per_round) == (390, 512)
     # Released: the top of 4 reward bins (floor(512 / 4) = 128 kept), one optimizer step of 256 per round.
     assert (config.top_quantile, config.steps_per_round, config.step_batch_size) == (0.25, 1, 256)
@@ -139,7 +144,7 @@ def test_config_fields_are_recipe_settable(tiny_model_dir: str, tmp_path: Path):
 
 
 def test_kept_set_is_exactly_the_top_quantile_rounded_down():
-    from alpacafarm_methods.quark.trainer import kept_count, top_quantile
+    from alpacafarm_methods.quark.selection import kept_count, top_quantile
 
     assert [kept_count(n, 0.25) for n in (1, 3, 4, 8, 9, 30)] == [1, 1, 1, 2, 2, 7]  # released: n // 4
     assert kept_count(10, 0.3) == 3 and kept_count(512, 0.2) == 102 and kept_count(5, 1.0) == 5
@@ -150,13 +155,15 @@ def test_kept_set_is_exactly_the_top_quantile_rounded_down():
 
 
 def test_pool_files_keep_the_top_quantile_of_the_scorer(tmp_path: Path):
-    from alpacafarm_methods.quark.trainer import kept_count, run_rounds
+    from alpacafarm_methods.quark.selection import kept_count
 
     def score(records, completions):  # distinct, known rewards: the length, tie-broken by the text's checksum
         return [len(c) + sum(map(ord, c)) % 97 / 100 for c in completions]
 
-    trainer = tiny_trainer(tmp_path, top_quantile=0.3)
-    stats = run_rounds(trainer, INSTRUCTIONS, score, out_dir=tmp_path)
+    trainer = tiny_trainer(tmp_path, reward=score, top_quantile=0.3)
+    trainer.train()
+    stats = trainer.round_stats
+    assert [stat["round"] for stat in stats] == [1, 2]
     for stat in stats:
         pool = read_pool(tmp_path / f"round_{stat['round']}" / "pool.jsonl")
         assert len(pool) == 32 == stat["n_pool"]
@@ -175,13 +182,14 @@ def test_loss_is_logged_parameters_change_and_kl_grows_from_zero(tmp_path: Path)
 
     from alpacafarm.prompts import format_prompt
     from alpacafarm.sampling import Sample
-    from alpacafarm_methods.quark.trainer import run_rounds, training_example
+    from alpacafarm_methods.quark.trainer import training_example
 
-    trainer = tiny_trainer(tmp_path, rounds=3, steps_per_round=2)
+    trainer = tiny_trainer(tmp_path / "a", rounds=3, steps_per_round=2)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    stats = run_rounds(trainer, INSTRUCTIONS, e_share, out_dir=tmp_path / "a")
+    trainer.train()
+    stats = trainer.round_stats
     # The last round's kept samples, re-tokenized: the trained policy has drifted from the reference on them.
-    tokenizer = trainer.processing_class
+    tokenizer = trainer.tokenizer
     kept_rows = [row for row in read_pool(tmp_path / "a/round_3/pool.jsonl") if row["kept"]]
     prompts = [tokenizer(format_prompt(row["instruction"], row["input"] or None))["input_ids"]
                for row in kept_rows]
@@ -204,50 +212,66 @@ def test_loss_is_logged_parameters_change_and_kl_grows_from_zero(tmp_path: Path)
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
     references = zip(trainer.ref_model.parameters(), fresh.ref_model.parameters(), strict=True)
     assert all(torch.equal(p, q) for p, q in references)
+    steps = step_entries(trainer)
+    assert [e["step"] for e in steps] == [1, 2, 3, 4, 5, 6] and [e["round"] for e in steps] == [1, 1, 2, 2, 3, 3]
     for stat in stats:
-        losses = [e["loss"] for e in stat["log_history"] if "loss" in e]
-        assert len(losses) == stat["steps"] == 2  # steps_per_round: two steps of 16 draws from the 8 kept
-        assert all("kl" in e and "nll" in e for e in stat["log_history"] if "loss" in e)
-        assert stat["train_loss"] > 0 and stat["kl"] >= 0
+        mine = [e for e in steps if e["round"] == stat["round"]]
+        assert len(mine) == stat["steps"] == 2  # steps_per_round: two steps of 16 draws from the 8 kept
+        assert all(e["loss"] == pytest.approx(e["nll"] + 0.05 * e["kl"]) for e in mine)  # NLL + kl_coef x KL
+        assert stat["train_loss"] == pytest.approx(sum(e["loss"] for e in mine) / 2) and stat["kl"] >= 0
+        assert all(e["reward"] == stat["reward_mean"] for e in mine)
     assert stats[0]["kl"] < stats[-1]["kl"]
 
 
 def test_each_round_takes_one_optimizer_step_on_the_step_batch_cycling_through_the_kept(tmp_path: Path):
-    """Released: keep floor(pool / 4), then one optimizer step of step_batch_size draws, in micro-batches."""
+    """Released: keep floor(pool / 4), then one optimizer step of step_batch_size draws, in micro-batches; all of
+    it inside one train() call."""
+    import torch
     from transformers import TrainerCallback
 
-    from alpacafarm_methods.quark.trainer import run_rounds
+    trainer = tiny_trainer(tmp_path, rounds=2, prompts_per_round=6, rollouts_per_prompt=5,  # pool of 30
+                           warmup_steps=0)
+    assert trainer.accelerator.gradient_accumulation_steps == 2 and trainer.state.max_steps == 2  # 16 = 2 x 8
 
-    trainer = tiny_trainer(tmp_path, rounds=2, prompts_per_round=6, rollouts_per_prompt=5)  # pool of 30
-    assert trainer.args.gradient_accumulation_steps == 2 and trainer.args.max_steps == 1  # 16 = 2 x 8
+    class Events(TrainerCallback):
+        seen: list[tuple[str, int]] = []
 
-    class Count(TrainerCallback):
-        optimizer_steps = 0
+        def on_train_begin(self, args, state, control, **kwargs):
+            Events.seen.append(("begin", state.global_step))
 
-        def on_optimizer_step(self, args, state, control, **kwargs):
-            Count.optimizer_steps += 1
+        def on_step_end(self, args, state, control, **kwargs):
+            Events.seen.append(("step", state.global_step))
 
-    trainer.add_callback(Count)
-    rows, datasets = [], []
-    compute_loss, train = trainer.compute_loss, trainer.train
+        def on_train_end(self, args, state, control, **kwargs):
+            Events.seen.append(("end", state.global_step))
+
+    trainer.add_callback(Events)
+    rows, datasets, updates = [], [], []
+    loss_terms, optimizer_step, real_step = trainer.loss_terms, trainer.optimizer_step, trainer.optimizer.step
 
     def spy_loss(model, inputs, *args, **kwargs):
-        if model.training:
-            rows.append(int(inputs["input_ids"].shape[0]))
-        return compute_loss(model, inputs, *args, **kwargs)
+        rows.append(int(inputs["input_ids"].shape[0]))
+        return loss_terms(model, inputs, *args, **kwargs)
 
-    def spy_train(*args, **kwargs):
-        datasets.append(list(trainer.train_dataset))
-        return train(*args, **kwargs)
+    def spy_step(examples):
+        datasets.append(list(examples))
+        return optimizer_step(examples)
 
-    trainer.compute_loss, trainer.train = spy_loss, spy_train
-    stats = run_rounds(trainer, INSTRUCTIONS, e_share, out_dir=tmp_path)
+    def spy_update(*args, **kwargs):  # the optimizer's own step: called per micro-batch, updates once per step
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        real_step(*args, **kwargs)
+        updates.append(any(not torch.equal(p, q) for p, q in zip(trainer.model.parameters(), before, strict=True)))
+
+    trainer.loss_terms, trainer.optimizer_step, trainer.optimizer.step = spy_loss, spy_step, spy_update
+    trainer.train()
+    stats = trainer.round_stats
+    assert Events.seen == [("begin", 0), ("step", 1), ("step", 2), ("end", 2)]  # one training loop
     assert [s["n_pool"] for s in stats] == [30, 30] and [s["n_kept"] for s in stats] == [7, 7]  # floor(7.5)
-    assert [s["steps"] for s in stats] == [1, 1] and Count.optimizer_steps == 2  # one step per round
+    assert [s["steps"] for s in stats] == [1, 1] and updates == [False, True, False, True]  # one step per round
     assert [s["n_trained"] for s in stats] == [16, 16] and rows == [8, 8, 8, 8]  # 2 micro-batches per step
     for r, dataset in enumerate(datasets, start=1):
         kept = [row for row in read_pool(tmp_path / f"round_{r}/pool.jsonl") if row["kept"]]
-        tokenizer = trainer.processing_class
+        tokenizer = trainer.tokenizer
         drawn = [tokenizer.decode([t for t, label in zip(ex["input_ids"], ex["labels"], strict=True)
                                    if label != -100], skip_special_tokens=True).strip() for ex in dataset]
         # Cycling through a shuffled order: two full passes over the 7 kept, then 2 of a third pass.
@@ -256,7 +280,7 @@ def test_each_round_takes_one_optimizer_step_on_the_step_batch_cycling_through_t
 
 
 def test_draw_order_is_seeded_passes_of_fresh_permutations():
-    from alpacafarm_methods.quark.trainer import draw_order
+    from alpacafarm_methods.quark.selection import draw_order
 
     order = draw_order(128, 256, seed=3)
     assert sorted(order[:128]) == sorted(order[128:]) == list(range(128))  # the released 256 from 128
@@ -264,72 +288,94 @@ def test_draw_order_is_seeded_passes_of_fresh_permutations():
     assert draw_order(5, 3, seed=0) == draw_order(5, 10, seed=0)[:3]
 
 
-def test_the_trainer_counts_the_response_tokens_the_loss_averages_over(tmp_path: Path):
-    """The token count of an accumulated batch (Trainer.get_batch_samples: the loss's denominator) is the number of
-    targets the loss reads. With an empty prompt the first response token has no position before it, so it is not
-    a target: counting unshifted labels (what the Trainer does without the collator's shift_labels) gives 6."""
+def test_a_step_is_the_token_mean_of_the_step_batch_however_it_is_split_into_micro_batches(tmp_path: Path):
+    """One optimizer step on four responses of different lengths, as one micro-batch of 4 or four accumulated
+    micro-batches of 1: the same loss, gradient norm and updated weights, and the loss is ``(sum of NLL + kl_coef x
+    sum of KL) / targets of the whole step batch``, the gradient norm that of this loss computed by hand. An empty
+    prompt's first response token has no position before it, so it is not a target (12 targets, not 13).
+    Averaging each micro-batch's own mean (a one-token response weighted like a six-token one), dropping the
+    accumulation's rescaling or counting unshifted labels fails it."""
     import torch
 
-    trainer = tiny_trainer(tmp_path)
-    examples = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [5, 6, 7, 8], "labels": [-100, 6, 7, 8]}]
-    batches = [trainer.data_collator(examples[:1]), trainer.data_collator(examples[1:])]
-    _, counted = trainer.get_batch_samples(iter(batches), 2, torch.device("cpu"))
-    with torch.no_grad():
-        targets = sum(int(trainer.token_terms(trainer.model, batch)[2].sum()) for batch in batches)
-    assert int(counted) == targets == 2 + 3
+    from alpacafarm.testing import tiny_causal_lm, tiny_tokenizer
+    from alpacafarm_methods.quark.trainer import build_quark_trainer
+
+    examples = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]},  # empty prompt: 2 targets
+                {"input_ids": [5, 6, 7, 8, 9, 10, 11], "labels": [-100, 6, 7, 8, 9, 10, 11]},  # 6
+                {"input_ids": [12, 13, 14, 15], "labels": [-100, -100, -100, 15]},  # 1
+                {"input_ids": [16, 17, 18, 19, 20], "labels": [-100, -100, 18, 19, 20]}]  # 3
+    steps, weights = {}, {}
+    for micro in (4, 1):
+        tokenizer = tiny_tokenizer()
+        args = quark_args(tmp_path / str(micro), per_device_train_batch_size=micro, step_batch_size=4,
+                          warmup_steps=0, kl_coef=0.5)
+        trainer = build_quark_trainer(args, tiny_causal_lm(tokenizer), tokenizer, INSTRUCTIONS, e_share,
+                                      ref_model=tiny_causal_lm(tokenizer, seed=1))  # KL > 0 from the start
+        assert trainer.accelerator.gradient_accumulation_steps == 4 // micro
+        whole = trainer.data_collator(examples)
+        with torch.no_grad():
+            nll, kl, mask, _ = trainer.token_terms(trainer.model, whole)
+        assert int(mask.sum()) == 12 and float(kl[mask].mean()) > 1e-3
+        expected = float((nll[mask].sum() + 0.5 * kl[mask].sum()) / 12)
+        trainer.compute_loss(trainer.model, whole).backward()
+        norm = float(torch.cat([p.grad.flatten() for p in trainer.model.parameters()]).norm())
+        trainer.model.zero_grad()
+        steps[micro] = trainer.optimizer_step(examples)
+        weights[micro] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        assert steps[micro]["tokens"] == 12 and steps[micro]["loss"] == pytest.approx(expected, rel=1e-5)
+        assert steps[micro]["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    assert steps[1]["loss"] == pytest.approx(steps[4]["loss"], rel=1e-6)
+    for name, tensor in weights[4].items():
+        torch.testing.assert_close(weights[1][name], tensor, rtol=0, atol=1e-5, msg=name)  # steps of 5e-3
 
 
 def test_gradient_accumulation_is_derived_from_the_step_batch(tmp_path: Path):
     from alpacafarm.errors import UserError
 
     sizes = {"step_batch_size": 32, "per_device_train_batch_size": 4}
-    assert tiny_trainer(tmp_path, **sizes).args.gradient_accumulation_steps == 8
-    assert tiny_trainer(tmp_path, **sizes, gradient_accumulation_steps=8).args.gradient_accumulation_steps == 8
+    assert tiny_trainer(tmp_path, **sizes).accelerator.gradient_accumulation_steps == 8
+    assert tiny_trainer(tmp_path, **sizes, gradient_accumulation_steps=8).accelerator.gradient_accumulation_steps == 8
     with pytest.raises(UserError, match="gradient_accumulation_steps is derived"):
         tiny_trainer(tmp_path, **sizes, gradient_accumulation_steps=2)
 
 
 def test_learning_rate_decays_to_zero_over_all_rounds(tmp_path: Path):
-    from alpacafarm_methods.quark.trainer import run_rounds
-
-    trainer = tiny_trainer(tmp_path, rounds=4, lr_scheduler_type="linear", warmup_steps=0)
-    stats = run_rounds(trainer, INSTRUCTIONS[:8], e_share, out_dir=tmp_path)
-    rates = [e["learning_rate"] for s in stats for e in s["log_history"] if "learning_rate" in e]
+    trainer = tiny_trainer(tmp_path, INSTRUCTIONS[:8], rounds=4, lr_scheduler_type="linear", warmup_steps=0)
+    trainer.train()
+    rates = [e["learning_rate"] for e in step_entries(trainer)]  # the rate each step used
     # One optimizer step per round, so one scheduler step per round: 5e-3 x (1, 3/4, 1/2, 1/4), then 0.
     assert rates == pytest.approx([5e-3, 3.75e-3, 2.5e-3, 1.25e-3])
     assert all(a > b for a, b in itertools.pairwise(rates))  # one schedule, not restarted each round
-    assert stats[-1]["learning_rate"] == 0.0
+    assert [s["learning_rate"] for s in trainer.round_stats] == rates
+    assert trainer.lr_scheduler.get_last_lr()[0] == 0.0
 
 
 def test_learning_rate_warms_up_over_the_first_five_rounds_by_default(tmp_path: Path):
-    from alpacafarm_methods.quark.trainer import run_rounds
-
-    trainer = tiny_trainer(tmp_path, rounds=7, prompts_per_round=2, rollouts_per_prompt=4, max_new_tokens=4,
-                           step_batch_size=8)
-    stats = run_rounds(trainer, INSTRUCTIONS[:8], e_share, out_dir=tmp_path)
-    rates = [e["learning_rate"] for s in stats for e in s["log_history"] if "learning_rate" in e]
+    trainer = tiny_trainer(tmp_path, INSTRUCTIONS[:8], rounds=7, prompts_per_round=2, rollouts_per_prompt=4,
+                           max_new_tokens=4, step_batch_size=8)
+    trainer.train()
+    rates = [e["learning_rate"] for e in step_entries(trainer)]
     # The released script's --warmup_steps 5 (one scheduler step per round): 0, 1/5, ..., 4/5, 1, then 1/2.
     assert rates == pytest.approx([5e-3 * f for f in (0, 0.2, 0.4, 0.6, 0.8, 1.0, 0.5)])
 
 
 def test_the_pool_is_rebuilt_every_round(tmp_path: Path):
-    from alpacafarm_methods.quark.trainer import run_rounds
-
-    trainer = tiny_trainer(tmp_path, rounds=3, prompts_per_round=4)
     datasets, scored = [], []
-    train = trainer.train
-
-    def spy_train(*args, **kwargs):
-        datasets.append(list(trainer.train_dataset))
-        return train(*args, **kwargs)
 
     def score(records, completions):
         scored.append(list(completions))
         return e_share(records, completions)
 
-    trainer.train = spy_train
-    run_rounds(trainer, INSTRUCTIONS, score, out_dir=tmp_path)
-    tokenizer = trainer.processing_class
+    trainer = tiny_trainer(tmp_path, reward=score, rounds=3, prompts_per_round=4)
+    optimizer_step = trainer.optimizer_step
+
+    def spy_step(examples):
+        datasets.append(list(examples))
+        return optimizer_step(examples)
+
+    trainer.optimizer_step = spy_step
+    trainer.train()
+    tokenizer = trainer.tokenizer
     pools = [read_pool(tmp_path / f"round_{r}/pool.jsonl") for r in (1, 2, 3)]
     for pool, dataset, texts in zip(pools, datasets, scored, strict=True):
         assert len(pool) == len(texts) == 16  # 4 prompts x 4 rollouts, never more: nothing accumulates
@@ -343,15 +389,13 @@ def test_the_pool_is_rebuilt_every_round(tmp_path: Path):
     # Fresh rollouts on new prompts each round (4 of the 16 instructions at a time, cycling a seeded order).
     assert len({row["instruction"] for pool in pools for row in pool}) == 12
     assert not {row["output"] for row in pools[0]} & {row["output"] for row in pools[1]}
-    assert trainer.train_dataset is None  # the last round's kept set is dropped too
 
 
 def test_mean_pool_reward_rises_across_rounds(tmp_path: Path):
-    from alpacafarm_methods.quark.trainer import run_rounds
-
     trainer = tiny_trainer(tmp_path, rounds=8, prompts_per_round=16, top_quantile=0.25, max_new_tokens=12,
                            steps_per_round=4, step_batch_size=8, lr_scheduler_type="constant")
-    stats = run_rounds(trainer, INSTRUCTIONS, e_share, out_dir=tmp_path)
+    trainer.train()
+    stats = trainer.round_stats
     rewards = [s["reward_mean"] for s in stats]
     print("pool reward per round:", [round(r, 4) for r in rewards])
     assert rewards[-1] > 1.4 * rewards[0]
@@ -369,7 +413,7 @@ def test_lora_policy_has_no_reference_copy(tiny_model_dir: str, tmp_path: Path,
     import alpacafarm.model_loading as modeling
     from alpacafarm.model_loading import load_tokenizer
     from alpacafarm_methods.quark.method import load_policy_and_reference
-    from alpacafarm_methods.quark.trainer import build_quark_trainer, run_rounds
+    from alpacafarm_methods.quark.trainer import build_quark_trainer
 
     loads = []
     real = modeling.load_causal_lm
@@ -383,12 +427,13 @@ def test_lora_policy_has_no_reference_copy(tiny_model_dir: str, tmp_path: Path,
     spec = ModelSpec.model_validate({"name": tiny_model_dir, "lora": {"r": 4, "alpha": 8}})
     policy, reference, _ = load_policy_and_reference(spec, tiny_model_dir, args)
     assert reference is None and len(loads) == 1 and hasattr(policy, "disable_adapter")
-    trainer = build_quark_trainer(args, policy, load_tokenizer(spec, tiny_model_dir))
+    trainer = build_quark_trainer(quark_args(tmp_path, learning_rate=5e-2), policy,
+                                  load_tokenizer(spec, tiny_model_dir), INSTRUCTIONS[:8], e_share)
     assert trainer.ref_model is None
     base = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_" not in n}
     examples = [{"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]}]
     assert trainer.measure(examples)["kl"] == pytest.approx(0.0, abs=1e-7)  # lora_B starts at zero
-    run_rounds(trainer, INSTRUCTIONS[:8], e_share, out_dir=tmp_path)
+    trainer.train()
     assert trainer.measure(examples)["kl"] > 0  # the reference is the same network with the adapters off
     assert all(torch.equal(p, base[n]) for n, p in policy.named_parameters() if "lora_" not in n)
 
@@ -399,15 +444,17 @@ def test_policy_trains_float32_master_weights_against_a_reference_in_the_model_d
 
     from alpacafarm.model_loading import load_tokenizer
     from alpacafarm_methods.quark.method import load_policy_and_reference
-    from alpacafarm_methods.quark.trainer import build_quark_trainer, run_rounds
+    from alpacafarm_methods.quark.trainer import build_quark_trainer
 
     args = quark_args(tmp_path, rounds=1, prompts_per_round=4)
     spec = ModelSpec(name=tiny_model_dir, dtype="bfloat16")
     policy, reference, _ = load_policy_and_reference(spec, tiny_model_dir, args)
     assert {p.dtype for p in policy.parameters()} == {torch.float32}
     assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
-    trainer = build_quark_trainer(args, policy, load_tokenizer(spec, tiny_model_dir), reference)
-    stats = run_rounds(trainer, INSTRUCTIONS[:4], e_share, out_dir=tmp_path)  # mixed dtypes train (on a CPU)
+    trainer = build_quark_trainer(args, policy, load_tokenizer(spec, tiny_model_dir), INSTRUCTIONS[:4], e_share,
+                                  ref_model=reference)
+    trainer.train()  # mixed dtypes train (on a CPU)
+    stats = trainer.round_stats
     assert stats[0]["steps"] == 1 and stats[0]["kl"] >= 0
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
 
@@ -485,24 +532,29 @@ def test_4bit_policy_trains_adapters_against_the_reward_model(tiny_model_dir: st
     """QLoRA: a 4-bit base with LoRA adapters, scored by a reward model loaded the way the method loads it."""
     pytest.importorskip("bitsandbytes")
     import torch
+    from safetensors.torch import load_file
 
     from alpacafarm.model_loading import load_tokenizer, save_model
     from alpacafarm.rewards import RewardScorer
     from alpacafarm_methods.quark.method import load_policy_and_reference
-    from alpacafarm_methods.quark.trainer import build_quark_trainer, run_rounds
+    from alpacafarm_methods.quark.trainer import build_quark_trainer
 
     spec = ModelSpec.model_validate({"name": tiny_model_dir, "quantization": "4bit",
                                      "lora": {"r": 4, "alpha": 8}})
-    args = quark_args(tmp_path, rounds=1, prompts_per_round=4, learning_rate=5e-2)
-    policy, reference, _ = load_policy_and_reference(spec, tiny_model_dir, args)
+    policy, reference, _ = load_policy_and_reference(spec, tiny_model_dir, quark_args(tmp_path))
     assert reference is None
-    trainer = build_quark_trainer(args, policy, load_tokenizer(spec, tiny_model_dir))
-    lora = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_B" in n}
     scorer = RewardScorer.from_path(tiny_model_dir, spec)  # a (random-head) classifier on the tiny model
-    stats = run_rounds(trainer, INSTRUCTIONS[:4], scorer, out_dir=tmp_path)
-    assert stats[0]["steps"] == 1 and stats[0]["kl"] >= 0 and stats[0]["n_kept"] == 4
+    args = quark_args(tmp_path, rounds=2, prompts_per_round=4, learning_rate=5e-2, warmup_steps=0)
+    trainer = build_quark_trainer(args, policy, load_tokenizer(spec, tiny_model_dir), INSTRUCTIONS[:4], scorer)
+    lora = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_B" in n}
+    trainer.train()
+    stats = trainer.round_stats
+    assert [s["steps"] for s in stats] == [1, 1] and stats[0]["n_kept"] == 4
+    assert stats[1]["kl"] > 0  # round 2 trains a policy that round 1 moved from the adapter-free reference
     assert any(not torch.equal(p, lora[n]) for n, p in policy.named_parameters() if "lora_B" in n)
-    save_model(trainer.model, trainer.processing_class, tmp_path / "model")
+    checkpoint = load_file(str(tmp_path / "checkpoint-2/model.safetensors"))
+    assert checkpoint and all("lora_" in name for name in checkpoint)  # not the 4-bit base
+    save_model(trainer.policy, trainer.tokenizer, tmp_path / "model")
     assert (tmp_path / "model/adapter_config.json").is_file()
 
 
@@ -533,17 +585,16 @@ def assert_same_weights(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 def test_round_checkpoints_hold_the_trained_tensors_optimizer_and_stats_and_resume_to_the_same_weights(
         tmp_path: Path):
-    """Every round writes checkpoint-<round> (the newest save_total_limit = 2 kept); resuming from one skips its
-    rounds and ends with the uninterrupted run's weights; a damaged newest one is skipped for the one before."""
-    import torch
+    """Every round writes checkpoint-<round> with accelerate's save_state (the newest save_total_limit = 2 kept);
+    resuming from one skips its rounds and ends with the uninterrupted run's weights and statistics; a damaged
+    newest one is skipped for the one before."""
     from safetensors.torch import load_file
 
     from alpacafarm.training import checkpoint_problem, resume_checkpoint
-    from alpacafarm_methods.quark.trainer import run_rounds
 
     settings = {"rounds": 3, "prompts_per_round": 4, "warmup_steps": 1}
-    whole = tiny_trainer(tmp_path / "a", **settings)
-    whole_stats = run_rounds(whole, INSTRUCTIONS, e_share, out_dir=tmp_path / "whole")
+    whole = tiny_trainer(tmp_path / "whole", **settings)
+    whole.train()
     final = {n: p.detach().clone() for n, p in whole.model.named_parameters()}
     folders = sorted(p.name for p in (tmp_path / "whole").iterdir() if p.name.startswith("checkpoint"))
     assert folders == ["checkpoint-2", "checkpoint-3"]  # save_total_limit 2: checkpoint-1 rotated out
@@ -551,9 +602,9 @@ def test_round_checkpoints_hold_the_trained_tensors_optimizer_and_stats_and_resu
     assert checkpoint_problem(checkpoint) is None
     tensors = load_file(str(checkpoint / "model.safetensors"))
     assert set(tensors) == {n for n, p in whole.model.named_parameters() if p.requires_grad}
-    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
-    assert optimizer["state"] and json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 2
-    assert [s["round"] for s in json.loads((checkpoint / "rounds.json").read_text())] == [1, 2]
+    assert (checkpoint / "optimizer.bin").is_file()  # accelerate's name for the optimizer state
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and [e["round"] for e in state["log_history"] if "n_pool" in e] == [1, 2]
 
     # A damaged newest checkpoint (killed while writing, disk full): the pipeline resumes from the one before.
     damaged = tmp_path / "whole/checkpoint-3/model.safetensors"
@@ -567,57 +618,49 @@ def test_round_checkpoints_hold_the_trained_tensors_optimizer_and_stats_and_resu
 
     assert resume_checkpoint(Context()) == str(checkpoint)
 
-    resumed = tiny_trainer(tmp_path / "b", **settings)
+    resumed = tiny_trainer(tmp_path / "resumed", **settings)
     sampled = []
-    real_train = resumed.train
-    resumed.train = lambda *a, **k: sampled.append(1) or real_train(*a, **k)
-    stats = run_rounds(resumed, INSTRUCTIONS, e_share, out_dir=tmp_path / "resumed", resume_from=checkpoint)
-    assert len(sampled) == 1 and not (tmp_path / "resumed/round_1").exists()  # only round 3 ran
-    assert [s["round"] for s in stats] == [1, 2, 3] and stats[:2] == json.loads(
-        (checkpoint / "rounds.json").read_text())
-    assert stats[2]["learning_rate"] == pytest.approx(whole_stats[2]["learning_rate"])  # the schedule replayed
-    assert stats[2]["reward_mean"] == pytest.approx(whole_stats[2]["reward_mean"], rel=RESUME_RTOL)
+    sample_pool = resumed.sample_pool
+    resumed.sample_pool = lambda indices, round_: sampled.append(round_) or sample_pool(indices, round_)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert sampled == [3] and not (tmp_path / "resumed/round_1").exists()  # only round 3 ran
+    stats, whole_stats = resumed.round_stats, whole.round_stats
+    assert [s["round"] for s in stats] == [1, 2, 3] and stats[:2] == whole_stats[:2]
+    timeless = [{k: v for k, v in s.items() if not k.endswith("_seconds")} for s in (stats[2], whole_stats[2])]
+    assert timeless[0] == pytest.approx(timeless[1], rel=RESUME_RTOL, abs=RESUME_ATOL)  # the schedule replayed too
+    assert resumed.lr_scheduler.get_last_lr() == pytest.approx(whole.lr_scheduler.get_last_lr())
     assert_same_weights({n: p.detach() for n, p in resumed.model.named_parameters()}, final)
 
 
-def test_resume_refuses_where_the_launch_config_shards_the_optimizer(tmp_path: Path):
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path: Path):
     from alpacafarm.errors import UserError
-    from alpacafarm_methods.quark.trainer import run_rounds
+    from alpacafarm.testing import tiny_causal_lm, tiny_tokenizer
+    from alpacafarm_methods.quark.trainer import build_quark_trainer
 
-    trainer = tiny_trainer(tmp_path, rounds=1, prompts_per_round=2)
-    run_rounds(trainer, INSTRUCTIONS, e_share, out_dir=tmp_path / "run")
-    sharded = tiny_trainer(tmp_path, rounds=1, prompts_per_round=2)
-    sharded.is_deepspeed_enabled = True  # as Trainer sets it under a DeepSpeed launch config
-    assert not sharded.checkpoints_whole()
-    with pytest.raises(UserError, match="cannot resume from checkpoint-1 here: the launch config shards"):
-        run_rounds(sharded, INSTRUCTIONS, e_share, out_dir=tmp_path / "run",
-                   resume_from=tmp_path / "run/checkpoint-1")
+    tiny_trainer(tmp_path / "run", rounds=1, prompts_per_round=2).train()
+    tokenizer = tiny_tokenizer()
+    wider = build_quark_trainer(quark_args(tmp_path / "other", rounds=1), tiny_causal_lm(tokenizer, num_layers=3),
+                                tokenizer, INSTRUCTIONS, e_share, ref_model=tiny_causal_lm(tokenizer, num_layers=3))
+    with pytest.raises(UserError, match=r"checkpoint-1 does not match this model \(\d+ tensors missing, "
+                                        r"e\.g\. model\.layers\.2\."):
+        wider.train(resume_from_checkpoint=tmp_path / "run/checkpoint-1")
 
 
 def test_step_metrics_go_to_the_report_to_trackers(tmp_path: Path):
-    """``report_to: tensorboard``: the Trainer's integration callback writes every round's logged steps to event
-    files (in the pipeline ``output_dir`` is the stage folder)."""
-
-
-    from alpacafarm_methods.quark.trainer import run_rounds
-
-    trainer = tiny_trainer(tmp_path, rounds=2, prompts_per_round=4, report_to=["tensorboard"])
-    train = trainer.train
-
-    def one_second_apart(*args, **kwargs):  # tensorboardX names an event file by the second it opened it, and
-        time.sleep(1.0)                     # each round's train() opens one: rounds under a second would share it
-        return train(*args, **kwargs)
-
-    trainer.train = one_second_apart
-    run_rounds(trainer, INSTRUCTIONS, e_share, out_dir=tmp_path / "run")
+    """``report_to: tensorboard``: every logged step goes to the trackers under ``quark/`` at the run's optimizer
+    step (in the pipeline ``output_dir`` is the stage folder), and every round's statistics at its last step."""
     from alpacafarm.testing import tensorboard_scalars
 
-    scalars = tensorboard_scalars(tmp_path / "trainer")  # under output_dir/runs/
-    tags = {tag: [v for _, v in pairs] for tag, pairs in scalars.items()}
+    trainer = tiny_trainer(tmp_path, rounds=2, prompts_per_round=4, steps_per_round=2, report_to=["tensorboard"])
+    trainer.train()
+    scalars = tensorboard_scalars(tmp_path)
     steps = {tag: [s for s, _ in pairs] for tag, pairs in scalars.items()}
-    for key in ("loss", "nll", "kl", "learning_rate"):
-        assert len(tags[f"train/{key}"]) == 2, (key, sorted(tags))  # one optimizer step per round, two rounds
-        assert sorted(steps[f"train/{key}"]) == [1, 2]  # the run's optimizer step, not each round's own
+    values = {tag: [v for _, v in pairs] for tag, pairs in scalars.items()}
+    for key in ("loss", "nll", "kl", "grad_norm", "learning_rate", "reward"):
+        assert sorted(steps[f"quark/{key}"]) == [1, 2, 3, 4], (key, sorted(steps))  # two steps in each of 2 rounds
+    assert values["quark/loss"] == pytest.approx([e["loss"] for e in step_entries(trainer)])
+    assert sorted(steps["quark/round/reward_mean"]) == [2, 4]
+    assert values["quark/round/reward_mean"] == pytest.approx([s["reward_mean"] for s in trainer.round_stats])
 
 
 #: Runs a recipe in a child process whose Quark stage dies (os._exit, no clean-up, as under SIGKILL) when it
@@ -626,15 +669,15 @@ DIE_IN_ROUND_2 = """
 import os, sys
 import torch
 torch.set_num_threads(1)
-import alpacafarm_methods.quark.trainer as quark_trainer
+from alpacafarm_methods.quark.trainer import QuarkTrainer
 from alpacafarm.testing import run_recipe
-sample_pool, calls = quark_trainer.sample_pool, []
+sample_pool, calls = QuarkTrainer.sample_pool, []
 def sample_or_die(*args, **kwargs):
     calls.append(1)
     if len(calls) == 2:
         os._exit(9)
     return sample_pool(*args, **kwargs)
-quark_trainer.sample_pool = sample_or_die
+QuarkTrainer.sample_pool = sample_or_die
 run_recipe(sys.argv[1], sys.argv[2])
 """
 
@@ -647,7 +690,7 @@ def test_a_killed_stage_resumes_after_its_last_round_and_ends_with_the_uninterru
 
     from safetensors.torch import load_file
 
-    import alpacafarm_methods.quark.trainer as quark_trainer
+    from alpacafarm_methods.quark.trainer import QuarkTrainer
 
     recipe = quark_recipe(tmp_path, tiny_model_dir)
     recipe.write_text(recipe.read_text().replace("rounds: 2,", "rounds: 3, warmup_steps: 1,"))
@@ -660,8 +703,8 @@ def test_a_killed_stage_resumes_after_its_last_round_and_ends_with_the_uninterru
     first_pool = (stage / "round_1/pool.jsonl").read_bytes()
 
     sampled: list[int] = []
-    sample_pool = quark_trainer.sample_pool
-    monkeypatch.setattr(quark_trainer, "sample_pool", lambda *a, **k: sampled.append(1) or sample_pool(*a, **k))
+    sample_pool = QuarkTrainer.sample_pool
+    monkeypatch.setattr(QuarkTrainer, "sample_pool", lambda *a, **k: sampled.append(1) or sample_pool(*a, **k))
     artifacts = run_recipe(recipe, run)  # the same command again: the pipeline re-runs the "running" stage
     assert len(sampled) == 2  # rounds 2 and 3 only: round 1's pool was not sampled again
     assert (stage / "round_1/pool.jsonl").read_bytes() == first_pool
@@ -671,14 +714,16 @@ def test_a_killed_stage_resumes_after_its_last_round_and_ends_with_the_uninterru
     log = "\n".join(p.read_text() for p in run.rglob("*.log"))
     assert "resumed from checkpoint-1: rounds 1-1 done, continuing at round 2" in log
 
-    monkeypatch.setattr(quark_trainer, "sample_pool", sample_pool)
+    monkeypatch.setattr(QuarkTrainer, "sample_pool", sample_pool)
     run_recipe(recipe, tmp_path / "whole")
     whole = tmp_path / "whole/stages/quark"
-    timeless = [{k: v for k, v in r.items() if k != "seconds"}
-                for r in json.loads((whole / "metrics.json").read_text())["per_round"]]
-    for resumed, uninterrupted in zip(metrics["per_round"], timeless, strict=True):
-        resumed.pop("seconds")
-        assert resumed == pytest.approx(uninterrupted, rel=RESUME_RTOL, abs=RESUME_ATOL)
+
+    def timeless(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in r.items() if not k.endswith("_seconds")} for r in rounds]
+
+    uninterrupted = timeless(json.loads((whole / "metrics.json").read_text())["per_round"])
+    for resumed, expected in zip(timeless(metrics["per_round"]), uninterrupted, strict=True):
+        assert resumed == pytest.approx(expected, rel=RESUME_RTOL, abs=RESUME_ATOL)
     assert_same_weights(load_file(str(stage / "model/model.safetensors")),
                         load_file(str(whole / "model/model.safetensors")))
     for r in (2, 3):  # the same pools: sampled from the same weights with the round's seed
@@ -691,24 +736,24 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_to_the_same_adapt
 
     from alpacafarm.model_loading import load_tokenizer
     from alpacafarm_methods.quark.method import load_policy_and_reference
-    from alpacafarm_methods.quark.trainer import build_quark_trainer, run_rounds
+    from alpacafarm_methods.quark.trainer import build_quark_trainer
 
     spec = ModelSpec.model_validate({"name": tiny_model_dir, "lora": {"r": 4, "alpha": 8}})
-    args = quark_args(tmp_path, rounds=2, prompts_per_round=4, learning_rate=5e-2, warmup_steps=0)
 
-    def trainer() -> Any:
+    def trainer(folder: str) -> Any:
         import transformers
 
         transformers.set_seed(0)  # the new adapters' initialisation
+        args = quark_args(tmp_path / folder, rounds=2, prompts_per_round=4, learning_rate=5e-2, warmup_steps=0)
         policy, _, _ = load_policy_and_reference(spec, tiny_model_dir, args)
-        return build_quark_trainer(args, policy, load_tokenizer(spec, tiny_model_dir))
+        return build_quark_trainer(args, policy, load_tokenizer(spec, tiny_model_dir), INSTRUCTIONS[:8], e_share)
 
-    whole = trainer()
-    run_rounds(whole, INSTRUCTIONS[:8], e_share, out_dir=tmp_path / "whole")
+    whole = trainer("whole")
+    whole.train()
     saved = load_file(str(tmp_path / "whole/checkpoint-1/model.safetensors"))
     assert saved and all("lora_" in name for name in saved)  # the frozen base is not in a checkpoint
-    resumed = trainer()
-    stats = run_rounds(resumed, INSTRUCTIONS[:8], e_share, out_dir=tmp_path / "resumed",
-                       resume_from=tmp_path / "whole/checkpoint-1")
-    assert [s["round"] for s in stats] == [1, 2]
+    resumed = trainer("resumed")
+    resumed.train(resume_from_checkpoint=tmp_path / "whole/checkpoint-1")
+    assert [s["round"] for s in resumed.round_stats] == [1, 2]
+    assert resumed.round_stats[1]["kl"] == pytest.approx(whole.round_stats[1]["kl"], rel=RESUME_RTOL)
     assert_same_weights(resumed.trained_tensors(), whole.trained_tensors())

@@ -33,10 +33,10 @@ class QuarkMethodConfig(TrainingDefaults, EnsembleOptions, TrainingArguments):
     per optimizer step, so with one step per round it steps once per round, as released.
 
     Ours (the paper states neither): sampling temperature 1.0 and ``max_new_tokens`` 300 (the paper's decoding
-    cap). ``output_dir`` is always the stage folder. Checkpoints are Quark's own, one per ``save_rounds``
-    rounds (``checkpoint-<round>``, the newest ``save_total_limit`` = 2 kept); a killed stage resumes after the
-    last one (``save_strategy`` / ``save_steps`` do not apply: the Trainer's checkpoints cannot resume the rollout
-    loop). ``bf16`` and activation checkpointing are automatic
+    cap). ``output_dir`` is always the stage folder. Every ``save_rounds`` rounds the trainer writes
+    ``checkpoint-<step>`` with ``accelerator.save_state`` (the newest ``save_total_limit`` = 2 kept); a killed stage
+    resumes after the last one (``save_strategy`` / ``save_steps`` do not apply: a checkpoint between two optimizer
+    steps of a round could not resume the rollout loop). ``bf16`` and activation checkpointing are automatic
     (:class:`~alpacafarm.training.TrainingDefaults`).
     """
 
@@ -65,10 +65,10 @@ class QuarkMethodConfig(TrainingDefaults, EnsembleOptions, TrainingArguments):
     generation_batch_size: int = field(default=16, metadata={"help": "prompts per generate() call"})
     score_batch_size: int = field(default=16, metadata={"help": "texts per reward-model forward pass"})
     split: str = field(default="train",
-                       metadata={"help": "file (or metadata key) of the instruction splits input"})
+                       metadata={"help": "file (or named file) of the instruction splits input"})
     max_instructions: int | None = field(default=None, metadata={"help": "use the first N instructions only"})
     save_rounds: int = field(default=1, metadata={
-        "help": "write checkpoint-<round> (trained tensors, optimizer state, round statistics) every this many "
+        "help": "write checkpoint-<step> (trained tensors, optimizer state, round statistics) every this many "
                 "rounds, so a killed stage resumes after its last one; 0: never"})
 
     learning_rate: float = 3e-6

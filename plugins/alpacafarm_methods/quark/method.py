@@ -29,15 +29,16 @@ With ``lora:`` in the model block the policy is the SFT model plus fresh LoRA ad
 the same network with the adapters switched off (``with model.disable_adapter():``): there is no second copy
 of the model. Without LoRA a frozen copy of the SFT model is the reference.
 
-Where the pieces live, as in TRL: the config in :mod:`alpacafarm_methods.quark.config`, the trainer and the rounds
-in :mod:`alpacafarm_methods.quark.trainer`; this module loads the models and runs the stage.
+Where the pieces live, as in TRL: the config in :mod:`alpacafarm_methods.quark.config`, the trainer (the rounds in one
+training loop on one accelerate Accelerator, like PPO's) in :mod:`alpacafarm_methods.quark.trainer`; this module
+loads the models, runs the trainer and saves what it trained.
 
 Files: ``round_<r>/pool.jsonl`` (every rollout of round ``r``, 1-based, with its reward and whether it was
-kept), ``checkpoint-<r>/`` every ``save_rounds`` rounds (the newest ``save_total_limit`` kept; a killed stage
-re-run by the pipeline resumes after the newest readable one, see
-:meth:`alpacafarm_methods.quark.trainer.QuarkTrainer.save_round`), ``metrics.json`` (per-round statistics, the
-trainer's log history and the round a resumed attempt started after) and ``model/`` (with the SFT folder's prompt
-conditioning file, if it had one: the policy was trained behind it).
+kept), ``checkpoint-<step>/`` every ``save_rounds`` rounds (``accelerator.save_state`` and ``trainer_state.json``; the
+newest ``save_total_limit`` kept; a killed stage re-run by the pipeline resumes after the newest readable one, see
+:class:`alpacafarm_methods.quark.trainer.QuarkTrainer`), ``metrics.json`` (per-round statistics, the trainer's step
+log and the round a resumed attempt started after) and ``model/`` (with the SFT folder's prompt conditioning file,
+if it had one: the policy was trained behind it).
 """
 
 from __future__ import annotations
@@ -47,11 +48,14 @@ from typing import Any
 
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
-from alpacafarm.prompts import PromptConditioning, PromptFormat
+from alpacafarm.prompts import PromptFormat
 from alpacafarm.training import resume_checkpoint, stage_training_args
 from alpacafarm.training_progress import training_progress
 from alpacafarm_methods.quark.config import QuarkMethodConfig
-from alpacafarm_methods.quark.trainer import build_quark_trainer, run_rounds
+from alpacafarm_methods.quark.trainer import build_quark_trainer
+
+#: A round's timings (seconds) in its statistics.
+SECONDS = ("rollout_seconds", "score_seconds", "train_seconds")
 
 
 def load_policy_and_reference(spec: Any, sft_path: str, args: QuarkMethodConfig) -> tuple[Any, Any, bool]:
@@ -100,13 +104,12 @@ class Quark(Method):
 
     def run(self, context: StageContext) -> Artifact:
         from alpacafarm.data import write_json
-        from alpacafarm.model_loading import load_tokenizer
-        from alpacafarm.training import save_policy
+        from alpacafarm.model_loading import load_tokenizer, loading_whole, save_model
 
         spec = context.recipe.model
         save_strategy = getattr(self.config.save_strategy, "value", self.config.save_strategy)
         if save_strategy != "no":
-            context.logger.warning("stage %s: save_strategy %r ignored; Quark writes checkpoint-<round> every "
+            context.logger.warning("stage %s: save_strategy %r ignored; Quark writes checkpoint-<step> every "
                                    "save_rounds rounds (%d)", context.stage, save_strategy, self.config.save_rounds)
         args = stage_training_args(self.config, context, save_strategy="no")
         records = context.records("instruction_splits", args.split)[: args.max_instructions]
@@ -115,28 +118,30 @@ class Quark(Method):
         sft_path = context.input("sft_model").path
         tokenizer = load_tokenizer(spec, sft_path)
         prompt_format = PromptFormat.for_model(spec.prompt_format, sft_path, tokenizer)
-        policy, reference, _ = load_policy_and_reference(spec, sft_path, args)
+        with loading_whole():  # whole on every rank: accelerate partitions what trains when it prepares it
+            policy, reference, _ = load_policy_and_reference(spec, sft_path, args)
         reward = context.reward_function(batch_size=args.score_batch_size, ensemble=args.ensemble,
                                          ensemble_coefficient=args.ensemble_coefficient)
 
-        trainer = build_quark_trainer(args, policy, tokenizer, reference)
+        trainer = build_quark_trainer(args, policy, tokenizer, records, reward, ref_model=reference,
+                                      prompt_format=prompt_format)
         context.logger.info("stage %s: Quark for %d rounds on %d instructions (%s reference)", context.stage,
                             args.rounds, len(records),
                             "adapter-disabled" if reference is None else "frozen copy")
         resume = resume_checkpoint(context)  # the last round checkpoint an interrupted attempt left
-        with context.progress("quark rounds", args.rounds) as advance, \
-                training_progress(trainer, context, line=advance):
-            rounds = run_rounds(trainer, records, reward, out_dir=context.stage_dir,
-                                prompt_format=prompt_format, seed=context.seed, logger=context.logger,
-                                progress=advance, resume_from=resume)
+        with training_progress(trainer, context, "training (Quark)"):
+            trainer.train(resume_from_checkpoint=resume)
+        rounds = trainer.round_stats
 
         tokenizer.padding_side = "right"
         model_dir = Path(context.stage_dir) / "model"
-        merge = save_policy(trainer, spec, sft_path, model_dir, context.logger)  # every rank; the main one writes
+        # every rank (the weights a launch config shards are gathered whole); the main process writes, with the
+        # prompt conditioning the policy was trained behind
+        merge = save_model(trainer.policy, tokenizer, model_dir, spec, start_from=sft_path,
+                           state_dict=trainer.policy_state_dict(), conditioning=prompt_format.conditioning,
+                           logger=context.logger)
         if not context.is_main:
             return Artifact("model", str(model_dir))
-        if prompt_format.conditioning != PromptConditioning():  # trained behind it: sample behind it
-            prompt_format.conditioning.save(model_dir)
         first, last = rounds[0], rounds[-1]
         metrics = {
             "rounds": len(rounds), "n_instructions": len(records), "pool_size": first["n_pool"],
@@ -144,13 +149,13 @@ class Quark(Method):
             "reward_mean_first": first["reward_mean"],
             "reward_mean_last": last["reward_mean"], "reward_kept_mean_last": last["reward_kept_mean"],
             "kl_last": last["kl"], "train_loss_last": last["train_loss"],
-            "steps": sum(s["steps"] for s in rounds), "lora": spec.lora is not None, "merged": merge,
+            "steps": int(trainer.state.global_step), "lora": spec.lora is not None, "merged": merge,
             "reference": "adapter_disabled" if reference is None else "frozen_copy",
-            "seconds": round(sum(sum(s["seconds"].values()) for s in rounds), 3),
-            "resumed_after_round": int(Path(resume).name.split("-")[1]) if resume else None,
+            "seconds": round(sum(s[k] for s in rounds for k in SECONDS), 3),
+            "resumed_after_round": int(Path(resume).name.split("-")[1]) // args.steps_per_round if resume else None,
         }
-        per_round = [{k: v for k, v in s.items() if k != "log_history"} for s in rounds]
-        log_history = [{**entry, "round": s["round"]} for s in rounds for entry in s["log_history"]]
+        per_round = [{k: v for k, v in s.items() if k != "step"} for s in rounds]
+        log_history = [entry for entry in trainer.state.log_history if "n_pool" not in entry]
         write_json(Path(context.stage_dir) / "metrics.json",
                    {**metrics, "per_round": per_round, "log_history": log_history})
         return Artifact("model", str(model_dir), metrics)
