@@ -103,10 +103,14 @@ def test_redirected_output_has_no_library_noise_and_no_colour_codes(quiet: dict)
 
 @pytest.mark.slow
 def test_each_training_run_is_one_progress_line_with_its_loss(quiet: dict):
-    lines = quiet["stderr"].splitlines()
-    training = [line for line in lines if PROGRESS_LINE.match(line) and " loss " in line]
-    assert len(training) == 2, quiet["stderr"]  # the reward model and expert iteration's SFT round
-    assert all(re.search(r"2/2 .* loss \d", line) for line in training)
+    """Redirected, a run's line is written as it goes (each tenth of its steps), the last time when it ends."""
+    training: dict[str, list[str]] = {}
+    for line in quiet["stderr"].splitlines():
+        if PROGRESS_LINE.match(line) and " loss " in line:
+            training.setdefault(re.split(r" [━╸╺]", line)[0], []).append(line)
+    # the reward model and expert iteration's SFT round, each at step 1 and at its end
+    assert sorted(training) == ["round 1: SFT on the winners", "training (reward model)"], quiet["stderr"]
+    assert all([re.search(r" (\d)/2 .* loss \d", line)[1] for line in run] == ["1", "2"] for run in training.values())
 
 
 @pytest.mark.slow
@@ -144,7 +148,7 @@ def test_library_records_from_before_the_run_log_exists_are_written_to_it(tmp_pa
 
     code = """
 import logging, sys, warnings
-from alpacafarm.library_output import route_library_output
+from alpacafarm.library_logs import route_library_output
 route_library_output()
 route_library_output()  # idempotent: still one handler each
 logging.getLogger("transformers.modeling_utils").warning("\\x1b[1mearly\\x1b[0m report")
