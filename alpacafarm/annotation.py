@@ -9,8 +9,13 @@ the pair), so an annotator's variance would read 0. ``annotate(pairs, replicate=
 independent annotation instead: replicate 0 is the ordinary annotation; replicate k > 0 is a separate draw of
 everything random (a pool's member, order and label noise; an API judge's sampling, with its own cache key and
 request seed), cached and paid for once like any label. A deterministic annotator (the offline judge, a local
-judge, a greedy API judge) gives the same label for every replicate, which is its true variance of 0; an
-``aannotate`` that takes no ``replicate`` keyword cannot be asked for replicate k > 0 (:func:`aannotate_replicate`).
+judge, a greedy API judge) gives the same label for every replicate, which is its true variance of 0. An annotator
+says it takes the ``replicate`` keyword with :attr:`Annotator.accepts_replicate`; one that does not (written before
+replicates existed) is called without it and cannot be asked for replicate k > 0 (:func:`aannotate_replicate`).
+
+What a registered annotator target may offer besides building an annotator is declared here, with defaults:
+:meth:`Annotator.cli_config` (a classmethod) or :meth:`AnnotatorBuilder.cli_config` for a target that builds
+annotators from data (a preset file) maps the shared command-line options to its config block.
 
 Failing loudly: every annotation has an ``outcome`` (labelled, tie, unparsed, failed; see
 :class:`~alpacafarm.types.Annotation`). :func:`summarize` counts them and names the first failure and its
@@ -24,11 +29,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from alpacafarm.annotation_cache import LedgerTotals
 from alpacafarm.errors import UserError
@@ -123,24 +127,19 @@ def identical_tie(pair: Pair, annotator: str) -> Annotation | None:
     return None
 
 
-def takes_replicate(annotator: Annotator) -> bool:
-    """Whether ``annotator.aannotate`` accepts the ``replicate`` keyword (or any keyword)."""
-    parameters = inspect.signature(annotator.aannotate).parameters.values()
-    return any(p.name == "replicate" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
-
-
 async def aannotate_replicate(annotator: Annotator, pairs: Sequence[Pair], progress: ProgressCallback | None = None,
                               replicate: int = 0) -> list[Annotation]:
     """``annotator.aannotate(pairs, progress, replicate=replicate)``; replicate 0 is the plain call, so annotators
-    written before replicates existed keep working. Raises UserError for replicate k > 0 when the annotator's
-    ``aannotate`` takes no ``replicate`` (its repeats would silently be copies: a variance of 0)."""
+    written before replicates existed keep working. Raises UserError for replicate k > 0 when the annotator does
+    not declare :attr:`Annotator.accepts_replicate` (its repeats would silently be copies: a variance of 0)."""
     if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 0:
         raise UserError(f"replicate must be an integer >= 0, got {replicate!r}")
     if replicate == 0:
         return await annotator.aannotate(pairs, progress)
-    if not takes_replicate(annotator):
-        raise UserError(f"annotator {annotator.name!r} cannot draw replicate annotations: its aannotate takes no "
-                        "'replicate' keyword (a deterministic annotator can accept and ignore it)")
+    if not annotator.accepts_replicate:
+        raise UserError(f"annotator {annotator.name!r} cannot draw replicate annotations: its class "
+                        f"{type(annotator).__qualname__} does not declare accepts_replicate = True (a deterministic "
+                        "annotator can accept the 'replicate' keyword and ignore it)")
     return await annotator.aannotate(pairs, progress, replicate=replicate)
 
 
@@ -148,6 +147,19 @@ class Annotator:
     """Base class. ``name`` identifies the annotator in outputs, the cache and the ledger."""
 
     name: str = "annotator"
+    #: the pydantic model or dataclass its config block is validated with (None: it takes no config block)
+    config_class: ClassVar[Any] = None
+    #: True when :meth:`aannotate` takes the ``replicate`` keyword (the k-th independent repeat; a deterministic
+    #: annotator takes it and gives the same label). False, the default of annotators written before replicates
+    #: existed: it is called without the keyword, and asking it for replicate k > 0 is an error naming it.
+    accepts_replicate: ClassVar[bool] = False
+
+    @classmethod
+    def cli_config(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """The config block for the shared command-line options (:func:`annotator_options`, only those given).
+        By default the options are the block; a config field they set that the annotator lacks is refused by
+        :func:`annotator_from_options`, naming the flag."""
+        return dict(options)
 
     async def aannotate(self, pairs: Sequence[Pair], progress: ProgressCallback | None = None, *,
                         replicate: int = 0) -> list[Annotation]:
@@ -185,6 +197,22 @@ class Annotator:
 
     def close(self) -> None:
         """Release clients, files and models (called by the CLI and the pipeline when done)."""
+
+
+class AnnotatorBuilder:
+    """A registered annotator target that is not an :class:`Annotator` class: it builds one from data (a preset
+    file, an AlpacaEval config), called as ``builder(config, **runtime)`` like a class would be."""
+
+    #: what the recipe's config block for it is validated with (None: no config block)
+    config_class: Any = None
+
+    def cli_config(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The config block for the shared command-line options; by default the options themselves."""
+        return dict(options)
+
+    def __call__(self, config: Any, **runtime: Any) -> Annotator:
+        """The annotator, for a validated ``config`` and the runtime arguments the registration declares."""
+        raise NotImplementedError
 
 
 class ScoringAnnotator(Annotator):
@@ -263,23 +291,25 @@ def _config_fields(config_class: Any) -> set[str]:
 
 
 def annotator_from_options(registry: Registry, name: str, args: argparse.Namespace) -> Annotator:
-    """Build annotator ``name`` from the command line: the target's ``cli_config(options)`` maps the options to
-    its config block (without one, the options are the block), then ``registry.create`` validates and builds."""
+    """Build annotator ``name`` from the command line: the target's ``cli_config(options)`` (an :class:`Annotator`
+    class or an :class:`AnnotatorBuilder`; a function target takes the options as its block) maps the options to
+    its config block, then ``registry.create`` validates and builds. A key of the block the target's config class
+    has no field for is refused naming the flag that set it."""
     from alpacafarm.errors import RecipeError
+    from alpacafarm.registry import config_class_of
 
     options = annotator_options(args)
     target = registry.get("annotator", name)
-    to_config = getattr(target, "cli_config", None)
-    if callable(to_config):
-        block = to_config(options)
-    else:  # the options are the config block: name the flag of one the annotator does not take
-        allowed = _config_fields(getattr(target, "config_class", None))
-        for key in options:
-            if key not in allowed:
-                flag = _FLAGS.get(key, f"--set {key}=...")
-                listing = ", ".join(sorted(allowed)) or "none"
-                raise UserError(f"annotator {name!r} takes no {flag} (its config fields: {listing})")
-        block = options
+    if isinstance(target, AnnotatorBuilder) or (isinstance(target, type) and issubclass(target, Annotator)):
+        block = target.cli_config(options)
+    else:
+        block = dict(options)
+    allowed = _config_fields(config_class_of(target))
+    for key in block:
+        if key not in allowed:
+            flag = _FLAGS.get(key, f"--set {key}=...")
+            listing = ", ".join(sorted(allowed)) or "none"
+            raise UserError(f"annotator {name!r} takes no {flag} (its config fields: {listing})")
     try:
         return registry.create("annotator", name, block, path=("options",))
     except RecipeError as exc:

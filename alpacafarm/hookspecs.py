@@ -15,10 +15,17 @@ Every registered target except commands is built by one function, ``Registry.cre
 validated with it once (errors name the recipe's file, line and YAML path) and the target is called as
 ``target(config, **declared)``, where ``declared`` are exactly the runtime arguments its registration names in
 ``runtime=`` (a kind's runtime arguments are listed in its hook below; one the caller has not got is ``None``).
-A declared argument the kind does not offer, one the target's signature cannot take, or a required parameter of
-the target that is not declared is an error naming the target. Without a ``config_class`` the block must be
-empty and ``config`` is ``None``. The result must be an instance of the kind's base class, named in each hook
-below.
+The registration is the declaration: nothing reads the target's signature. A declared argument the kind does not
+offer is refused when the plugin registers; a target that cannot be called as declared (a ``TypeError`` out of the
+call) is one line naming the plugin and the target. Without a ``config_class`` the block must be empty and
+``config`` is ``None``. The result must be an instance of the kind's base class, named in each hook below.
+
+What a built object offers beyond its base class's abstract methods is declared on that base class, with a
+default, never an attribute the core looks for by name: an annotator's ``accepts_replicate`` and
+``cli_config(options)`` (:class:`alpacafarm.annotation.Annotator`, :class:`alpacafarm.annotation.AnnotatorBuilder`
+for a target that builds annotators); a stage config that samples through a generation backend subclasses
+:class:`alpacafarm.recipe.GenerationBackendOptions` (dataclass configs) or
+:class:`alpacafarm.recipe.GenerationBackendFields` (pydantic configs), so ``recipe check`` knows its ``backend``.
 """
 
 from __future__ import annotations
@@ -71,14 +78,19 @@ def register_annotators(register: Register) -> None:
 
     Called when the registry is first needed (a recipe's ``annotator``, ``alpacafarm annotate --annotator``).
     The target is called as ``target(config, **declared)`` and must return an
-    :class:`alpacafarm.annotation.Annotator`. Runtime arguments (declare those it takes with ``runtime=``):
-    ``registry`` lets a pool build its members, ``cache`` and ``budget`` let a pool share its annotation cache and
-    spending cap with them (``None`` when the caller has none). A target may also define
-    ``cli_config(options: dict) -> dict`` mapping the shared command-line options (``--base-url``,
-    ``--model-map``, ``--max-cost-usd``, ``--seed``, ``--no-cache``, ``--set``) to its config block. A registration
-    may say ``identity=`` (:class:`Register`).
+    :class:`alpacafarm.annotation.Annotator`: the target is an ``Annotator`` subclass, an
+    :class:`alpacafarm.annotation.AnnotatorBuilder` (a preset built from a data file), or a function. Runtime
+    arguments (declare those it takes with ``runtime=``): ``registry`` lets a pool build its members, ``cache`` and
+    ``budget`` let a pool share its annotation cache and spending cap with them (``None`` when the caller has
+    none). ``cli_config(options: dict) -> dict`` (a classmethod of ``Annotator``, a method of ``AnnotatorBuilder``)
+    maps the shared command-line options (``--base-url``, ``--model-map``, ``--max-cost-usd``, ``--seed``,
+    ``--no-cache``, ``--set``) to the config block; the default takes them as the block. A registration may say
+    ``identity=`` (:class:`Register`).
 
     .. versionadded:: 0.1.0
+    .. versionchanged:: 0.1.0
+       ``cli_config`` and ``accepts_replicate`` are declared on the base classes (with defaults) instead of being
+       looked up by name; a target's signature is no longer read.
     """
 
 

@@ -3,6 +3,12 @@
 A recipe is YAML (safe-loaded) validated against strict pydantic models: unknown keys and wrong types are
 errors naming the YAML path and line. Plugin-specific blocks (a stage's ``config``, an annotator's ``config``)
 are validated by the plugin's own config class (see :mod:`alpacafarm.plugin_config`).
+
+A stage config that samples through a generation backend says so by its type: it subclasses
+:class:`GenerationBackendOptions` (a dataclass config, e.g. one built on a TRL config) or
+:class:`GenerationBackendFields` (a pydantic config), which give it ``backend`` and ``backend_config``; loading the
+recipe then checks that ``backend`` names a registered generation backend. A field merely named ``backend`` means
+nothing to the recipe.
 """
 
 from __future__ import annotations
@@ -40,6 +46,28 @@ class _Strict(BaseModel):
         if isinstance(value, bool) and number_not_bool(cls.model_fields[info.field_name].annotation):
             raise ValueError(f"expected a number, got {str(value).lower()}")
         return value
+
+
+@dataclasses.dataclass
+class GenerationBackendOptions:
+    """The generation backend a stage samples with, mixed into a dataclass config (pydantic configs subclass
+    :class:`GenerationBackendFields`, the same two fields). ``recipe check`` refuses an unknown ``backend``."""
+
+    backend: str = dataclasses.field(default="transformers", metadata={
+        "help": "generation backend for the sampling (a registered name: transformers, openai, vllm, openvino)"})
+    backend_config: dict[str, Any] = dataclasses.field(default_factory=dict, metadata={
+        "help": "the backend's own options"})
+
+
+class GenerationBackendFields(BaseModel):
+    """:class:`GenerationBackendOptions` for a pydantic config: subclass it instead of ``BaseModel``."""
+
+    backend: str = Field("transformers", description="generation backend for the sampling (a registered name)")
+    backend_config: dict[str, Any] = Field(default_factory=dict, description="the backend's own options")
+
+
+#: The config types whose ``backend`` the recipe checks (:func:`load_recipe`).
+GENERATION_BACKEND_CONFIGS = (GenerationBackendOptions, GenerationBackendFields)
 
 
 class LoraSpec(_Strict):
@@ -269,10 +297,10 @@ def _failed_plugins_hint() -> str:
 
 
 def _check_backend(registry: Registry, config: Any, doc: SourcedDocument, path: Path_) -> None:
-    """A stage config's ``backend`` names a generation backend: an unknown one is an error now, not mid-run."""
-    backend = getattr(config, "backend", None)
-    if isinstance(backend, str):
-        _check_name(registry, "generation_backend", backend, doc, (*path, "backend"))
+    """A stage config that samples (:data:`GENERATION_BACKEND_CONFIGS`) names a registered generation backend: an
+    unknown one is an error now, not mid-run."""
+    if isinstance(config, GENERATION_BACKEND_CONFIGS):
+        _check_name(registry, "generation_backend", config.backend, doc, (*path, "backend"))
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
@@ -302,14 +330,14 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
         registry = get_registry()
     for i, stage in enumerate(recipe.stages):
         entry = _check_name(registry, "method", stage.method, doc, ("stages", i, "method"))
-        method_cls = entry.load()
-        if not getattr(method_cls, "provides", ""):
+        method_cls = registry.target_class("method", stage.method)
+        if not method_cls.provides:
             raise doc.error(("stages", i, "method"), f"method {stage.method!r} of plugin {entry.plugin!r} declares no "
                             "'provides' (what its artifact is); the plugin must set it")
         loaded.stage_configs[stage.name] = registry.config("method", stage.method, stage.config, source=doc,
                                                            path=("stages", i, "config"))
         _check_backend(registry, loaded.stage_configs[stage.name], doc, ("stages", i, "config"))
-        accepted = (*getattr(method_cls, "requires", ()), *getattr(method_cls, "optional", ()))
+        accepted = (*method_cls.requires, *method_cls.optional)
         for requirement in stage.inputs:
             if requirement not in accepted:
                 raise doc.error(
@@ -319,7 +347,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
     roles = [("feedback", recipe.annotator, ("annotator",))]
     for i, stage in enumerate(recipe.stages):
         if stage.annotator is not None:
-            if getattr(registry.get("method", stage.method), "annotator_role", None) is None:
+            if registry.target_class("method", stage.method).annotator_role is None:
                 raise doc.error(("stages", i, "annotator"),
                                 f"method {stage.method!r} asks no annotator: this stage's annotator would be unused")
             roles.append((stage_annotator_key(stage.name), stage.annotator, ("stages", i, "annotator")))

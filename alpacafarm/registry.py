@@ -5,13 +5,13 @@ by :func:`alpacafarm.plugins.get_registry` from the plugin hooks; nothing regist
 What a registration may say is :class:`alpacafarm.hookspecs.Register`, keyword by keyword; each is a field of
 :class:`Entry`. :meth:`Registry.create` validates a config block with the target's ``config_class`` (once: an
 already validated config object passes through), builds the object with exactly the runtime arguments its
-registration declares, and checks it is of the kind's base class.
+registration declares (``runtime=``: the registration is the declaration, never the target's signature), and
+checks it is of the kind's base class.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,6 +101,12 @@ class Entry:
 
 def _target_name(target: Any) -> str:
     return target if isinstance(target, str) else getattr(target, "__qualname__", type(target).__name__)
+
+
+def config_class_of(target: Any) -> Any:
+    """The target's ``config_class`` (a pydantic model or dataclass; None without one): the one attribute the
+    registry reads from every target (:mod:`alpacafarm.hookspecs`). The base classes declare it (None)."""
+    return getattr(target, "config_class", None)
 
 
 def import_target(spec: str, what: str = "target") -> Any:
@@ -201,6 +207,17 @@ class Registry:
         """The loaded object registered as ``name`` (imports a lazy target)."""
         return self.entry(kind, name).load()
 
+    def target_class(self, kind: str, name: str) -> type:
+        """The class registered as ``name`` for a kind whose targets are classes of its base (methods,
+        evaluators): anything else is one line naming the plugin, before a recipe reads what the class declares."""
+        entry = self.entry(kind, name)
+        target = entry.load()
+        base = import_target(KINDS[kind].base or "", what=f"base class of kind {kind!r}")
+        if not (isinstance(target, type) and issubclass(target, base)):
+            raise PluginError(f"{entry.what}: its target {_target_name(entry.target)} is not a subclass of "
+                              f"{base.__module__}.{base.__name__}")
+        return target
+
     def config(self, kind: str, name: str, data: Any = None, *, source: Any = None, path: tuple = ()) -> Any:
         """``data`` validated by the config class of ``name``'s target (see :mod:`alpacafarm.plugin_config`).
 
@@ -208,8 +225,7 @@ class Registry:
         """
         from alpacafarm.plugin_config import validate_plugin_config
 
-        target = self.get(kind, name)
-        return validate_plugin_config(getattr(target, "config_class", None), data, source, path)
+        return validate_plugin_config(config_class_of(self.get(kind, name)), data, source, path)
 
     def create(self, kind: str, name: str, config: Any = None, *, source: Any = None, path: tuple = (),
                **runtime: Any) -> Any:
@@ -218,8 +234,8 @@ class Registry:
         ``config`` is a config block (validated here) or a config object validated before (passed through).
         ``runtime`` holds the kind's runtime arguments (:data:`KINDS`) the caller has; the target receives exactly
         those its registration declares (``runtime=``), a declared one the caller lacks as ``None`` (``registry``:
-        this registry). A target whose signature cannot take a declared argument, or requires one it is not
-        given, is an error naming it.
+        this registry). A target that cannot be called that way (a declared argument it has no parameter for, a
+        required one its registration does not declare) is one line naming its plugin, the target and the call.
         """
         spec = KINDS[kind]
         entry = self.entry(kind, name)
@@ -231,9 +247,8 @@ class Registry:
         if "registry" in spec.runtime:
             runtime.setdefault("registry", self)  # what a target builds from the registry comes from this one
         target = entry.load()
-        check_signature(entry, target)
         config = self.config(kind, name, config, source=source, path=path)
-        built = target(config, **{argument: runtime.get(argument) for argument in entry.runtime})
+        built = call_target(entry, target, config, {argument: runtime.get(argument) for argument in entry.runtime})
         base = import_target(spec.base, what=f"base class of kind {kind!r}")
         if not isinstance(built, base):
             raise PluginError(f"{kind} {name!r} of plugin {entry.plugin!r} built a {type(built).__name__}, "
@@ -252,30 +267,14 @@ class Registry:
         return out
 
 
-def check_signature(entry: Entry, target: Any) -> None:
-    """Refuse a target that cannot be called as ``target(config, **declared runtime)``: one line naming it and
-    the argument (a misspelt parameter never silently gets nothing). A target without a signature passes."""
+def call_target(entry: Entry, target: Any, config: Any, runtime: dict[str, Any]) -> Any:
+    """``target(config, **runtime)``. A ``TypeError`` out of it (the call not matching the target's parameters, or
+    a bug inside the target) is a plugin error: one line naming the plugin, the target and how it was called."""
     try:
-        parameters = list(inspect.signature(target).parameters.values())
-    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
-        return
-    P = inspect.Parameter
-    declared = ", ".join(entry.runtime) or "none"
-    name = f"{entry.what} ({_target_name(entry.target)})"
-    positional = [p for p in parameters if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
-    if not positional and not any(p.kind is P.VAR_POSITIONAL for p in parameters):
-        raise PluginError(f"{name}: its signature takes no config argument (the target is called as "
-                          f"target(config, **runtime))")
-    rest = [p for p in parameters if p is not (positional[0] if positional else None)]
-    takes = {p.name for p in rest if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)}
-    if not any(p.kind is P.VAR_KEYWORD for p in rest):
-        for argument in entry.runtime:
-            if argument not in takes:
-                raise PluginError(f"{name} declares runtime argument {argument!r} but its signature has no "
-                                  f"parameter {argument!r} (parameters: {', '.join(p.name for p in parameters)})")
-    for p in rest:
-        required = p.default is P.empty and p.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD)
-        if required and p.name not in entry.runtime:
-            offered = ", ".join(KINDS[entry.kind].runtime) or "none"
-            raise PluginError(f"{name} requires the argument {p.name!r}, which its registration does not declare "
-                              f"(declared: {declared}; a {entry.kind.replace('_', ' ')} is offered: {offered})")
+        return target(config, **runtime)
+    except TypeError as exc:
+        first = (str(exc).splitlines() or [""])[0][:200]
+        declared = ", ".join(runtime) or "none"
+        raise PluginError(f"{entry.what}: calling {_target_name(entry.target)}(config, **runtime) with the runtime "
+                          f"arguments its registration declares ({declared}; runtime=) raised TypeError: {first}"
+                          ) from exc

@@ -338,6 +338,7 @@ def test_a_pool_unswaps_continuous_preferences_and_metrics_weight_them():
 
     class FirstShownMostly(Annotator):  # a logprob judge that gives the first shown output p = 0.7
         name = "weighted"
+        accepts_replicate = True
 
         async def aannotate(self, pairs, progress=None, *, replicate=0):
             return [Annotation(1.3, self.name) for _ in pairs]

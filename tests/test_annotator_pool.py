@@ -26,6 +26,8 @@ class LongerJudge(Annotator):
         self.seen: list[Pair] = []
         self.replicates: set[int] = set()
 
+    accepts_replicate = True
+
     async def aannotate(self, pairs: Sequence[Pair], progress=None, *, replicate: int = 0) -> list[Annotation]:
         self.seen.extend(pairs)
         self.replicates.add(replicate)

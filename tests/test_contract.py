@@ -80,16 +80,36 @@ def test_an_unknown_key_of_a_dataclass_config_lists_the_allowed_keys(counting: P
         load_recipe(recipe)
 
 
-def test_plugins_json_carries_what_each_name_is(capsys: pytest.CaptureFixture[str]):
+class DescribedPlugin:
+    """Lazy targets in a module that does not exist: listing them must not import anything."""
+
+    @alpacafarm.hookimpl
+    def register_methods(self, register):
+        register("tally", "described_plugin_nowhere.methods:Tally", description="counts the instructions")
+        register("bare", "described_plugin_nowhere.methods:Bare")
+
+    @alpacafarm.hookimpl
+    def register_annotators(self, register):
+        register("coin", "described_plugin_nowhere.judges:Coin", description="a fair coin")
+
+
+def test_plugins_json_lists_what_each_plugin_registered_with_its_description(register_test_plugin,
+                                                                            capsys: pytest.CaptureFixture[str]):
     import json
 
     from alpacafarm import cli
 
+    register_test_plugin(DescribedPlugin(), "described-plugin")
     assert cli.main(["plugins", "--json"]) == 0
     plugins = {p["name"]: p for p in json.loads(capsys.readouterr().out)["plugins"]}
-    trl = plugins["methods"]
-    assert set(trl["descriptions"]["method"]) == set(trl["registers"]["method"])
-    assert "GRPOTrainer" in trl["descriptions"]["method"]["grpo"]
+    listed = plugins["described-plugin"]
+    assert (listed["distribution"], listed["version"], listed["builtin"], listed["error"]) == (
+        "(registered in-process)", "-", False, None)
+    assert listed["registers"] == {"annotator": ["coin"], "method": ["bare", "tally"]}
+    assert listed["descriptions"] == {"method": {"bare": "", "tally": "counts the instructions"},
+                                      "annotator": {"coin": "a fair coin"}}
+    assert "annotator" not in plugins["methods"]["registers"]  # each plugin lists its own names only
+    assert "tally" not in plugins["methods"]["registers"]["method"]
 
 
 def test_a_shared_annotator_option_the_annotator_has_no_field_for_is_named(tmp_path: Path,

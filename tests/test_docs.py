@@ -102,3 +102,82 @@ def test_every_page_of_the_site_is_in_the_nav_and_exists():
     assert [page for page in nav if not (docs / page).is_file()] == []
     pages = {str(p.relative_to(docs)) for p in docs.rglob("*.md")}
     assert sorted(pages - set(nav)) == []
+
+
+# ---------------------------------------------------------------------- docs/architecture.md: the map stays true
+
+MAP_ROW = re.compile(r"^\| `?([^|`]+?)`? \| ([^|]*) \|", re.M)
+CODE = re.compile(r"`([^`]+)`")
+COMMAND = re.compile(r"`alpacafarm ([a-z][a-z-]*)")
+
+
+def map_problems(text: str, layers: dict[str, set[str]], is_command, plugins_dir: Path) -> list[str]:
+    """What ``docs/architecture.md``'s text says that is not so: a layer whose modules differ from ``layers``
+    (``tests/test_architecture.py``'s LAYERS), a command ``alpacafarm X`` that ``is_command(X)`` denies, a plugin
+    or a file of a plugin that does not exist."""
+    problems = []
+    core, _, built_in = text.partition("## The built-in plugins")
+    rows = {layer.strip(): set(CODE.findall(modules)) for layer, modules in MAP_ROW.findall(core)}
+    for layer, modules in layers.items():
+        named = {m.removeprefix("alpacafarm.") for m in modules
+                 if m != "alpacafarm" and not m.startswith("alpacafarm.testing.")}
+        if layer not in rows:
+            problems.append(f"layer {layer!r} is missing from the map")
+        elif rows[layer] != named:
+            problems.append(f"layer {layer!r}: the map names {sorted(rows[layer] - named)} that it does not hold "
+                            f"and misses {sorted(named - rows[layer])}")
+    problems += [f"layer {layer!r} is not in LAYERS" for layer in rows if layer not in layers and layer != "Layer"]
+    problems += [f"the command `alpacafarm {c}` does not exist" for c in dict.fromkeys(COMMAND.findall(text))
+                 if not is_command(c)]
+    for plugin, what in MAP_ROW.findall(built_in):
+        folder = plugins_dir / plugin.strip()
+        if plugin.strip() == "Plugin":
+            continue
+        if not folder.is_dir():
+            problems.append(f"plugin {plugin.strip()!r} does not exist")
+            continue
+        for name in CODE.findall(what):
+            if (name.endswith(".py") or name.endswith("/")) and not list(folder.rglob(name.rstrip("/"))):
+                problems.append(f"plugin {plugin.strip()!r} has no {name}")
+    return problems
+
+
+def is_cli_command(name: str) -> bool:
+    """Whether ``alpacafarm NAME`` is a command: the CLI's parser with every registered plugin command."""
+    import contextlib
+    import io
+
+    from alpacafarm.cli import build_parser
+    from alpacafarm.plugins import get_registry
+
+    registry = get_registry()
+    parser = build_parser({e.name: e.description for e in registry.entries("command")})
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            parser.parse_known_args([name, "-h"])
+        except SystemExit as exit_:
+            return exit_.code == 0  # -h of a known command; an unknown one is a usage error (2)
+    return True  # a plugin command parses its own arguments: argparse left ``-h`` to it
+
+
+def test_the_architecture_map_names_what_exists():
+    from test_architecture import LAYERS
+
+    text = (REPO_ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert map_problems(text, LAYERS, is_cli_command, REPO_ROOT / "plugins") == []
+
+
+def test_the_map_check_catches_a_wrong_layer_a_missing_command_and_a_missing_plugin_file(tmp_path: Path):
+    (tmp_path / "alpacafarm_x" / "sub").mkdir(parents=True)
+    (tmp_path / "alpacafarm_x" / "here.py").write_text("")
+    layers = {"foundation": {"alpacafarm", "alpacafarm.errors", "alpacafarm.types"}}
+    text = ("| Layer | Modules | What |\n|---|---|---|\n| foundation | `errors`, `types` | x |\n\n"
+            "Run `alpacafarm run` or `alpacafarm models`.\n## The built-in plugins\n\n| Plugin | What |\n|---|---|\n"
+            "| `alpacafarm_x` | `here.py`, `sub/` and `gone.py` |\n| `alpacafarm_y` | y |\n")
+    commands = {"run"}.__contains__
+    assert map_problems(text, layers, commands, tmp_path) == [
+        "the command `alpacafarm models` does not exist", "plugin 'alpacafarm_x' has no gone.py",
+        "plugin 'alpacafarm_y' does not exist"]
+    moved = text.replace("`errors`, `types`", "`errors`, `helpers`")
+    assert map_problems(moved, layers, commands, tmp_path)[0] == (
+        "layer 'foundation': the map names ['helpers'] that it does not hold and misses ['types']")

@@ -32,7 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from alpacafarm.annotation import Annotator
+from alpacafarm.annotation import Annotator, AnnotatorBuilder
 from alpacafarm.errors import MissingPackageError, UserError
 from alpacafarm.types import Pair
 from alpacafarm_annotators.alpaca_eval_members import (
@@ -149,7 +149,7 @@ class AlpacaEvalSettings(BaseModel):
         return self
 
 
-class AlpacaEvalSource:
+class AlpacaEvalSource(AnnotatorBuilder):
     """The factory registered as ``alpaca_eval:<config>`` (and behind the ``alpacafarm_*`` presets): validates a
     recipe's settings (``config_class``) and builds the pool of the config's members."""
 

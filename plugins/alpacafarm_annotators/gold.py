@@ -77,6 +77,7 @@ class GoldAnnotator(ScoringAnnotator):
     """Bradley-Terry preferences in a known gold score, with the paper's label noise (see the module)."""
 
     config_class = GoldAnnotatorConfig
+    accepts_replicate = True
 
     def __init__(self, config: GoldAnnotatorConfig) -> None:
         self.config = config

@@ -40,6 +40,7 @@ class LocalJudgeConfig(BaseModel):
 
 class LocalJudge(Annotator):
     config_class = LocalJudgeConfig
+    accepts_replicate = True  # deterministic: every replicate is the same label
 
     def __init__(self, config: LocalJudgeConfig, *, model: Any = None, tokenizer: Any = None) -> None:
         self.config = config

@@ -50,6 +50,8 @@ def unswap(preference: Preference | float) -> Preference | float:
 
 
 class AnnotatorPool(Annotator):
+    accepts_replicate = True  # a replicate redraws members, order and noise, and is asked of each member
+
     def __init__(self, config: PoolConfig, members: dict[str, Annotator], name: str = "pool") -> None:
         missing = [m for m in config.annotators if m not in members]
         if missing:

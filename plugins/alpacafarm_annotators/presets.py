@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
-from alpacafarm.annotation import Annotator
+from alpacafarm.annotation import Annotator, AnnotatorBuilder
 from alpacafarm.annotation_cache import AnnotationCache
 from alpacafarm.errors import UserError
 from alpacafarm_annotators.config import (
@@ -39,7 +39,7 @@ PromptedOverrides = _overrides_model(PromptedAnnotatorConfig)
 PoolOverrides = _overrides_model(PoolConfig)
 
 
-class AnnotatorFactory:
+class AnnotatorFactory(AnnotatorBuilder):
     """Builds the annotator named ``name`` from its config file and a recipe's overrides (``config_class``)."""
 
     def __init__(self, name: str) -> None:

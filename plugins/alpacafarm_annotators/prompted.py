@@ -85,6 +85,8 @@ def _copy(annotation: Annotation, **changes: Any) -> Annotation:
 class PromptedAnnotator(Annotator):
     """One simulated annotator: a model, a prompt template, a batch size, decoding settings and a parser."""
 
+    accepts_replicate = True  # a replicate has its own cache key and request seed
+
     def __init__(self, config: PromptedAnnotatorConfig, name: str = "prompted", *, cache: AnnotationCache | None = None,
                  budget: Budget | None = None) -> None:
         self.config = config

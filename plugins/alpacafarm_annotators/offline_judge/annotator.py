@@ -36,6 +36,7 @@ class OfflineAnnotatorConfig(BaseModel):
 
 class OfflineAnnotator(Annotator):
     config_class = OfflineAnnotatorConfig
+    accepts_replicate = True  # deterministic: every replicate is the same label, its true variance of 0
 
     def __init__(self, config: OfflineAnnotatorConfig) -> None:
         from alpacafarm_annotators.offline_judge.judge import OfflineJudge
