@@ -58,8 +58,8 @@ def build_parser(plugin_commands: dict[str, str]) -> argparse.ArgumentParser:
     plugin = commands.add_parser("plugin", help="write a new plugin repository")
     plugin_commands_parser = plugin.add_subparsers(dest="plugin_command", metavar="SUBCOMMAND", required=True)
     plugin_new = plugin_commands_parser.add_parser(
-        "new", help="scaffold a plugin: a method built from alpacafarm.kit, its test, a benchmark recipe and the "
-                    "CI gate workflow")
+        "new", help="scaffold a plugin: a method built from alpacafarm.reward_selection, its test, a benchmark "
+                    "recipe and the CI gate workflow")
     plugin_new.add_argument("name", help="the plugin's distribution name, e.g. my-rerank (package my_rerank)")
     plugin_new.add_argument("--dir", default=".", help="where to create the folder NAME (default: here)")
 
@@ -73,7 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from alpacafarm import distributed
 
     if not args.plan:  # before anything is imported or loaded: library chatter goes to run.log, not the console
-        from alpacafarm.library_output import route_library_output
+        from alpacafarm.library_logs import route_library_output
 
         route_library_output(verbose=args.verbose)
     main = True
@@ -115,9 +115,9 @@ def _run(args: argparse.Namespace, main: bool) -> int:
     print_table(f"{loaded.recipe.name}: {pipeline.run_dir}", ["stage", "status", "time", "artifact", "path"], rows)
     console().print(f"run directory: {pipeline.run_dir} (log: run.log)", highlight=False)
     for outcome in outcomes:  # the results come last, where the eye lands
-        table = outcome.artifact.metadata.get("table")
-        if table:  # stages may publish a results table: {"title", "columns", "rows"}
-            print_table(table.get("title", outcome.name), table["columns"], table["rows"])
+        table = outcome.artifact.table
+        if table is not None:  # a stage may publish a results table (alpacafarm.artifacts.Table)
+            print_table(table.title or outcome.name, table.columns, table.rows)
     return 0
 
 

@@ -27,8 +27,8 @@ class UserError(Exception):
 @contextlib.contextmanager
 def naming_stage(stage: str) -> Iterator[None]:
     """Puts ``stage '<stage>':`` in front of any :class:`UserError` raised inside, unless its message names the
-    stage already. The pipeline runs every stage's method inside it, so a shared helper (``alpacafarm.kit``, the
-    model loaders) never has to know, or guess, which stage called it."""
+    stage already. The pipeline runs every stage's method inside it, so a shared helper (the method helpers such as
+    ``alpacafarm.policy_training``, the model loaders) never has to know, or guess, which stage called it."""
     try:
         yield
     except UserError as error:

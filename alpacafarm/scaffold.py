@@ -3,8 +3,9 @@
 It writes, from the templates in ``alpacafarm/plugin_template/`` (shipped in the package):
 
 * ``pyproject.toml`` — the distribution ``NAME`` and its entry point of group ``alpacafarm``;
-* ``<package>/__init__.py`` and ``<package>/method.py`` — the hooks and a method built from :mod:`alpacafarm.kit`
-  (best-of-n reranking with the reward model, registered as ``<package>``), with its config class;
+* ``<package>/__init__.py`` and ``<package>/method.py`` — the hooks and a method built from
+  :mod:`alpacafarm.reward_selection` (best-of-n reranking with the reward model, registered as ``<package>``), with
+  its config class;
 * ``tests/test_method.py`` — its test on tiny random-init models (:mod:`alpacafarm.testing`);
 * ``benchmarks/bench.yaml`` — a benchmark recipe for ``alpacafarm bench`` (``include: alpacafarm:offline``);
 * ``.github/workflows/benchmark.yml`` — the CI gate; ``README.md``; ``.gitignore``.

@@ -27,10 +27,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from alpacafarm.data import read_records
-    from alpacafarm.kit import select
     from alpacafarm.model_loading import load_classifier, load_tokenizer
     from alpacafarm.plugins import get_registry
     from alpacafarm.recipe import load_recipe
+    from alpacafarm.reward_selection import select
     from alpacafarm.rewards import with_eos
     from alpacafarm.types import Pair
     from alpacafarm_evaluation.evaluator import instruction_scores

@@ -18,6 +18,12 @@ the gold and every part, noisy or clean labels, weight decay 0.01 to 10 (docs/go
 answer's mean hidden state, two blocks below the top) try other frozen features (2026-11-28, same 382 answers,
 noiseless / noisy labels): organisation 0.84 / 0.79 and 0.75 / 0.62, the gold 0.55-0.57 and 0.49-0.57.
 
+``--gold module:function`` probes any other gold as well. A sentiment gold (VADER's compound score of the answer,
+``vaderSentiment`` 3.3.2, a function of two lines; within-instruction standard deviation 0.27, overall 0.46) is
+no easier (2026-11-28, weight decay 0.1 / 1, noiseless / noisy): last-token features 0.545-0.554 / 0.555,
+mean features 0.613-0.630 / 0.563-0.573. At a few hundred distinct answers the frozen 135M features rank little beyond
+length and layout.
+
 ``--top-blocks K`` also trains the top K transformer blocks with the head (on the hidden states entering them,
 computed once; 4 epochs of 16 pairs at learning rate 1e-4, head 1e-3) on the gold, for ``--folds`` folds: can a
 proxy with trainable layers see the rubric? Measured with K = 2 on one fold: 0.566 from noisy labels, 0.614 from
@@ -239,7 +245,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folds", type=int, default=1, help="folds (of 4) for --top-blocks")
     parser.add_argument("--features", choices=("last", "rating", "mean"), default="last",
                         help="the head's frozen features (see features()); last: what the reward-model stage reads")
+    parser.add_argument("--gold", action="append", default=[], metavar="MODULE:FUNCTION",
+                        help="also probe this gold function (records, answers) -> scores, as the gold annotator's "
+                             "'gold:' names it; repeatable")
     args = parser.parse_args(argv)
+    from alpacafarm.errors import UserError
+    from alpacafarm_annotators.gold import load_gold
+
+    try:  # a bad target: one line, before any model loads
+        extra = {target: load_gold(target) for target in args.gold}
+    except UserError as exc:
+        print(f"gold_proxy_probe: {exc}", file=sys.stderr)
+        return 2
     if args.top_blocks > 0:
         for labels, noise, temperature in (("noisy", args.noise, args.temperature), ("clean", 0.0, None)):
             accuracies = top_block_accuracy(args.preferences, args.max_length, args.top_blocks, helpfulness,
@@ -255,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                "coverage": [coverage(r, a) for r, a in zip(records, answers, strict=True)],
                "organisation": [organisation(a) for a in answers],
                "repetition": [-float(repeated_phrases(a)) for a in answers]}
+    targets |= {target: [float(x) for x in fn(records, answers)] for target, fn in extra.items()}
     print(f"{len(answers)} distinct answers of {len(groups)} instructions; held-out clean-pair accuracy of the head")
     print(f"{'target':20s} {'labels':8s} " + " ".join(f"wd {wd:<6g}" for wd in args.weight_decay))
     for name, target in targets.items():

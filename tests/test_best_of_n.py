@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from alpacafarm.data import read_records
-from alpacafarm.kit import best_index, select
 from alpacafarm.recipe import load_recipe
+from alpacafarm.reward_selection import best_index, select
 from alpacafarm_methods.sampling.best_of_n import BestOfNConfig, powers_of_two
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -148,8 +149,10 @@ def test_the_loop_writes_the_results_table_and_the_curve(loop_run: dict[str, Any
     assert (evaluation / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (evaluation / "systems.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # one bar per system
     assert loop_run["artifacts"]["evaluate"].metadata["results"]["systems_png"] == str(evaluation / "systems.png")
-    table = loop_run["artifacts"]["evaluate"].metadata["table"]
-    assert [row[0] for row in table["rows"]] == [r["system"] for r in rows]
+    table = loop_run["artifacts"]["evaluate"].table
+    assert [row[0] for row in table.rows] == [r["system"] for r in rows]
+    judged = loop_run["artifacts"]["evaluate"].judged  # what the gate reads
+    assert [(j.name, j.win_rate) for j in judged] == [(r["system"], r["win_rate"]) for r in rows]
     for row in rows:  # each system has its own judged annotations
         annotations = json.loads((evaluation / "systems" / row["system"] / "annotations.json").read_text())
         assert len(annotations) == 4 and {a["generator_2"] for a in annotations} == {row["system"]}
@@ -177,8 +180,10 @@ def test_best_of_n_keeps_the_argmax_of_the_reward_model_on_every_prefix(loop_run
             group = sorted(groups[c["instruction"]], key=lambda s: s["sample_index"])
             best = max(group[:n], key=lambda s: s["reward"])
             assert c["sample_index"] < n and c["reward"] == best["reward"] and c["output"] == best["output"]
-    meta = loop_run["artifacts"]["best_of_n"].metadata["systems"]
-    assert meta["best_of_4"]["proxy_reward"] >= meta["best_of_1"]["proxy_reward"]
+    systems = {s.name: s for s in loop_run["artifacts"]["best_of_n"].systems}
+    assert [(s.n, Path(s.outputs)) for s in systems.values()] == [(n, stage / f"best_of_{n}.jsonl") for n in (1, 2, 4)]
+    assert systems["best_of_4"].proxy_reward >= systems["best_of_1"].proxy_reward
+    assert [s.kl for s in systems.values()] == pytest.approx([0.0, math.log(2) - 0.5, math.log(4) - 0.75])
 
 
 def test_prefix_evaluation_equals_a_separate_run(loop_run: dict[str, Any], tmp_path: Path):

@@ -55,7 +55,7 @@ def _worker(what: str, out: Path) -> None:
     elif what == "refuse":
         result.update(_refused_run(out))
     elif what == "score":
-        from alpacafarm.kit import score_rows
+        from alpacafarm.reward_selection import score_rows
 
         calls: list[list[str]] = []
         result["scores"] = score_rows(_LengthReward(calls), SCORED_ROWS, 3, "scoring")
@@ -185,7 +185,7 @@ def test_a_failure_on_one_rank_stops_every_rank_with_one_message_naming_it(tmp_p
 
 @pytest.mark.distributed
 def test_best_of_n_scoring_is_split_across_ranks_in_the_batches_of_one_process(tmp_path: Path):
-    from alpacafarm.kit import score_rows
+    from alpacafarm.reward_selection import score_rows
 
     one_calls: list[list[str]] = []
     one = score_rows(_LengthReward(one_calls), SCORED_ROWS, 3)
@@ -257,9 +257,10 @@ def test_a_failing_two_process_run_prints_one_line_and_exits_2(tmp_path: Path, t
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert done.returncode == 2
     errors = [line for line in done.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
-    assert errors == ["error: stage 'sft': an SFT record has no 'output' field (fields: input, instruction); set "
-                      "stages.<name>.config.response_field"]  # the stage that called the shared helper, named once
-    assert "UserError: stage 'sft': an SFT record" in (tmp_path / "run" / "error.log").read_text()  # the traceback
+    assert errors == ["error: stage 'sft': a demonstration record has no 'output' field (fields: input, "
+                      "instruction); set stages.<name>.config.response_field"]  # the calling stage, named once
+    traceback = (tmp_path / "run" / "error.log").read_text()
+    assert "UserError: stage 'sft': a demonstration record" in traceback
 
 
 @pytest.mark.distributed

@@ -291,17 +291,17 @@ def test_the_example_plugin_and_the_scaffold_import_only_public_alpacafarm_names
     from alpacafarm.scaffold import new_plugin
 
     sources = {path: "alpacafarm_example" for path in (EXAMPLE_PLUGIN / "alpacafarm_example").glob("*.py")}
-    scaffold = new_plugin("kit-user", tmp_path)
-    sources.update({path: "kit_user" for path in scaffold.rglob("*.py")})
+    scaffold = new_plugin("helper-user", tmp_path)
+    sources.update({path: "helper_user" for path in scaffold.rglob("*.py")})
     assert len(sources) >= 7
     offending = {str(path): private_imports(path.read_text(encoding="utf-8"), own)
                  for path, own in sources.items()}
     assert {path: bad for path, bad in offending.items() if bad} == {}
-    # the scaffold's method is built from the public kit, which the built-ins use too
-    method = (scaffold / "kit_user" / "method.py").read_text(encoding="utf-8")
-    assert ("alpacafarm.kit", "score_groups") in imported_names(method)
+    # the scaffold's method is built from the public method helpers, which the built-ins use too
+    method = (scaffold / "helper_user" / "method.py").read_text(encoding="utf-8")
+    assert ("alpacafarm.reward_selection", "score_groups") in imported_names(method)
     builtin = (REPO_ROOT / "plugins" / "alpacafarm_methods" / "sampling" / "best_of_n.py").read_text(encoding="utf-8")
-    assert ("alpacafarm.kit", "score_groups") in imported_names(builtin)
+    assert ("alpacafarm.reward_selection", "score_groups") in imported_names(builtin)
     # the check itself sees what it must refuse
     assert private_imports("from alpacafarm_methods.sampling.best_of_n import BestOfN\nfrom alpacafarm.x import _y\n"
                            "import alpacafarm._z\n", "mine") == [

@@ -31,8 +31,8 @@ def targets(row: dict[str, list[int]]) -> list[int]:
 
 
 def test_a_finished_winner_ends_with_eos_and_a_cut_one_does_not():
-    from alpacafarm.kit import training_rows
     from alpacafarm.prompts import format_prompt
+    from alpacafarm.training_rows import training_rows
 
     tokenizer = tiny_tokenizer()
     eos = tokenizer.eos_token_id
@@ -51,7 +51,7 @@ def test_a_finished_winner_ends_with_eos_and_a_cut_one_does_not():
 
 def test_cut_samples_are_what_the_backend_reports_and_a_backend_that_cannot_tell_is_an_error():
     from alpacafarm.errors import UserError
-    from alpacafarm.kit import mark_finished
+    from alpacafarm.reward_selection import mark_finished
 
     class Reporting:
         last_finished = [[True, False], [False, True]]
@@ -92,7 +92,8 @@ def server() -> Iterator[FakeOpenAIServer]:
 
 @pytest.fixture
 def built_trainers(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Every SFT trainer expert iteration builds (through :func:`alpacafarm.kit.build_sft_trainer_on_rows`)."""
+    """Every SFT trainer expert iteration builds (through
+    :func:`alpacafarm.policy_training.build_sft_trainer_on_rows`)."""
     import alpacafarm_methods.sampling.expert_iteration as expert_iteration
 
     built: list[Any] = []

@@ -19,18 +19,19 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from alpacafarm.annotation import check_unlabelled
 from alpacafarm.data import write_jsonl
 from alpacafarm.generation import SamplingConfig
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
+from alpacafarm.recipe import GenerationBackendFields
 from alpacafarm.types import Pair
 
 
-class PreferenceDataConfig(BaseModel):
+class PreferenceDataConfig(GenerationBackendFields):
     model_config = ConfigDict(extra="forbid")
 
     split: str = Field("train", description="which file of the instruction splits to use")
@@ -38,8 +39,6 @@ class PreferenceDataConfig(BaseModel):
     k: int = Field(2, ge=2, description="samples per instruction")
     pairing: Literal["adjacent", "all"] = "adjacent"
     sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=1.0, max_new_tokens=128))
-    backend: str = "transformers"
-    backend_config: dict[str, Any] = Field(default_factory=dict)
     max_unlabelled_fraction: float = Field(
         0.05, ge=0.0, le=1.0, description="the stage fails when more pairs than this have no label (failed or "
         "unparsed); what was labelled is cached, so a re-run asks only for the rest")

@@ -66,22 +66,14 @@ EVALUATION_STAGE = "evaluate"
 # ------------------------------------------------------------------------------------------------ running
 
 
-def judged_records(run_dir: Path, artifact: Any) -> dict[str, list[dict[str, Any]]]:
-    """Each evaluated system's judged pairs (``annotations.json`` in the win_rate evaluator's layout)."""
-    stage_dir = run_dir / "stages" / EVALUATION_STAGE
-    listed = artifact.metadata.get("systems")
-    if isinstance(listed, list):
-        files = {row["system"]: stage_dir / "systems" / row["system"].replace("/", "__") / "annotations.json"
-                 for row in listed}
-    else:
-        files = {artifact.metadata.get("generator") or "policy": stage_dir / "annotations.json"}
-    out = {}
-    for name, path in files.items():
-        if not path.is_file():
-            raise UserError(f"bench: the evaluation wrote no {path}; a benchmark recipe needs the win_rate "
-                            "evaluator (evaluation.evaluator: win_rate)")
-        out[name] = json.loads(path.read_text(encoding="utf-8"))
-    return out
+def judged_records(artifact: Any) -> dict[str, list[dict[str, Any]]]:
+    """Each evaluated system's judged pairs, from the evaluation's hand-off (``judged``: one
+    :class:`~alpacafarm.artifacts.JudgedSystem` per system, naming its annotations file)."""
+    if not artifact.judged:
+        raise UserError("bench: the evaluation stage handed on no judged systems (Artifact.judged); a benchmark "
+                        "recipe needs an evaluator that does, such as win_rate (evaluation.evaluator: win_rate)")
+    return {system.name: json.loads(Path(system.annotations).read_text(encoding="utf-8"))
+            for system in artifact.judged}
 
 
 def run_benchmark(recipe: str, overrides: list[str], output_dir: str | None,
@@ -102,7 +94,7 @@ def run_benchmark(recipe: str, overrides: list[str], output_dir: str | None,
     started = time.perf_counter()
     pipeline = Pipeline(loaded, registry, run_dir)
     outcomes = {o.name: o for o in pipeline.run(force=("all",) if force else ())}
-    records = judged_records(pipeline.run_dir, outcomes[EVALUATION_STAGE].artifact)
+    records = judged_records(outcomes[EVALUATION_STAGE].artifact)
     probe = pick_probe(records) if probe is None else probe
     judge = {**judge, "probe_labels": judge_probe(loaded, registry, probe)}
     protocol = protocol_of(loaded.recipe)
@@ -323,7 +315,7 @@ def main(argv: list[str]) -> int:
         report_path = Path(args.report)
         if report_path.is_dir():
             raise UserError(f"--report {report_path} is a directory; give a .md file")
-    from alpacafarm.library_output import route_library_output
+    from alpacafarm.library_logs import route_library_output
 
     route_library_output(verbose=args.verbose)
     try:

@@ -127,7 +127,7 @@ def generate_model_outputs(args: argparse.Namespace) -> str:
     import yaml
 
     from alpacafarm.generation import SamplingConfig, generate_records, write_completions
-    from alpacafarm.library_output import name_deepspeed_accelerator
+    from alpacafarm.library_logs import name_deepspeed_accelerator
     from alpacafarm.plugins import get_registry
     from alpacafarm.recipe import ModelSpec
     from alpacafarm.yamlsource import yaml_value

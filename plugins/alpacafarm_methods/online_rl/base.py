@@ -30,7 +30,7 @@ from alpacafarm.training import TrainingDefaults
 class OnlineRLOptions(TrainingDefaults, EnsembleOptions):
     """Fields of both configs; inherit it first: ``@dataclass class X(OnlineRLOptions, trl.XConfig)``."""
 
-    split: str = field(default="train", metadata={"help": "file (or metadata key) of the instruction_splits input"})
+    split: str = field(default="train", metadata={"help": "file (or named file) of the instruction_splits input"})
     max_instructions: int | None = field(default=None, metadata={"help": "use the first N prompts only"})
     use_reward_model: bool = field(default=True, metadata={"help": "score with the recipe's reward model"})
     rule_rewards: list[str] = field(default_factory=list, metadata={
@@ -133,13 +133,18 @@ def run_online_rl(context: StageContext, config: Any, trainer_class: Any, algori
     from transformers import set_seed
 
     from alpacafarm.data import write_json
-    from alpacafarm.model_loading import is_adapter_folder, load_merged_causal_lm, load_tokenizer, lora_config
+    from alpacafarm.model_loading import (
+        is_adapter_folder,
+        load_merged_causal_lm,
+        load_tokenizer,
+        lora_config,
+        save_model,
+    )
     from alpacafarm.prompts import PromptFormat
     from alpacafarm.training import (
         fp32_master_weights,
         limit,
         resume_checkpoint,
-        save_policy,
         stage_training_args,
         train_summary,
     )
@@ -176,7 +181,8 @@ def run_online_rl(context: StageContext, config: Any, trainer_class: Any, algori
         if annotator is not None:
             annotator.close()
     model_dir = Path(context.stage_dir) / "model"
-    merged = save_policy(trainer, spec, model_path, model_dir, context.logger)  # every rank; the main one writes
+    merged = save_model(trainer.model, trainer.processing_class, model_dir, spec, start_from=model_path,
+                        logger=context.logger)  # every rank; the main one writes
     if not context.is_main:
         return Artifact("model", str(model_dir))
     logged = [e["reward"] for e in trainer.state.log_history if e.get("reward") is not None]

@@ -5,7 +5,7 @@ rows that trainer reads. The rest is :meth:`DirectAlignment.run`: read the prefe
 grouped by record (:meth:`DirectAlignment.examples`), keep the first ``max_examples`` records, hold out
 ``eval_fraction`` of them (by record, so a held-out instruction is never trained on), build the trainer, train
 (resuming an interrupted attempt: :func:`alpacafarm.training.resume_checkpoint`), save ``model/``
-(:func:`alpacafarm.training.save_policy`) and write ``metrics.json``: the training summary, the last logged value of
+(:func:`alpacafarm.model_loading.save_model`) and write ``metrics.json``: the training summary, the last logged value of
 each statistic the method names (:attr:`DirectAlignment.logged_metrics`), their held-out values when pairs were
 held out, and the full ``log_history``.
 
@@ -13,7 +13,7 @@ Every trainer is built the same way (:func:`build_preference_trainer`): the poli
 master weights, LoRA/QLoRA from the model block, the SFT model's tokenizer. The methods with a reference model
 (``dpo``, ``ipo``, ``kto``) keep a frozen copy of the SFT model only for full fine-tuning without precomputed
 reference log-probabilities (:func:`frozen_reference`): with LoRA the reference is the policy with its adapters
-disabled, which is the SFT model (see :mod:`alpacafarm.kit`). Their configs start with the mixins
+disabled, which is the SFT model (see :mod:`alpacafarm.policy_training`). Their configs start with the mixins
 :class:`PreferenceExamples` (``max_examples``, ``eval_fraction``) and, where the method keeps ``dpo``'s
 optimisation settings, :class:`ReleasedDPOSchedule`; :func:`trl_experimental` imports the trainers TRL keeps in
 ``trl.experimental``.
@@ -29,12 +29,11 @@ from typing import Any, ClassVar
 
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
-from alpacafarm.model_loading import load_merged_causal_lm
+from alpacafarm.model_loading import load_merged_causal_lm, save_model
 from alpacafarm.training import (
     fp32_master_weights,
     limit,
     resume_checkpoint,
-    save_policy,
     stage_training_args,
     train_summary,
 )
@@ -210,7 +209,8 @@ class DirectAlignment(Method):
             result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
         # every rank (ZeRO-3 gathers the weights); the main process writes them (evaluate() below is collective too)
-        merged = save_policy(trainer, spec, model_path, model_dir, context.logger)
+        merged = save_model(trainer.model, trainer.processing_class, model_dir, spec, start_from=model_path,
+                            logger=context.logger)
         metrics: dict[str, Any] = {
             **train_summary(trainer, result),
             **last_logged(trainer.state.log_history, self.logged_metrics),

@@ -4,7 +4,7 @@ Paper Section 3.4 and Appendix A.1, Eq. (1): maximise
 ``log sigmoid(beta * log p(y_w|x)/p_SFT(y_w|x) - beta * log p(y_l|x)/p_SFT(y_l|x))`` over the preference pairs,
 the reference ``p_SFT`` being the frozen SFT model. With full fine-tuning the reference is a second, frozen copy
 of the SFT model; with LoRA/QLoRA in the model block no copy is made: TRL computes the reference with the
-adapters disabled, which is exactly the SFT model (see :mod:`alpacafarm.kit`). With
+adapters disabled, which is exactly the SFT model (see :mod:`alpacafarm.policy_training`). With
 ``precompute_ref_log_probs: true`` the reference log-probabilities are computed once before training, and no
 copy is kept either.
 

@@ -57,6 +57,7 @@ from trl import DPOConfig
 from alpacafarm.errors import UserError
 from alpacafarm.generation import SamplingConfig
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
+from alpacafarm.recipe import GenerationBackendOptions
 from alpacafarm.training import TrainingDefaults
 
 ROUND_DONE = "round_complete.json"
@@ -66,7 +67,7 @@ PAIRINGS = ("adjacent", "all")
 
 
 @dataclass
-class OnlineDPOMethodConfig(TrainingDefaults, DPOConfig):
+class OnlineDPOMethodConfig(TrainingDefaults, DPOConfig, GenerationBackendOptions):
     """Rounds, sampling and pairing, the reference, and every ``trl.DPOConfig`` / ``TrainingArguments`` field
     (applied to each round's DPO steps).
 
@@ -85,14 +86,12 @@ class OnlineDPOMethodConfig(TrainingDefaults, DPOConfig):
     reference: str = field(default="sft", metadata={
         "help": "'sft': the SFT model is the reference every round (online DPO); 'previous': the policy the round "
                 "started from (iterative DPO)"})
-    split: str = field(default="train", metadata={"help": "file (or metadata key) of the instruction_splits input"})
+    split: str = field(default="train", metadata={"help": "file (or named file) of the instruction_splits input"})
     max_instructions: int | None = field(default=None, metadata={"help": "use the first N instructions only"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (the paper's pairs: 1.0)"})
     top_p: float = 1.0
     max_new_tokens: int = field(default=300, metadata={"help": "longest sampled answer, tokens"})
     generation_batch_size: int = field(default=8, metadata={"help": "instructions per generation batch (x k)"})
-    backend: str = field(default="transformers", metadata={"help": "generation backend for the sampling"})
-    backend_config: dict[str, Any] = field(default_factory=dict, metadata={"help": "the backend's own options"})
     max_unlabelled_fraction: float = field(default=0.05, metadata={
         "help": "a round fails when more of its pairs than this have no label (failed or unparsed)"})
 
@@ -139,6 +138,11 @@ def sample_pairs(samples: list[str], pairing: str) -> list[tuple[str, str]]:
     if pairing == "all":
         return list(itertools.combinations(unique, 2))
     return [(unique[i], unique[i + 1]) for i in range(0, len(unique) - 1, 2)]
+
+
+def round_steps(config: OnlineDPOMethodConfig) -> int:
+    """Optimizer steps per round: ``steps_per_round``, else ``max_steps`` (-1: the epochs decide)."""
+    return config.steps_per_round if config.steps_per_round is not None else config.max_steps
 
 
 def pairs_per_round(config: OnlineDPOMethodConfig) -> int:
@@ -276,11 +280,13 @@ class OnlineDPO(Method):
         sft_path = context.input("sft_model").path
         policy_path, rounds = sft_path, []
         annotator = RoundAnnotator(context)
-        try:
-            for r in range(1, config.rounds + 1):
-                summary = self._round(context, config, records, r, sft_path, policy_path, annotator)
-                rounds.append(summary)
-                policy_path = str(Path(context.stage_dir) / f"round_{r}" / "model")
+        steps = round_steps(config)
+        try:  # one line over every round's DPO steps
+            with context.progress("training (online DPO)", config.rounds * steps if steps > 0 else None) as line:
+                for r in range(1, config.rounds + 1):
+                    summary = self._round(context, config, records, r, sft_path, policy_path, annotator, line)
+                    rounds.append(summary)
+                    policy_path = str(Path(context.stage_dir) / f"round_{r}" / "model")
             paid = annotator.totals() if context.is_main else {}
         finally:
             if context.is_main:
@@ -299,8 +305,9 @@ class OnlineDPO(Method):
         return Artifact("model", policy_path, metadata)
 
     def _round(self, context: StageContext, config: OnlineDPOMethodConfig, records: list[dict[str, Any]], r: int,
-               sft_path: str, policy_path: str, annotator: RoundAnnotator) -> dict[str, Any]:
-        """Run (or resume) round ``r`` from the policy in ``policy_path``; returns its summary."""
+               sft_path: str, policy_path: str, annotator: RoundAnnotator, line: Any) -> dict[str, Any]:
+        """Run (or resume) round ``r`` from the policy in ``policy_path``; returns its summary. Its DPO steps count
+        on ``line``, the stage's progress line."""
         from alpacafarm import distributed
         from alpacafarm.data import read_records, write_json, write_jsonl
 
@@ -310,7 +317,9 @@ class OnlineDPO(Method):
             "labelled" if context.resuming and (round_dir / PAIRS_FILE).is_file() else "new")
         if state == "done":
             context.logger.info("stage %s: round %d already complete, kept", context.stage, r)
-            return json.loads((round_dir / ROUND_DONE).read_text(encoding="utf-8"))
+            summary = json.loads((round_dir / ROUND_DONE).read_text(encoding="utf-8"))
+            line.update(completed=line.completed + summary["steps"])
+            return summary
         prompts = round_prompts(records, r, config.prompts_per_round)
         if state == "labelled":
             context.logger.info("stage %s: round %d resumes from its recorded labels (nothing asked again)",
@@ -333,16 +342,17 @@ class OnlineDPO(Method):
                 return examples, figures
 
             examples, annotation = distributed.run_on_main(label, f"stage {context.stage!r} round {r}: annotation")
-        return self._train(context, config, examples, annotation, prompts, r, round_dir, sft_path, policy_path)
+        return self._train(context, config, examples, annotation, prompts, r, round_dir, sft_path, policy_path, line)
 
     def _train(self, context: StageContext, config: OnlineDPOMethodConfig, examples: list[dict[str, Any]],
                annotation: dict[str, Any], prompts: list[dict[str, Any]], r: int, round_dir: Path, sft_path: str,
-               policy_path: str) -> dict[str, Any]:
-        """DPO steps on round ``r``'s labelled pairs from ``policy_path``; saves ``round_<r>/model``."""
+               policy_path: str, line: Any) -> dict[str, Any]:
+        """DPO steps on round ``r``'s labelled pairs from ``policy_path`` (counted on ``line``); saves
+        ``round_<r>/model``."""
         from alpacafarm import distributed
         from alpacafarm.data import write_json
-        from alpacafarm.model_loading import load_tokenizer
-        from alpacafarm.training import save_policy, stage_seed, stage_training_args, train_summary
+        from alpacafarm.model_loading import load_tokenizer, save_model
+        from alpacafarm.training import stage_seed, stage_training_args, train_summary
         from alpacafarm.training_progress import training_progress
         from alpacafarm_methods.pairs import preference_rows
         from alpacafarm_methods.preference.direct_alignment import REWARD_METRICS, last_logged
@@ -361,7 +371,7 @@ class OnlineDPO(Method):
         if not rows:  # every pair a tie or unlabelled: nothing says which way to move
             raise UserError(f"stage {context.stage!r}: round {r}: none of its {len(examples)} pairs has a ranking "
                             f"(labels: {dict(labels)}); nothing to train on")
-        steps = config.steps_per_round if config.steps_per_round is not None else config.max_steps
+        steps = round_steps(config)
         trainer_dir = round_dir / "trainer"
         if context.is_main:
             trainer_dir.mkdir(parents=True, exist_ok=True)  # made here: the trainer of every rank would make it
@@ -370,9 +380,10 @@ class OnlineDPO(Method):
         trainer = build_dpo_trainer(args, spec, policy_path, rows, reference_path=reference_path)
         context.logger.info("stage %s: round %d, DPO on %d pairs (%d without a ranking), reference %s (%s)",
                             context.stage, r, len(rows), dropped, config.reference, reference_path)
-        with training_progress(trainer, context, f"round {r}: DPO"):
+        with training_progress(trainer, context, line=line, count_steps=True):
             result = trainer.train(resume_from_checkpoint=round_checkpoint(context, trainer_dir))
-        save_policy(trainer, save_spec, policy_path, model_dir, context.logger)  # every rank; the main one writes
+        save_model(trainer.model, trainer.processing_class, model_dir, save_spec, start_from=policy_path,
+                   logger=context.logger)  # every rank; the main one writes
         summary.update({**train_summary(trainer, result), **last_logged(trainer.state.log_history, REWARD_METRICS),
                         "n_trained_kept": len(trainer.train_dataset)})
         if context.is_main:

@@ -16,15 +16,13 @@ from trl import RewardConfig
 
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
-from alpacafarm.model_loading import load_classifier
+from alpacafarm.model_loading import load_classifier, save_model
 from alpacafarm.rewards import RewardScorer
 from alpacafarm.training import (
     TrainingDefaults,
     fp32_master_weights,
     limit,
     resume_checkpoint,
-    save_policy,
-    save_trained,
     stage_training_args,
     train_summary,
 )
@@ -166,7 +164,8 @@ class RewardModel(Method):
         # The policy's rule: adapters trained on an adapter-folder SFT model are saved merged, so the folder
         # reloads as the model that was trained (its adapters alone would name the pre-SFT base). Every rank
         # calls it (ZeRO-3 gathers the weights); the main process writes, and scores below.
-        merged = save_policy(trainer, spec, model_path, model_dir, context.logger)
+        merged = save_model(trainer.model, trainer.processing_class, model_dir, spec, start_from=model_path,
+                            logger=context.logger)
         if not context.is_main:
             return Artifact("model", str(model_dir))
         metrics: dict[str, Any] = {
@@ -201,7 +200,7 @@ class RewardModel(Method):
             model, tokenizer, fitted = train_head_only(args, spec, model_path, train_rows, seed=context.seed,
                                                        progress=advance)
         model_dir = Path(context.stage_dir) / "model"
-        save_trained(model, tokenizer, spec, model_path, model_dir)
+        save_model(model, tokenizer, model_dir, spec, start_from=model_path)
         history = fitted.pop("log_history")
         metrics: dict[str, Any] = {**fitted, "head_only": True, "n_pairs": len(rows), "n_train": len(train_rows),
                                    "n_eval": len(eval_rows), "n_dropped_no_preference": dropped}

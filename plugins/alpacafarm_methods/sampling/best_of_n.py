@@ -11,22 +11,23 @@ Files (in the stage folder)::
     samples.jsonl         every sample: instruction, input, sample_index, output, reward
     best_of_<n>.jsonl     for each n: the chosen output per instruction (with its reward and sample_index)
 
-The artifact's ``systems`` metadata lists the per-n files, so a recipe's evaluation (``evaluation.policy``
-naming this stage) evaluates every n and plots the curve; ``outputs`` names the largest n's file, the default
-policy when only one system is evaluated.
+The artifact's ``systems`` (:class:`~alpacafarm.artifacts.System`, one per n, with its proxy reward and its KL
+to the sampled model in closed form) name the per-n files, so a recipe's evaluation (``evaluation.policy``
+naming this stage) evaluates every n and plots the curve.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from alpacafarm.data import write_jsonl
+from alpacafarm.divergence import best_of_n_kl
 from alpacafarm.generation import SamplingConfig
-from alpacafarm.kit import mean, score_groups, select
-from alpacafarm.method import Artifact, Method, Ranks, StageContext
+from alpacafarm.method import Artifact, Method, Ranks, StageContext, System
+from alpacafarm.recipe import GenerationBackendFields
+from alpacafarm.reward_selection import mean, score_groups, select
 from alpacafarm.rewards import DEFAULT_ENSEMBLE_COEFFICIENT, EnsembleRule
 
 
@@ -39,7 +40,7 @@ def powers_of_two(n_max: int) -> list[int]:
     return [*values, n_max]
 
 
-class BestOfNConfig(BaseModel):
+class BestOfNConfig(GenerationBackendFields):
     """Which instructions, how many samples, how to sample and score them.
 
     Sampling defaults: temperature 1.0 (the paper, Section 4.1: best-of-n reranks samples at 1.0 for diversity)
@@ -61,8 +62,6 @@ class BestOfNConfig(BaseModel):
     ensemble: EnsembleRule = Field("mean", description="how an ensemble reward model's members combine")
     ensemble_coefficient: float = Field(DEFAULT_ENSEMBLE_COEFFICIENT, ge=0.0,
                                         description="uncertainty_weighted: the members' variance is weighted by this")
-    backend: str = "transformers"
-    backend_config: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_n_values(self) -> BestOfNConfig:
@@ -77,11 +76,12 @@ class BestOfNConfig(BaseModel):
 
 
 class BestOfN(Method):
-    """Best-of-n outputs for every n in the sweep, from one set of samples; proxy reward per n in the metadata."""
+    """Best-of-n outputs for every n in the sweep, from one set of samples: one system per n, with its proxy reward."""
 
     config_class = BestOfNConfig
     requires = ("sft_model", "reward_model", "instruction_splits")
     provides = "policy_outputs"
+    produces = ("systems",)
     ranks = Ranks.ALL  # sampling is split across ranks
 
     def run(self, context: StageContext) -> Artifact:
@@ -101,17 +101,18 @@ class BestOfN(Method):
             return Artifact("outputs", str(context.stage_dir))
         seconds = time.perf_counter() - started
         write_jsonl(context.stage_dir / "samples.jsonl", [s for group in samples for s in group])
-        systems: dict[str, dict[str, Any]] = {}
+        systems: list[System] = []
+        lengths: dict[str, float] = {}  # for people reading the manifest: the evaluation measures its own
         for n in config.resolved_n_values():
             chosen = select(samples, n)
             name = f"best_of_{n}"
             write_jsonl(context.stage_dir / f"{name}.jsonl", chosen)
-            systems[name] = {"outputs": f"{name}.jsonl", "n": n,
-                             "proxy_reward": round(mean([c["reward"] for c in chosen]), 6),
-                             "avg_length": round(mean([len(c["output"]) for c in chosen]), 1)}
+            systems.append(System(name, str(context.stage_dir / f"{name}.jsonl"), n=n,
+                                  proxy_reward=round(mean([c["reward"] for c in chosen]), 6), kl=best_of_n_kl(n),
+                                  kl_se=0.0))  # the closed form: exact
+            lengths[name] = round(mean([len(c["output"]) for c in chosen]), 1)
             context.logger.info("stage %s: best-of-%d mean proxy reward %.4f", context.stage, n,
-                                systems[name]["proxy_reward"])
-        largest = f"best_of_{max(config.resolved_n_values())}"
+                                systems[-1].proxy_reward)
         return Artifact("outputs", str(context.stage_dir), {
-            "outputs": systems[largest]["outputs"], "systems": systems, "n_instructions": len(records),
-            "n_samples": sum(len(g) for g in samples), "sampling_seconds": round(seconds, 2)})
+            "n_instructions": len(records), "n_samples": sum(len(g) for g in samples),
+            "sampling_seconds": round(seconds, 2), "avg_length": lengths}, systems=systems)

@@ -35,11 +35,15 @@ from typing import Any
 
 from alpacafarm.errors import UserError
 from alpacafarm.generation import SamplingConfig
-from alpacafarm.kit import build_sft_trainer_on_rows, mark_finished, mean, score_groups, select, training_rows
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
+from alpacafarm.model_loading import save_model
+from alpacafarm.policy_training import build_sft_trainer_on_rows
+from alpacafarm.recipe import GenerationBackendOptions
+from alpacafarm.reward_selection import mark_finished, mean, score_groups, select
 from alpacafarm.rewards import EnsembleOptions, check_ensemble
-from alpacafarm.training import save_policy, stage_training_args, train_summary
+from alpacafarm.training import stage_training_args, train_summary
 from alpacafarm.training_progress import training_progress
+from alpacafarm.training_rows import training_rows
 from alpacafarm_methods.supervised.sft import SFTMethodConfig
 
 ROUND_DONE = "round_complete.json"
@@ -47,7 +51,7 @@ TRUNCATED_WINNERS = ("keep", "drop")
 
 
 @dataclass
-class ExpertIterationConfig(SFTMethodConfig, EnsembleOptions):
+class ExpertIterationConfig(SFTMethodConfig, EnsembleOptions, GenerationBackendOptions):
     """Best-of-n settings, rounds, and every ``trl.SFTConfig`` field for the fine-tuning of each round."""
 
     rounds: int = field(default=1, metadata={"help": "best-of-n + SFT rounds (the paper: 1)"})
@@ -62,8 +66,6 @@ class ExpertIterationConfig(SFTMethodConfig, EnsembleOptions):
     score_batch_size: int = 8
     init: str = field(default="previous", metadata={"help": "'previous': round r fine-tunes round r-1's model; "
                                                             "'sft': every round fine-tunes the SFT model"})
-    backend: str = field(default="transformers", metadata={"help": "generation backend for the sampling"})
-    backend_config: dict[str, Any] = field(default_factory=dict, metadata={"help": "the backend's own options"})
     truncated_winners: str = field(default="keep", metadata={
         "help": "winners cut at max_new_tokens: 'keep' (trained on, without EOS) or 'drop' (not trained on)"})
 
@@ -178,7 +180,8 @@ class ExpertIteration(Method):
             with training_progress(trainer, context, f"round {r}: SFT on the winners"):
                 result = trainer.train()
             # every rank (ZeRO-3 gathers the weights); the main process writes
-            save_policy(trainer, spec, start_from, model_dir, context.logger)
+            save_model(trainer.model, trainer.processing_class, model_dir, spec, start_from=start_from,
+                       logger=context.logger)
             if context.is_main:
                 shutil.rmtree(round_dir / "trainer", ignore_errors=True)  # checkpoints of a finished round
             summary = {"round": r, "n_instructions": len(records), "n": config.n,

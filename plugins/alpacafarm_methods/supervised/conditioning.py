@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from alpacafarm.errors import UserError
-from alpacafarm.kit import build_sft_trainer_on_rows, train_and_save_policy
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
+from alpacafarm.policy_training import build_sft_trainer_on_rows, train_and_save_policy
 from alpacafarm.prompts import PromptConditioning
 from alpacafarm.training import limit, stage_training_args
 from alpacafarm_methods.pairs import preference_rows
@@ -46,7 +46,7 @@ class RewardConditioningConfig(SFTMethodConfig):
     """
 
     train_split: str = field(
-        default="preferences", metadata={"help": "file (or metadata key) of the preferences input"}
+        default="preferences", metadata={"help": "file (or named file) of the preferences input"}
     )
     good_token: str = field(
         default=GOOD_TOKEN, metadata={"help": "marker before the preferred output's example"}
@@ -145,5 +145,5 @@ class BinaryRewardConditioning(Method):
             context, trainer, spec, model_path, dropped,
             extra={"good_token": args.good_token, "bad_token": args.bad_token,
                    "prompt_prefix": conditioning.prompt_prefix},
-            before_metrics=conditioning.save,
+            conditioning=conditioning,
         )

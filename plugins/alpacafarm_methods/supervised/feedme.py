@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from alpacafarm.errors import UserError
-from alpacafarm.kit import build_sft_trainer_on_rows, prompt_completion_rows, train_and_save_policy
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
+from alpacafarm.policy_training import build_sft_trainer_on_rows, train_and_save_policy
 from alpacafarm.training import limit, stage_training_args
+from alpacafarm.training_rows import prompt_completion_rows
 from alpacafarm_methods.pairs import preferred_demonstrations
 from alpacafarm_methods.supervised.sft import SFTMethodConfig
 
@@ -29,7 +30,7 @@ class FeedMEConfig(SFTMethodConfig):
     """
 
     train_split: str = field(
-        default="preferences", metadata={"help": "file (or metadata key) of the preferences input"}
+        default="preferences", metadata={"help": "file (or named file) of the preferences input"}
     )
 
 

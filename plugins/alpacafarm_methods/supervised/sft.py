@@ -2,7 +2,7 @@
 
 This is the paper's "SFT 10k" step (Section 3.4): LLaMA-7B fine-tuned on the 10k ``sft`` split of the Alpaca
 data, the starting point of every pairwise-feedback method. Examples are given to TRL in prompt/completion form
-(:func:`alpacafarm.kit.prompt_completion_rows`), so the loss covers the response tokens only.
+(:func:`alpacafarm.training_rows.prompt_completion_rows`), so the loss covers the response tokens only.
 
 This module imports TRL at import time (its config subclasses ``trl.SFTConfig``); the plugin registers it as a
 lazy target, so only a recipe that names ``sft`` pays for the import.
@@ -17,17 +17,18 @@ from typing import Any
 from trl import SFTConfig
 
 from alpacafarm.errors import UserError
-from alpacafarm.kit import build_sft_trainer_on_rows, prompt_completion_rows
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
+from alpacafarm.model_loading import save_model
+from alpacafarm.policy_training import build_sft_trainer_on_rows
 from alpacafarm.training import (
     TrainingDefaults,
     limit,
     resume_checkpoint,
-    save_policy,
     stage_training_args,
     train_summary,
 )
 from alpacafarm.training_progress import training_progress
+from alpacafarm.training_rows import prompt_completion_rows
 
 
 @dataclass
@@ -40,7 +41,7 @@ class SFTMethodConfig(TrainingDefaults, SFTConfig):
     stage folder.
     """
 
-    train_split: str = field(default="train", metadata={"help": "file (or metadata key) of a dataset stage's output"})
+    train_split: str = field(default="train", metadata={"help": "file (or named file) of a dataset stage's output"})
     max_examples: int | None = field(default=None, metadata={"help": "train on the first N demonstrations only"})
     response_field: str = field(default="output", metadata={"help": "record field holding the answer"})
 
@@ -61,7 +62,7 @@ def build_sft_trainer(config: SFTMethodConfig, spec: Any, model_path: str, recor
 
     ``config`` must already carry its final ``output_dir`` (see :func:`stage_training_args`). The model in
     ``model_path`` may be an adapter folder (a LoRA SFT stage): its adapters are merged first, so training
-    continues from it (see :mod:`alpacafarm.kit`). Shared by the methods and the overhead benchmark.
+    continues from it (see :mod:`alpacafarm.policy_training`). Shared by the methods and the overhead benchmark.
     """
     from alpacafarm.model_loading import load_tokenizer
 
@@ -91,7 +92,8 @@ class SFT(Method):
         with training_progress(trainer, context, "training (SFT)"):
             result = trainer.train(resume_from_checkpoint=resume_checkpoint(context))
         model_dir = Path(context.stage_dir) / "model"
-        merged = save_policy(trainer, spec, context.input("base_model").path, model_dir, context.logger)  # all ranks
+        merged = save_model(trainer.model, trainer.processing_class, model_dir, spec,  # all ranks
+                            start_from=context.input("base_model").path, logger=context.logger)
         metrics = {**train_summary(trainer, result), "n_examples": len(trainer.train_dataset),
                    "lora": spec.lora is not None, "merged": merged}
         if not context.is_main:  # the main process wrote it
