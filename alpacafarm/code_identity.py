@@ -68,11 +68,11 @@ def code_identity(*objects: Any) -> dict[str, str]:
     return {package: package_digest(package) for package in code_packages(*objects)}
 
 
-def stage_code_identity(method_cls: type, recipe: Any, registry: Any, stage: str | None = None) -> dict[str, str]:
+def stage_code_identity(method_cls: Any, recipe: Any, registry: Any, stage: str | None = None) -> dict[str, str]:
     """The code behind a stage: its method class and, when it has an ``annotator_role``, its judge for it (the
     stage's own or the recipe's: a judge whose code changed re-labels, so the stage re-runs)."""
     classes: list[Any] = [method_cls]
-    role = getattr(method_cls, "annotator_role", None)
+    role = method_cls.annotator_role
     ref = recipe.annotator_for(role, stage) if role is not None else None
     if ref is not None:
         classes.append(registry.get("annotator", ref.name))

@@ -78,6 +78,27 @@ def joined_by_us() -> bool:
     return _JOINED
 
 
+def end_with_launcher(poll_seconds: float = 0.5) -> None:
+    """End this rank as soon as its launcher is gone (a daemon thread watching the parent process).
+
+    torchrun starts each rank in a session of its own, so killing the launcher's process group (``kill -9`` of a
+    run, a CI timeout) does not reach the ranks: orphaned, they would train on and hold the run directory's lock,
+    and the next ``alpacafarm run`` of it is refused. A rank whose parent changed ends at once (``os._exit``), as
+    if it had been killed with the launcher; what it had not finished is redone on resume.
+    """
+    import threading
+    import time
+
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll_seconds)
+        os._exit(137)  # the status of a process killed by SIGKILL, as its launcher was
+
+    threading.Thread(target=watch, name="alpacafarm-launcher-watch", daemon=True).start()
+
+
 def init() -> None:
     """Join the process group when a launcher started several processes; a no-op for one process.
 
@@ -88,6 +109,7 @@ def init() -> None:
     if launched_processes() <= 1:
         return
     _JOINED = True
+    end_with_launcher()
     if _initialized():
         return
     import importlib

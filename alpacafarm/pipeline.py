@@ -134,8 +134,8 @@ def plan(loaded: LoadedRecipe, registry: Registry) -> list[PlannedStage]:
         if not spec.enabled:
             continue
         entry = registry.entry("method", spec.method)
-        method_cls = entry.load()
-        inputs = wire(i, spec.name, spec.method, method_cls.requires, getattr(method_cls, "optional", ()), spec.inputs)
+        method_cls = registry.target_class("method", spec.method)  # a Method subclass, else one line
+        inputs = wire(i, spec.name, spec.method, method_cls.requires, method_cls.optional, spec.inputs)
         planned.append(PlannedStage(spec.name, spec.method, method_cls, entry.plugin, "method",
                                     loaded.stage_configs[spec.name], dict(spec.config), inputs))
         providers[method_cls.provides] = spec.name
@@ -143,11 +143,11 @@ def plan(loaded: LoadedRecipe, registry: Registry) -> list[PlannedStage]:
     if recipe.evaluation is not None:
         evaluation = recipe.evaluation
         entry = registry.entry("evaluator", evaluation.evaluator)
-        evaluator_cls = entry.load()
+        evaluator_cls = registry.target_class("evaluator", evaluation.evaluator)
         policies = policy_stages(recipe, [p.name for p in planned], doc)
         inputs = wire(len(planned), EVALUATION_STAGE, evaluation.evaluator,
                       tuple(r for r in evaluator_cls.requires if r != "policy"),
-                      getattr(evaluator_cls, "optional", ()), {})
+                      evaluator_cls.optional, {})
         if isinstance(evaluation.policy, list):  # several systems: one input per evaluated stage
             inputs.update({f"policy:{name}": name for name in policies})
         else:
@@ -206,7 +206,7 @@ class Pipeline:
 
     def _annotator_identity(self, stage: PlannedStage) -> Any:
         """The annotator a stage uses (by its ``annotator_role``), so that changing the judge re-runs it."""
-        role = getattr(stage.method_cls, "annotator_role", None)
+        role = stage.method_cls.annotator_role
         if role is None:
             return None
         ref = self.recipe.annotator_for(role, stage.name)

@@ -105,7 +105,7 @@ def _recipe(path: Path, continuous: bool | None) -> Path:
 def outcomes_table(run_dir: Path) -> list[str]:
     """The columns of the table the evaluate stage recorded in its manifest."""
     manifest = json.loads((run_dir / "stages" / "evaluate" / "manifest.json").read_text())
-    return manifest["artifact"]["metadata"]["table"]["columns"]
+    return manifest["artifact"]["table"]["columns"]
 
 
 @pytest.mark.slow
