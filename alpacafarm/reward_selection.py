@@ -56,14 +56,23 @@ def score_batches(reward: RewardFunction, rows: Sequence[dict[str, Any]], batch_
     return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
 
 
-def score_rows(reward: RewardFunction, rows: Sequence[dict[str, Any]], batch_size: int, where: str = "") -> list[float]:
+def score_rows(reward: RewardFunction, rows: Sequence[dict[str, Any]], batch_size: int, where: str = "",
+               progress: Any = None) -> list[float]:
     """The reward of every row, its :func:`score_batches` split across ranks (batch ``b`` on rank ``b mod world``)
-    and gathered on every rank: the same scores as one process."""
+    and gathered on every rank: the same scores as one process. ``progress``: a progress line
+    (:meth:`StageContext.progress <alpacafarm.method.StageContext.progress>`), advanced by the rows this rank
+    scores (its total set to them)."""
     from alpacafarm import distributed
 
     batches, world = score_batches(reward, rows, batch_size), distributed.world_size()
     mine = batches[distributed.rank()::world]
-    scored = [reward([rows[i] for i in batch], [rows[i]["output"] for i in batch]) for batch in mine]
+    if progress is not None:
+        progress.update(total=sum(len(batch) for batch in mine))
+    scored = []
+    for batch in mine:
+        scored.append(reward([rows[i] for i in batch], [rows[i]["output"] for i in batch]))
+        if progress is not None:
+            progress(len(batch))
     scores: list[float] = [0.0] * len(rows)
     for rank_, values in enumerate(distributed.all_gather_object(scored, where)):
         for batch, batch_scores in zip(batches[rank_::world], values, strict=True):
@@ -73,11 +82,12 @@ def score_rows(reward: RewardFunction, rows: Sequence[dict[str, Any]], batch_siz
 
 
 def score_groups(reward: RewardFunction, records: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]],
-                 n: int, batch_size: int | None = None, where: str = "") -> list[list[dict[str, Any]]]:
+                 n: int, batch_size: int | None = None, where: str = "", progress: Any = None,
+                 ) -> list[list[dict[str, Any]]]:
     """``rows`` (``n`` samples per record, in order) scored and grouped per record; with ``batch_size``, in the
-    batches of :func:`score_rows` across ranks (every rank gets every score)."""
+    batches of :func:`score_rows` across ranks (every rank gets every score), advancing ``progress`` as they go."""
     rewards = (reward(list(rows), [row["output"] for row in rows]) if batch_size is None
-               else score_rows(reward, rows, batch_size, where))
+               else score_rows(reward, rows, batch_size, where, progress))
     grouped: list[list[dict[str, Any]]] = [[] for _ in records]
     for i, (row, value) in enumerate(zip(rows, rewards, strict=True)):
         grouped[i // n].append({**row, "reward": float(value)})

@@ -151,3 +151,24 @@ def test_online_dpo_counts_every_round_on_one_line(console_of_a_run: str):
         console_of_a_run
     assert all(m["status"].startswith("loss ") for m in online)
     assert not [line for line in console_of_a_run.splitlines() if line.startswith("round ") and "DPO" in line]
+
+
+def test_scoring_many_samples_shows_its_line_as_it_goes(capsys: pytest.CaptureFixture):
+    """Best-of-n scores n x instructions samples after sampling them; that used to show nothing (the gate's
+    best-of-8 printed no line for ten minutes after its sampling line)."""
+    from alpacafarm.console import progress_bar
+    from alpacafarm.reward_selection import score_rows
+
+    def scored_length(records: list[dict[str, Any]], completions: list[str]) -> list[float]:
+        sys.stderr.write("[batch]\n")
+        return [float(len(c)) for c in completions]
+
+    rows = [{"instruction": f"q{i}", "input": "", "output": "x" * (i + 1)} for i in range(20)]
+    with progress_bar("best-of-4: scoring", None) as line:
+        scores = score_rows(scored_length, rows, batch_size=2, progress=line)
+    assert scores == [float(i + 1) for i in range(20)]
+    err = capsys.readouterr().err
+    written = lines(err, "best-of-4: scoring")
+    assert [(int(m["done"]), m["total"]) for m in written][:3] == [(2, "20"), (4, "20"), (6, "20")], err
+    second_batch = err.index("[batch]", err.index("[batch]") + 1)
+    assert err.index(" 2/20") < second_batch  # written as it goes, not when the scoring ended

@@ -95,8 +95,9 @@ class BestOfN(Method):
                                             f"best-of-{config.n}: sampling")
         reward = context.reward_function(batch_size=config.score_batch_size, ensemble=config.ensemble,
                                          ensemble_coefficient=config.ensemble_coefficient)
-        samples = score_groups(reward, records, rows, config.n, config.score_batch_size,
-                               f"stage {context.stage!r}: scoring")
+        with context.progress(f"best-of-{config.n}: scoring", len(rows)) as line:
+            samples = score_groups(reward, records, rows, config.n, config.score_batch_size,
+                                   f"stage {context.stage!r}: scoring", line)
         if not context.is_main:
             return Artifact("outputs", str(context.stage_dir))
         seconds = time.perf_counter() - started
