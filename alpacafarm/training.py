@@ -300,18 +300,34 @@ def save_checkpoint(accelerator: Any, state: Any, output_dir: str | Path, *, tra
     return final
 
 
-def load_checkpoint(accelerator: Any, path: str | Path, *, trained_tensors_of: Any = None) -> Any:
+def load_checkpoint(accelerator: Any, path: str | Path, *, trained_tensors_of: Any = None,
+                    lr_scheduler: Any = None, max_steps: int | None = None) -> Any:
     """Restore what :func:`save_checkpoint` wrote at ``path`` into the ``accelerator``'s prepared objects (under the
     same launch config) and return the ``transformers.TrainerState`` saved with it. Call it on every rank.
 
     ``trained_tensors_of`` as for :func:`save_checkpoint`: the rest of that model stays as loaded; a checkpoint that
-    lacks one of its trained tensors (written for another model or layout) is one line naming it.
+    lacks one of its trained tensors (written for another model or layout) is one line naming it. ``lr_scheduler``:
+    replayed to the checkpoint's step (a schedule is a function of the step alone: replaying it unpickles nothing);
+    ``max_steps``: set on the returned state (this run's, not the saved one's).
     """
+    state = _load_state(accelerator, Path(path), trained_tensors_of)
+    if max_steps is not None:
+        state.max_steps = max_steps
+    if lr_scheduler is not None:
+        import warnings
+
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": a replay, on purpose
+            warnings.simplefilter("ignore")
+            for _ in range(state.global_step):
+                lr_scheduler.step()
+    return state
+
+
+def _load_state(accelerator: Any, path: Path, trained_tensors_of: Any) -> Any:
     from transformers.trainer_callback import TrainerState
 
     from alpacafarm.errors import UserError
 
-    path = Path(path)
     weights = path / "model.safetensors"
     kwargs: dict[str, Any] = {}
     if trained_tensors_of is not None and weights.is_file():  # trained tensors only: the rest is as loaded

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -458,12 +457,8 @@ class PPOTrainer:
         """Restore weights, optimizer and step count from ``checkpoint-N/`` (written by :meth:`_save_checkpoint`
         under the same launch config); the learning-rate schedule is replayed to its step (it is a function of
         the step alone, and replaying it unpickles nothing)."""
-        self.state = load_checkpoint(self.accelerator, path, trained_tensors_of=self.model)
-        self.state.max_steps = self.max_steps
-        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": a replay, on purpose
-            warnings.simplefilter("ignore")
-            for _ in range(self.state.global_step):
-                self.lr_scheduler.step()
+        self.state = load_checkpoint(self.accelerator, path, trained_tensors_of=self.model,
+                                     lr_scheduler=self.lr_scheduler, max_steps=self.max_steps)
 
 
 def sum_across_ranks(sums: dict[str, float]) -> dict[str, float]:

@@ -44,7 +44,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -478,12 +477,8 @@ class QuarkTrainer:
         schedule is replayed to its step (a function of the step alone: replaying it unpickles nothing)."""
         if self.state.global_step:
             raise ValueError("a checkpoint is loaded before the first round trains")
-        self.state = load_checkpoint(self.accelerator, path, trained_tensors_of=self.model)
-        self.state.max_steps = self.max_steps
-        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": a replay, on purpose
-            warnings.simplefilter("ignore")
-            for _ in range(self.state.global_step):
-                self.lr_scheduler.step()
+        self.state = load_checkpoint(self.accelerator, path, trained_tensors_of=self.model,
+                                     lr_scheduler=self.lr_scheduler, max_steps=self.max_steps)
 
 
 def build_quark_trainer(args: QuarkMethodConfig, model: Any, tokenizer: Any, records: Sequence[dict[str, Any]],
