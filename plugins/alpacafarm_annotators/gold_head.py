@@ -1,0 +1,74 @@
+"""A gold that is itself a reward model: GPT-4's recorded preferences read off the SFT model's features.
+
+Gao et al. (2023) study over-optimisation with a *gold reward model*: a reward model trained on preference data
+stands in for the human, labels the pairs a smaller proxy learns from, and measures every policy. This is that
+gold at CPU scale. :func:`preference_head` scores an answer ``w · h(prompt + answer)``, where ``h`` is
+SmolLM2-135M-Instruct's final hidden state at the answer's last token (the very feature the head-only proxy reward
+model reads) and ``w`` is a Bradley-Terry head fitted by ``tools/fit_gold_head.py`` to GPT-4's recorded judgments of
+AlpacaEval answers (Davinci003 against seven systems, ``alpaca_eval_gpt4``), then made blind to length: the part of
+``w`` that covaries with the answer's length in tokens across the SFT model's own samples is projected out, so a
+policy cannot gain in expectation by writing longer or shorter (``tests/test_gold_head.py`` cuts and pads answers).
+
+What it rewards: what GPT-4 preferred in those answers, as far as a linear read of a 135M model's last state can
+see it (on held-out instructions it agrees with GPT-4 about as often as ``tools/fit_gold_head.py`` prints), length
+removed. Why it is learnable: the proxy reads the same features, so a proxy fitted on a few hundred noisy labels
+can recover the gold's direction (the gap between them is label noise and sample size, as in Gao et al.'s
+smaller-proxy runs, not a capacity gap), and the SFT model's own samples vary along it within one instruction.
+It is a stand-in for a person's preference, frozen at the SFT model's features: it does not move when a policy
+trains, so a policy that changes its hidden states to please it is over-optimising it, as a policy does any gold.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+#: The committed head (``tools/fit_gold_head.py`` writes it): model, max_length, weight, and how it was fitted.
+HEAD_FILE = Path(__file__).with_name("gold_head_smollm2.json")
+
+
+@functools.cache
+def _scorer() -> tuple[Any, Any, Any, tuple[Any, float], int, dict[str, float]]:
+    """The frozen model, tokenizer, prompt format and head (loaded once per process), and a text -> score cache."""
+    import torch
+
+    from alpacafarm.model_loading import load_classifier, load_tokenizer
+    from alpacafarm.model_sources import resolve_model_path
+    from alpacafarm.prompts import PromptFormat
+    from alpacafarm.recipe import ModelSpec
+
+    head = json.loads(HEAD_FILE.read_text(encoding="utf-8"))
+    spec = ModelSpec(name=head["model"], dtype="float32", device="cpu", prompt_format="chat_template")
+    path = resolve_model_path(spec.name)
+    tokenizer = load_tokenizer(spec, path)
+    prompt = PromptFormat.for_model(spec.prompt_format, path, tokenizer)
+    model = load_classifier(spec, path).eval()
+    weight = torch.tensor(head["weight"], dtype=torch.float32)
+    return model, tokenizer, prompt, (weight, float(head["bias"])), int(head["max_length"]), {}
+
+
+def text_of(prompt: Any, eos: str, record: dict[str, Any], answer: str) -> str:
+    from alpacafarm.rewards import with_eos
+
+    return with_eos(prompt(record["instruction"], record.get("input") or "") + answer, eos)
+
+
+def preference_head(records: Sequence[dict[str, Any]], answers: Sequence[str]) -> list[float]:
+    """The gold score of each answer: ``w · h + b`` (see the module; standardised on the SFT model's samples: mean
+    0, standard deviation 1) minus the rubric's repetition penalty (1/5 per repeated five-word phrase, at most 1:
+    the head alone scores an SFT answer written twice 0.39 ± 0.08 higher than written once, a loop a policy
+    would find). Each distinct text is scored once per process."""
+    from alpacafarm_annotators.gold_functions import repeated_phrases
+    from alpacafarm_methods.reward_model.head import last_token_features
+
+    model, tokenizer, prompt, (weight, bias), max_length, cache = _scorer()
+    texts = [text_of(prompt, tokenizer.eos_token, r, a) for r, a in zip(records, answers, strict=True)]
+    todo = list(dict.fromkeys(t for t in texts if t not in cache))
+    if todo:
+        features = last_token_features(model, tokenizer, todo, batch_size=16, max_length=max_length)
+        for text, value in zip(todo, (features @ weight + bias).tolist(), strict=True):
+            cache[text] = float(value)
+    return [cache[t] - min(1.0, repeated_phrases(a) / 5) for t, a in zip(texts, answers, strict=True)]
