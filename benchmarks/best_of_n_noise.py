@@ -31,12 +31,12 @@ def main() -> None:
     from alpacafarm.plugins import get_registry
     from alpacafarm.recipe import load_recipe
     from alpacafarm.reward_selection import select
-    from alpacafarm.rewards import with_eos
+    from alpacafarm.rewards import last_token_features, with_eos
     from alpacafarm.types import Pair
     from alpacafarm_evaluation.evaluator import instruction_scores
     from alpacafarm_evaluation.pairing import annotate_and_score, load_references, pair_outputs
     from alpacafarm_evaluation.results import paired_difference
-    from alpacafarm_methods.reward_model.head import fit_head, last_token_features
+    from alpacafarm_methods.reward_model.head import fit_head
     from alpacafarm_methods.reward_model.method import preference_rows
 
     run = Path(args.run)

@@ -78,7 +78,7 @@ def features(preferences: Path, max_length: int, kind: str = "last") -> tuple[An
 
     from alpacafarm.model_loading import load_classifier
     from alpacafarm.prompts import PromptFormat
-    from alpacafarm_methods.reward_model.head import last_token_features
+    from alpacafarm.rewards import last_token_features
 
     spec, path, tokenizer, texts = distinct_texts(preferences)
     model = load_classifier(spec, path)

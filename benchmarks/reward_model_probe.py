@@ -52,9 +52,9 @@ def main() -> None:
     from alpacafarm.model_loading import load_classifier, load_tokenizer
     from alpacafarm.prompts import format_prompt
     from alpacafarm.recipe import load_recipe
-    from alpacafarm.rewards import with_eos
+    from alpacafarm.rewards import last_token_features, with_eos
     from alpacafarm_methods.pairs import preference_rows, winner
-    from alpacafarm_methods.reward_model.head import STEPS_PER_EPOCH, fit_head, last_token_features
+    from alpacafarm_methods.reward_model.head import STEPS_PER_EPOCH, fit_head
 
     judged = Path(args.judged)
     loaded = load_recipe(judged / "recipe.yaml")

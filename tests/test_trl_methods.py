@@ -345,8 +345,7 @@ def test_head_only_reward_model_learns_with_a_frozen_backbone(tiny_model_dir: st
     before, after = state_dict(tiny_model_dir), state_dict(artifact.path)
     assert all(torch.equal(before[k], after[k]) for k in before if k in after and k != "lm_head.weight")
     from alpacafarm.model_loading import load_classifier, load_tokenizer
-    from alpacafarm.rewards import RewardScorer
-    from alpacafarm_methods.reward_model.head import last_token_features
+    from alpacafarm.rewards import RewardScorer, last_token_features
 
     spec = ModelSpec(name=tiny_model_dir)
     scorer = RewardScorer.from_path(artifact.path, spec)

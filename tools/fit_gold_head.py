@@ -76,8 +76,7 @@ def sft_samples(path: Path) -> list[tuple[str, str]]:
 def features(items: list[tuple[str, str]], cache: Path | None, name: str) -> Any:
     import torch
 
-    from alpacafarm.rewards import with_eos
-    from alpacafarm_methods.reward_model.head import last_token_features
+    from alpacafarm.rewards import last_token_features, with_eos
 
     if cache is not None and cache.with_suffix(f".{name}.pt").is_file():
         stored = torch.load(cache.with_suffix(f".{name}.pt"))

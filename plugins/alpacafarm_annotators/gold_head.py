@@ -61,8 +61,8 @@ def preference_head(records: Sequence[dict[str, Any]], answers: Sequence[str]) -
     0, standard deviation 1) minus the rubric's repetition penalty (1/5 per repeated five-word phrase, at most 1:
     the head alone scores an SFT answer written twice 0.39 ± 0.08 higher than written once, a loop a policy
     would find). Each distinct text is scored once per process."""
+    from alpacafarm.rewards import last_token_features
     from alpacafarm_annotators.gold_functions import repeated_phrases
-    from alpacafarm_methods.reward_model.head import last_token_features
 
     model, tokenizer, prompt, (weight, bias), max_length, cache = _scorer()
     texts = [text_of(prompt, tokenizer.eos_token, r, a) for r, a in zip(records, answers, strict=True)]

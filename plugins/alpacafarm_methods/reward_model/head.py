@@ -20,42 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from alpacafarm.rewards import with_eos
+from alpacafarm.rewards import last_token_features, with_eos
 
 #: Full-batch optimiser steps per epoch (the head has one weight per hidden unit; 100 steps converge).
 STEPS_PER_EPOCH = 100
-
-
-def last_token_features(model: Any, tokenizer: Any, texts: Sequence[str], *, batch_size: int, max_length: int | None,
-                        progress: Any = None) -> Any:
-    """The backbone's final hidden state where the classifier reads it, as a float32 ``[len(texts), hidden]``.
-
-    That is the rightmost token that is not the pad token (transformers' rule for sequence classifiers; with
-    a tokenizer whose pad token is its EOS, the last token before the trailing EOS).
-    """
-    import torch
-
-    tokenizer.padding_side = "right"
-    backbone = model.base_model
-    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-    rows: list[Any] = [None] * len(texts)
-    device = next(model.parameters()).device
-    pad_id = tokenizer.pad_token_id
-    with torch.inference_mode():
-        for start in range(0, len(order), batch_size):
-            chunk = order[start:start + batch_size]
-            batch = tokenizer([texts[i] for i in chunk], padding=True, return_tensors="pt",
-                              truncation=max_length is not None, max_length=max_length).to(device)
-            hidden = backbone(**batch).last_hidden_state
-            not_pad = (batch["input_ids"] != pad_id).int() * batch["attention_mask"]
-            positions = torch.arange(not_pad.shape[1], device=device)
-            last = (positions * not_pad).argmax(dim=-1)
-            picked = hidden[torch.arange(len(chunk), device=device), last].float().cpu()
-            for row, i in enumerate(chunk):
-                rows[i] = picked[row]
-            if progress is not None:
-                progress(len(chunk))
-    return torch.stack(rows)
 
 
 def fit_head(features: Any, chosen: Sequence[int], rejected: Sequence[int], *, learning_rate: float, steps: int,
