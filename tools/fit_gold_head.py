@@ -36,18 +36,6 @@ MODEL = "smollm2-135m-instruct"
 MAX_LENGTH = 192
 
 
-def load_model() -> tuple[Any, Any, Any]:
-    from alpacafarm.model_loading import load_classifier, load_tokenizer
-    from alpacafarm.model_sources import resolve_model_path
-    from alpacafarm.prompts import PromptFormat
-    from alpacafarm.recipe import ModelSpec
-
-    spec = ModelSpec(name=MODEL, dtype="float32", device="cpu", prompt_format="chat_template")
-    path = resolve_model_path(spec.name)
-    tokenizer = load_tokenizer(spec, path)
-    return load_classifier(spec, path).eval(), tokenizer, PromptFormat.for_model(spec.prompt_format, path, tokenizer)
-
-
 def judgments(data: Path, instructions: int) -> list[tuple[str, str, str, int]]:
     """(instruction, Davinci003's answer, the other system's answer, GPT-4's preference 1 or 2)."""
     files = sorted(data.glob("tatsu-lab_alpaca_eval/results/*/alpaca_eval_gpt4/annotations.json"))
@@ -73,17 +61,19 @@ def sft_samples(path: Path) -> list[tuple[str, str]]:
     return list(seen)
 
 
-def features(items: list[tuple[str, str]], cache: Path | None, name: str) -> Any:
+def features(frozen: tuple[Any, Any, Any], items: list[tuple[str, str]], cache: Path | None, name: str) -> Any:
+    """The gold's features of each (instruction, answer), read as :func:`gold_head.text_of` writes the text."""
     import torch
 
-    from alpacafarm.rewards import last_token_features, with_eos
+    from alpacafarm.rewards import last_token_features
+    from alpacafarm_annotators.gold_head import text_of
 
     if cache is not None and cache.with_suffix(f".{name}.pt").is_file():
         stored = torch.load(cache.with_suffix(f".{name}.pt"))
         if stored["items"] == items:
             return stored["features"]
-    model, tokenizer, prompt = load_model()
-    texts = [with_eos(prompt(i, "") + a, tokenizer.eos_token) for i, a in items]
+    model, tokenizer, prompt = frozen
+    texts = [text_of(prompt, tokenizer.eos_token, {"instruction": i}, a) for i, a in items]
     matrix = last_token_features(model, tokenizer, texts, batch_size=16, max_length=MAX_LENGTH)
     if cache is not None:
         torch.save({"items": items, "features": matrix}, cache.with_suffix(f".{name}.pt"))
@@ -108,6 +98,8 @@ def fit(matrix: Any, pairs: list[tuple[int, int]], weight_decay: float) -> Any:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
+    from alpacafarm_annotators.gold_head import frozen_model
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, required=True)
     parser.add_argument("--sft-samples", type=Path, required=True)
@@ -125,10 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     index = {t: k for k, t in enumerate(texts)}
     pairs = [(index[(i, a)], index[(i, b)]) if p == 1 else (index[(i, b)], index[(i, a)]) for i, a, b, p in rows]
     instruction_of = [i for i, _, _, _ in rows]
-    matrix = features(texts, args.features_cache, "judged")
+    frozen = frozen_model(MODEL)  # loaded once
+    tokenizer = frozen[1]
+    matrix = features(frozen, texts, args.features_cache, "judged")
     samples = sft_samples(args.sft_samples)
-    sft = features(samples, args.features_cache, "sft")
-    _, tokenizer, _ = load_model()
+    sft = features(frozen, samples, args.features_cache, "sft")
     lengths = torch.tensor([float(len(tokenizer(a)["input_ids"])) for _, a in samples])
     centre = sft.mean(0)
     basis = torch.linalg.svd(sft - centre, full_matrices=False).Vh[:args.components].T  # [hidden, components]

@@ -30,27 +30,33 @@ from typing import Any
 HEAD_FILE = Path(__file__).with_name("gold_head_smollm2.json")
 
 
-@functools.cache
-def _scorer() -> tuple[Any, Any, Any, tuple[Any, float], int, dict[str, float]]:
-    """The frozen model, tokenizer, prompt format and head (loaded once per process), and a text -> score cache."""
-    import torch
-
+def frozen_model(name: str) -> tuple[Any, Any, Any]:
+    """The model whose features the gold reads (float32, CPU, as a classifier), its tokenizer and prompt format:
+    what :func:`preference_head` scores with and what ``tools/fit_gold_head.py`` fits on."""
     from alpacafarm.model_loading import load_classifier, load_tokenizer
     from alpacafarm.model_sources import resolve_model_path
     from alpacafarm.prompts import PromptFormat
     from alpacafarm.recipe import ModelSpec
 
-    head = json.loads(HEAD_FILE.read_text(encoding="utf-8"))
-    spec = ModelSpec(name=head["model"], dtype="float32", device="cpu", prompt_format="chat_template")
+    spec = ModelSpec(name=name, dtype="float32", device="cpu", prompt_format="chat_template")
     path = resolve_model_path(spec.name)
     tokenizer = load_tokenizer(spec, path)
-    prompt = PromptFormat.for_model(spec.prompt_format, path, tokenizer)
-    model = load_classifier(spec, path).eval()
+    return load_classifier(spec, path).eval(), tokenizer, PromptFormat.for_model(spec.prompt_format, path, tokenizer)
+
+
+@functools.cache
+def _scorer() -> tuple[Any, Any, Any, tuple[Any, float], int, dict[str, float]]:
+    """The frozen model, tokenizer, prompt format and head (loaded once per process), and a text -> score cache."""
+    import torch
+
+    head = json.loads(HEAD_FILE.read_text(encoding="utf-8"))
+    model, tokenizer, prompt = frozen_model(head["model"])
     weight = torch.tensor(head["weight"], dtype=torch.float32)
     return model, tokenizer, prompt, (weight, float(head["bias"])), int(head["max_length"]), {}
 
 
 def text_of(prompt: Any, eos: str, record: dict[str, Any], answer: str) -> str:
+    """The text the gold reads: the instruction in the chat template, the answer, EOS (as the proxy reads it)."""
     from alpacafarm.rewards import with_eos
 
     return with_eos(prompt(record["instruction"], record.get("input") or "") + answer, eos)
