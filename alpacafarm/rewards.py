@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 
 #: ``reward(records, completions) -> scores``: one score per completion; ``records[i]`` carries the instruction
 #: (and ``input``) that ``completions[i]`` answers. A reward model, a rule, or any callable in tests.
+#: The config attribute a head-only reward model fitted on averaged answer features carries (``pooling: mean``).
+POOLING_ATTRIBUTE = "alpacafarm_pooling"
+POOLINGS = ("last", "mean")
+
 RewardFunction = Callable[[Sequence[dict[str, Any]], Sequence[str]], list[float]]
 
 
@@ -100,6 +104,17 @@ class RewardScorer:
         self.device = next(model.parameters()).device
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
+        #: where the score head reads the backbone: the last real token (a transformers sequence classifier) or the
+        #: average over the answer's tokens (a head-only reward model fitted with ``pooling: mean``)
+        self.pooling = getattr(model.config, POOLING_ATTRIBUTE, "last")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"the reward model's {POOLING_ATTRIBUTE} is {self.pooling!r}: one of "
+                             f"{', '.join(POOLINGS)}")
+        if self.pooling == "mean" and not (hasattr(model, "score") and hasattr(model, "base_model")):
+            from alpacafarm.errors import UserError
+
+            raise UserError("a reward model with pooling: mean is scored through its own backbone and score head; "
+                            "this layout shares them (LoRA PPO): use a full-parameter policy or pooling: last")
         if ensemble != "mean" and self.members == 1:
             from alpacafarm.errors import UserError
 
@@ -126,30 +141,50 @@ class RewardScorer:
     def __call__(self, records: Sequence[dict[str, Any]], completions: Sequence[str]) -> list[float]:
         return self.score_records(records, completions)
 
+    def prompt_of(self, record: dict[str, Any]) -> str:
+        """``format_prompt(record)``: the prompt layout ``reward_model`` trains on."""
+        return format_prompt(record["instruction"], record.get("input") or None, style=self.prompt_format,
+                             tokenizer=self.tokenizer)
+
     def full_text(self, record: dict[str, Any], completion: str) -> str:
         """``format_prompt(record) + completion + EOS``: the text layout ``reward_model`` trains on."""
-        prompt = format_prompt(record["instruction"], record.get("input") or None, style=self.prompt_format,
-                               tokenizer=self.tokenizer)
-        return with_eos(prompt + completion, self.tokenizer.eos_token)
+        return with_eos(self.prompt_of(record) + completion, self.tokenizer.eos_token)
 
     def score_records(self, records: Sequence[dict[str, Any]], completions: Sequence[str], *,
                       batch_size: int | None = None) -> list[float]:
         """Rewards of ``completions[i]`` as answers to ``records[i]`` (records carry ``instruction``/``input``)."""
         if len(records) != len(completions):
             raise ValueError(f"{len(records)} records but {len(completions)} completions")
-        return self.score_texts([self.full_text(r, c) for r, c in zip(records, completions, strict=True)],
-                                batch_size=batch_size)
+        return self.score_answers([self.prompt_of(r) for r in records], completions, batch_size=batch_size)
+
+    def score_answers(self, prompts: Sequence[str], answers: Sequence[str], *,
+                      batch_size: int | None = None) -> list[float]:
+        """Rewards of ``answers[i]`` after the already formatted ``prompts[i]``, whatever the pooling."""
+        if self.pooling == "last":
+            return self.score_texts([p + a for p, a in zip(prompts, answers, strict=True)], batch_size=batch_size)
+        features = answer_mean_features(self.model, self.tokenizer, prompts, answers,
+                                        batch_size=batch_size or self.batch_size, max_length=self.max_length)
+        import torch
+
+        with torch.inference_mode():
+            head = self.model.score
+            logits = head(features.to(device=head.weight.device, dtype=head.weight.dtype)).float()
+        return combine_members(self._checked(logits.reshape(len(answers), -1).tolist()), self.ensemble,
+                               self.ensemble_coefficient)
 
     def score_texts(self, texts: Sequence[str], *, batch_size: int | None = None) -> list[float]:
         """Rewards of already formatted full texts (prompt + response; EOS is appended when missing): an
-        ensemble's members combined by the scorer's ``ensemble`` rule."""
+        ensemble's members combined by the scorer's ``ensemble`` rule. Last-token reward models only (a
+        mean-pooled one needs to know where the answer starts: :meth:`score_answers`)."""
         return combine_members(self.member_scores(texts, batch_size=batch_size), self.ensemble,
                                self.ensemble_coefficient)
 
     def member_scores(self, texts: Sequence[str], *, batch_size: int | None = None) -> list[list[float]]:
-        """Every member's score of each full text: ``[len(texts)][members]``."""
+        """Every member's score of each full text: ``[len(texts)][members]`` (last-token reward models)."""
         import torch
 
+        if self.pooling != "last":
+            raise ValueError("a mean-pooled reward model scores (prompt, answer) pairs: use score_answers")
         batch_size = batch_size or self.batch_size
         eos = self.tokenizer.eos_token
         texts = [with_eos(t, eos) for t in texts]
@@ -165,6 +200,11 @@ class RewardScorer:
                 logits = self.model(**batch).logits.float().reshape(len(chunk), -1).tolist()
                 for i, values in zip(chunk, logits, strict=True):
                     scores[i] = [float(v) for v in values]
+        return self._checked(scores)
+
+    @staticmethod
+    def _checked(scores: list[list[float]]) -> list[list[float]]:
+        """``scores``, or a one-line error when any is NaN or infinite."""
         bad = sum(not all(math.isfinite(v) for v in s) for s in scores)
         if bad:  # a reward model trained to NaN would otherwise rank every candidate alike, silently
             from alpacafarm.errors import UserError
@@ -201,6 +241,47 @@ def last_token_features(model: Any, tokenizer: Any, texts: Sequence[str], *, bat
             picked = hidden[torch.arange(len(chunk), device=device), last].float().cpu()
             for row, i in enumerate(chunk):
                 rows[i] = picked[row]
+            if progress is not None:
+                progress(len(chunk))
+    return torch.stack(rows)
+
+
+def answer_mean_features(model: Any, tokenizer: Any, prompts: Sequence[str], answers: Sequence[str], *,
+                         batch_size: int, max_length: int | None, progress: Any = None) -> Any:
+    """The backbone's final hidden states averaged over each answer's tokens, as a float32 ``[len(answers), hidden]``.
+
+    The text read is ``prompt + answer + EOS`` (as the reward model reads it); the average runs from the first token
+    after the prompt up to the last token that is not the pad token (the EOS too where EOS is not the pad token).
+    Unlike :func:`last_token_features` this barely moves when an answer loses its last token (measured by
+    ``benchmarks/gold_token_stability.py``: over the top 32 principal directions, correlation 0.998 against 0.69).
+    An empty answer is read at the prompt's last token.
+    """
+    import torch
+
+    if len(prompts) != len(answers):
+        raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
+    tokenizer.padding_side = "right"
+    backbone = model.base_model
+    texts = [with_eos(p + a, tokenizer.eos_token) for p, a in zip(prompts, answers, strict=True)]
+    starts = [len(tokenizer(p, add_special_tokens=True)["input_ids"]) for p in prompts]
+    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+    rows: list[Any] = [None] * len(texts)
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id
+    with torch.inference_mode():
+        for begin in range(0, len(order), batch_size):
+            chunk = order[begin:begin + batch_size]
+            batch = tokenizer([texts[i] for i in chunk], padding=True, return_tensors="pt",
+                              truncation=max_length is not None, max_length=max_length).to(device)
+            hidden = backbone(**batch).last_hidden_state.float()
+            real = (batch["input_ids"] != pad_id).int() * batch["attention_mask"]
+            positions = torch.arange(real.shape[1], device=device)
+            last = (positions * real).argmax(dim=-1)
+            start = torch.minimum(torch.tensor([starts[i] for i in chunk], device=device), last)
+            span = ((positions >= start[:, None]) & (positions <= last[:, None])).float()
+            pooled = (hidden * span[..., None]).sum(1) / span.sum(1, keepdim=True)
+            for row, i in enumerate(chunk):
+                rows[i] = pooled[row].cpu()
             if progress is not None:
                 progress(len(chunk))
     return torch.stack(rows)

@@ -73,7 +73,8 @@ RATING_QUESTION = ("\n<|im_start|>user\nHow good was your answer, from 1 to 10?<
 def features(preferences: Path, max_length: int, kind: str = "last") -> tuple[Any, list[dict[str, Any]], list[str]]:
     """Frozen features of every distinct (prompt, answer) of the preference file: ``last``, the final hidden state
     at the last real token, as the reward-model stage reads it; ``rating``, the same after :data:`RATING_QUESTION`
-    is appended; ``mean``, the mean over the answer's tokens of the hidden states entering the top two blocks."""
+    is appended; ``mean``, the mean over the answer's tokens of the hidden states entering the top two blocks;
+    ``answer``, the final hidden states averaged over the answer's tokens (what ``pooling: mean`` reads)."""
     import torch
 
     from alpacafarm.model_loading import load_classifier
@@ -83,7 +84,15 @@ def features(preferences: Path, max_length: int, kind: str = "last") -> tuple[An
     spec, path, tokenizer, texts = distinct_texts(preferences)
     model = load_classifier(spec, path)
     keys = list(texts)
-    if kind == "mean":
+    if kind == "answer":  # what a reward model with pooling: mean reads
+        from alpacafarm.prompts import PromptFormat
+        from alpacafarm.rewards import answer_mean_features
+
+        prompt = PromptFormat.for_model(spec.prompt_format, path, tokenizer)
+        prompts = [prompt(r["instruction"], r["input"]) for r, _ in texts.values()]
+        matrix = answer_mean_features(model, tokenizer, prompts, [a for _, a in texts.values()], batch_size=16,
+                                      max_length=max_length)
+    elif kind == "mean":
         prompt = PromptFormat.for_model(spec.prompt_format, path, tokenizer)
         base, rows = model.base_model, []
         with torch.inference_mode():
@@ -243,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-blocks", type=int, default=0,
                         help="also train the top K blocks with the head on the gold (0: the head alone)")
     parser.add_argument("--folds", type=int, default=1, help="folds (of 4) for --top-blocks")
-    parser.add_argument("--features", choices=("last", "rating", "mean"), default="last",
+    parser.add_argument("--features", choices=("last", "rating", "mean", "answer"), default="last",
                         help="the head's frozen features (see features()); last: what the reward-model stage reads")
     parser.add_argument("--gold", action="append", default=[], metavar="MODULE:FUNCTION",
                         help="also probe this gold function (records, answers) -> scores, as the gold annotator's "

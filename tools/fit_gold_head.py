@@ -2,6 +2,10 @@
 
     python tools/fit_gold_head.py --data ../shared/data --sft-samples RUN/stages/preferences/preferences.jsonl \
         --out plugins/alpacafarm_annotators/gold_head_smollm2.json [--features-cache FILE]
+    python tools/fit_gold_head.py ... --pooling mean --out plugins/alpacafarm_annotators/gold_head_smollm2_mean.json
+
+``--pooling mean`` reads the hidden states averaged over the answer's tokens instead of the last token's
+(``gold_head.answer_head``; its proxy is a head-only reward model with ``pooling: mean``).
 
 The gold of ``alpacafarm_annotators.gold_head:preference_head`` is ``w · h + b``: ``h`` is SmolLM2-135M-Instruct's
 final hidden state at the answer's last token (what the head-only proxy reads), ``w`` a Bradley-Terry head fitted
@@ -61,20 +65,22 @@ def sft_samples(path: Path) -> list[tuple[str, str]]:
     return list(seen)
 
 
-def features(frozen: tuple[Any, Any, Any], items: list[tuple[str, str]], cache: Path | None, name: str) -> Any:
-    """The gold's features of each (instruction, answer), read as :func:`gold_head.text_of` writes the text."""
+def features(frozen: tuple[Any, Any, Any], items: list[tuple[str, str]], cache: Path | None, name: str,
+             pooling: str = "last") -> Any:
+    """The gold's features of each (instruction, answer), read as :func:`gold_head.features_of` reads them."""
     import torch
 
-    from alpacafarm.rewards import last_token_features
-    from alpacafarm_annotators.gold_head import text_of
+    from alpacafarm_annotators.gold_head import features_of
 
+    if pooling != "last":
+        name = f"{name}-{pooling}"
     if cache is not None and cache.with_suffix(f".{name}.pt").is_file():
         stored = torch.load(cache.with_suffix(f".{name}.pt"))
         if stored["items"] == items:
             return stored["features"]
     model, tokenizer, prompt = frozen
-    texts = [text_of(prompt, tokenizer.eos_token, {"instruction": i}, a) for i, a in items]
-    matrix = last_token_features(model, tokenizer, texts, batch_size=16, max_length=MAX_LENGTH)
+    matrix = features_of(model, tokenizer, prompt, [{"instruction": i} for i, _ in items], [a for _, a in items],
+                         pooling=pooling, max_length=MAX_LENGTH)
     if cache is not None:
         torch.save({"items": items, "features": matrix}, cache.with_suffix(f".{name}.pt"))
     return matrix
@@ -108,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--components", type=int, default=32)
     parser.add_argument("--features-cache", type=Path)
+    parser.add_argument("--pooling", choices=("last", "mean"), default="last",
+                        help="read the answer's last token (the proxy's features) or average over its tokens")
     args = parser.parse_args(argv)
     if not args.sft_samples.is_file():
         sys.exit(f"fit_gold_head: --sft-samples {args.sft_samples} is not a file")
@@ -119,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     instruction_of = [i for i, _, _, _ in rows]
     frozen = frozen_model(MODEL)  # loaded once
     tokenizer = frozen[1]
-    matrix = features(frozen, texts, args.features_cache, "judged")
+    matrix = features(frozen, texts, args.features_cache, "judged", args.pooling)
     samples = sft_samples(args.sft_samples)
-    sft = features(frozen, samples, args.features_cache, "sft")
+    sft = features(frozen, samples, args.features_cache, "sft", args.pooling)
     lengths = torch.tensor([float(len(tokenizer(a)["input_ids"])) for _, a in samples])
     centre = sft.mean(0)
     basis = torch.linalg.svd(sft - centre, full_matrices=False).Vh[:args.components].T  # [hidden, components]
@@ -158,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{(sum(x * x for x in within) / len(within)) ** 0.5:.3f}; correlation with length "
           f"{float(torch.corrcoef(torch.stack([gold, lengths]))[0, 1]):+.3f}")
     document = {
-        "model": MODEL, "max_length": MAX_LENGTH, "bias": bias, "weight": [round(float(x), 8) for x in weight],
+        "model": MODEL, "max_length": MAX_LENGTH, **({"pooling": args.pooling} if args.pooling != "last" else {}),
+        "bias": bias, "weight": [round(float(x), 8) for x in weight],
         "fitted": {"judgments": "alpaca_eval_gpt4 (results/*/alpaca_eval_gpt4/annotations.json)",
                    "instructions": args.instructions, "pairs": len(pairs), "weight_decay": args.weight_decay,
                    "components": args.components,

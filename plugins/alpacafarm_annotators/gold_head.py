@@ -16,6 +16,12 @@ can recover the gold's direction (the gap between them is label noise and sample
 smaller-proxy runs, not a capacity gap), and the SFT model's own samples vary along it within one instruction.
 It is a stand-in for a person's preference, frozen at the SFT model's features: it does not move when a policy
 trains, so a policy that changes its hidden states to please it is over-optimising it, as a policy does any gold.
+
+Its weakness (measured by ``benchmarks/gold_token_stability.py``): the last state is mostly about the last token, so
+an answer one token shorter scores only 0.51-correlated with itself, and most 64-token samples stop where
+``max_new_tokens`` cuts them. :func:`answer_head` is the same construction on the answer's hidden states averaged
+over its tokens (``tools/fit_gold_head.py --pooling mean``), which one token barely moves; the proxy that can learn
+it is a head-only reward model with ``pooling: mean``.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-#: The committed head (``tools/fit_gold_head.py`` writes it): model, max_length, weight, and how it was fitted.
+#: The committed heads (``tools/fit_gold_head.py`` writes them): model, max_length, pooling (absent: last), weight,
+#: and how each was fitted.
 HEAD_FILE = Path(__file__).with_name("gold_head_smollm2.json")
+MEAN_HEAD_FILE = Path(__file__).with_name("gold_head_smollm2_mean.json")
 
 
 def frozen_model(name: str) -> tuple[Any, Any, Any]:
@@ -45,14 +53,21 @@ def frozen_model(name: str) -> tuple[Any, Any, Any]:
 
 
 @functools.cache
-def _scorer() -> tuple[Any, Any, Any, tuple[Any, float], int, dict[str, float]]:
-    """The frozen model, tokenizer, prompt format and head (loaded once per process), and a text -> score cache."""
+def _scorer(head_file: Path = HEAD_FILE) -> tuple[Any, Any, Any, tuple[Any, float], dict[str, Any], dict[str, float]]:
+    """The frozen model, tokenizer, prompt format, a head and its document (loaded once per process and head
+    file), and a text -> score cache."""
     import torch
 
-    head = json.loads(HEAD_FILE.read_text(encoding="utf-8"))
-    model, tokenizer, prompt = frozen_model(head["model"])
+    head = json.loads(head_file.read_text(encoding="utf-8"))
+    model, tokenizer, prompt = _frozen(head["model"])
     weight = torch.tensor(head["weight"], dtype=torch.float32)
-    return model, tokenizer, prompt, (weight, float(head["bias"])), int(head["max_length"]), {}
+    return model, tokenizer, prompt, (weight, float(head["bias"])), head, {}
+
+
+@functools.cache
+def _frozen(name: str) -> tuple[Any, Any, Any]:
+    """:func:`frozen_model`, once per process (both heads read the same model)."""
+    return frozen_model(name)
 
 
 def text_of(prompt: Any, eos: str, record: dict[str, Any], answer: str) -> str:
@@ -62,19 +77,45 @@ def text_of(prompt: Any, eos: str, record: dict[str, Any], answer: str) -> str:
     return with_eos(prompt(record["instruction"], record.get("input") or "") + answer, eos)
 
 
+def features_of(model: Any, tokenizer: Any, prompt: Any, records: Sequence[dict[str, Any]], answers: Sequence[str],
+                *, pooling: str, max_length: int) -> Any:
+    """The frozen features a head reads for each answer: the final hidden state at the answer's last token
+    (``last``) or averaged over its tokens (``mean``), of :func:`text_of`'s text."""
+    from alpacafarm.rewards import answer_mean_features, last_token_features
+
+    if pooling == "mean":
+        prompts = [prompt(r["instruction"], r.get("input") or "") for r in records]
+        return answer_mean_features(model, tokenizer, prompts, list(answers), batch_size=16, max_length=max_length)
+    if pooling != "last":
+        raise ValueError(f"unknown pooling {pooling!r}: last or mean")
+    texts = [text_of(prompt, tokenizer.eos_token, r, a) for r, a in zip(records, answers, strict=True)]
+    return last_token_features(model, tokenizer, texts, batch_size=16, max_length=max_length)
+
+
 def preference_head(records: Sequence[dict[str, Any]], answers: Sequence[str]) -> list[float]:
     """The gold score of each answer: ``w · h + b`` (see the module; standardised on the SFT model's samples: mean
     0, standard deviation 1) minus the rubric's repetition penalty (1/5 per repeated five-word phrase, at most 1:
     the head alone scores an SFT answer written twice 0.39 ± 0.08 higher than written once, a loop a policy
     would find). Each distinct text is scored once per process."""
-    from alpacafarm.rewards import last_token_features
+    return _head_scores(HEAD_FILE, records, answers)
+
+
+def answer_head(records: Sequence[dict[str, Any]], answers: Sequence[str]) -> list[float]:
+    """:func:`preference_head`'s construction on the answer's hidden states averaged over its tokens (its head:
+    ``gold_head_smollm2_mean.json``, fitted by ``tools/fit_gold_head.py --pooling mean``), minus the same
+    repetition penalty: a score of the whole answer, not of the token it stops on."""
+    return _head_scores(MEAN_HEAD_FILE, records, answers)
+
+
+def _head_scores(head_file: Path, records: Sequence[dict[str, Any]], answers: Sequence[str]) -> list[float]:
     from alpacafarm_annotators.gold_functions import repeated_phrases
 
-    model, tokenizer, prompt, (weight, bias), max_length, cache = _scorer()
-    texts = [text_of(prompt, tokenizer.eos_token, r, a) for r, a in zip(records, answers, strict=True)]
-    todo = list(dict.fromkeys(t for t in texts if t not in cache))
+    model, tokenizer, prompt, (weight, bias), head, cache = _scorer(head_file)
+    keys = [text_of(prompt, tokenizer.eos_token, r, a) for r, a in zip(records, answers, strict=True)]
+    todo = {k: (r, a) for k, r, a in zip(keys, records, answers, strict=True) if k not in cache}
     if todo:
-        features = last_token_features(model, tokenizer, todo, batch_size=16, max_length=max_length)
-        for text, value in zip(todo, (features @ weight + bias).tolist(), strict=True):
-            cache[text] = float(value)
-    return [cache[t] - min(1.0, repeated_phrases(a) / 5) for t, a in zip(texts, answers, strict=True)]
+        features = features_of(model, tokenizer, prompt, [r for r, _ in todo.values()], [a for _, a in todo.values()],
+                               pooling=head.get("pooling", "last"), max_length=int(head["max_length"]))
+        for key, value in zip(todo, (features @ weight + bias).tolist(), strict=True):
+            cache[key] = float(value)
+    return [cache[k] - min(1.0, repeated_phrases(a) / 5) for k, a in zip(keys, answers, strict=True)]

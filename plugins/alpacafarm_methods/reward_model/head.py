@@ -1,7 +1,9 @@
 """Head-only reward model (``trainable_layers: 0``): the Bradley-Terry loss on a frozen SFT backbone's features.
 
 With the backbone frozen, the reward of a text is ``w · h(text)``, where ``h`` is the backbone's final hidden
-state at the last real token — exactly what the sequence classifier's ``score`` head reads. ``h`` does not
+state at the last real token — exactly what the sequence classifier's ``score`` head reads — or, with ``pooling:
+mean``, averaged over the answer's tokens (the saved config then says so, and
+:class:`~alpacafarm.rewards.RewardScorer` applies the ``score`` head to that average). ``h`` does not
 change during training, so it is computed once per *distinct* text (in the model block's ``inference_dtype``)
 instead of once per pair side per epoch as ``RewardTrainer`` would; with several pairs per sampled answer
 (``preference_data`` with ``k`` > 2 and ``pairing: all``) that is most of the cost of a CPU reward model.
@@ -20,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from alpacafarm.rewards import last_token_features, with_eos
+from alpacafarm.rewards import POOLING_ATTRIBUTE, answer_mean_features, last_token_features, with_eos
 
 #: Full-batch optimiser steps per epoch (the head has one weight per hidden unit; 100 steps converge).
 STEPS_PER_EPOCH = 100
@@ -64,17 +66,22 @@ def train_head_only(config: Any, spec: Any, model_path: str, rows: list[dict[str
 
     tokenizer = load_tokenizer(spec, model_path)
     eos = tokenizer.eos_token
-    texts: dict[str, int] = {}
+    texts: dict[tuple[str, str], int] = {}  # distinct (prompt, answer) -> feature row
     pairs = []
     for row in rows:
         ids = []
         for side in ("chosen", "rejected"):
-            text = with_eos(row["prompt"] + row[side], eos)
-            ids.append(texts.setdefault(text, len(texts)))
+            ids.append(texts.setdefault((row["prompt"], row[side]), len(texts)))
         pairs.append(ids)
     inference = load_classifier(spec.for_inference(), model_path)
-    features = last_token_features(inference, tokenizer, list(texts), batch_size=config.score_batch_size,
-                                   max_length=config.max_length, progress=progress)
+    if config.pooling == "mean":
+        features = answer_mean_features(inference, tokenizer, [p for p, _ in texts], [a for _, a in texts],
+                                        batch_size=config.score_batch_size, max_length=config.max_length,
+                                        progress=progress)
+    else:
+        features = last_token_features(inference, tokenizer, [with_eos(p + a, eos) for p, a in texts],
+                                       batch_size=config.score_batch_size, max_length=config.max_length,
+                                       progress=progress)
     del inference
     steps = config.max_steps if config.max_steps and config.max_steps > 0 else \
         max(1, round(config.num_train_epochs * STEPS_PER_EPOCH))
@@ -87,6 +94,8 @@ def train_head_only(config: Any, spec: Any, model_path: str, rows: list[dict[str
         history.extend({**entry, "member": member} if config.ensemble_size > 1 else entry for entry in log)
     model = load_classifier(spec, model_path)
     model.config.pad_token_id = tokenizer.pad_token_id
+    if config.pooling != "last":  # RewardScorer reads it back from the saved config
+        setattr(model.config, POOLING_ATTRIBUTE, config.pooling)
     if len(weights) > 1:  # one output per member
         model.score = torch.nn.Linear(model.score.in_features, len(weights), bias=False,
                                       dtype=model.score.weight.dtype, device=model.score.weight.device)

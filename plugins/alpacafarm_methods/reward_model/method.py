@@ -17,7 +17,7 @@ from trl import RewardConfig
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.model_loading import load_classifier, save_model
-from alpacafarm.rewards import RewardScorer
+from alpacafarm.rewards import POOLINGS, RewardScorer
 from alpacafarm.training import (
     TrainingDefaults,
     fp32_master_weights,
@@ -54,6 +54,11 @@ class RewardModelConfig(TrainingDefaults, RewardConfig):
                 "on a bootstrap resample of the pairs; needs trainable_layers: 0. Consumers choose how members "
                 "combine (their ensemble field: mean | worst | uncertainty_weighted)"})
 
+    pooling: str = field(default="last", metadata={
+        "help": "where the head reads the backbone: last (the answer's last token, as a transformers sequence "
+                "classifier does) or mean (averaged over the answer's tokens: one token more or less barely moves "
+                "it; benchmarks/gold_token_stability.py); mean needs trainable_layers: 0"})
+
     learning_rate: float = 3e-6
     num_train_epochs: float = 1.0
     max_length: int | None = 512
@@ -67,6 +72,11 @@ class RewardModelConfig(TrainingDefaults, RewardConfig):
             raise ValueError("trainable_layers must be at least 0")
         if self.ensemble_size < 1:
             raise ValueError("ensemble_size must be at least 1")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, not {self.pooling!r}")
+        if self.pooling != "last" and self.trainable_layers != 0:
+            raise ValueError(f"pooling: {self.pooling} is a head on frozen features: set trainable_layers: 0 (a "
+                             "fine-tuned reward model reads the last token, as TRL's RewardTrainer trains it)")
         if self.ensemble_size > 1 and self.trainable_layers != 0:
             raise ValueError("ensemble_size > 1 is built as k heads on the frozen backbone: set trainable_layers: 0 "
                              "(an ensemble of fine-tuned reward models is not built; TRL's RewardTrainer trains one "
@@ -76,8 +86,9 @@ class RewardModelConfig(TrainingDefaults, RewardConfig):
 
 def pairwise_accuracy(scorer: RewardScorer, pairs: list[dict[str, str]], batch_size: int) -> dict[str, float]:
     """Share of pairs where score(chosen) > score(rejected), and the mean margin."""
-    chosen = scorer.score_texts([p["prompt"] + p["chosen"] for p in pairs], batch_size=batch_size)
-    rejected = scorer.score_texts([p["prompt"] + p["rejected"] for p in pairs], batch_size=batch_size)
+    prompts = [p["prompt"] for p in pairs]
+    chosen = scorer.score_answers(prompts, [p["chosen"] for p in pairs], batch_size=batch_size)
+    rejected = scorer.score_answers(prompts, [p["rejected"] for p in pairs], batch_size=batch_size)
     wins = [c > r for c, r in zip(chosen, rejected, strict=True)]
     margins = [c - r for c, r in zip(chosen, rejected, strict=True)]
     return {"eval_accuracy": sum(wins) / len(wins), "eval_margin": sum(margins) / len(margins)}

@@ -1,0 +1,103 @@
+"""Answer-averaged features (``pooling: mean``): the frozen features, a head-only reward model fitted on them, and
+the scorer every reward-using method calls (best-of-n, expert iteration, PPO, GRPO through ``RewardScorer``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from alpacafarm.errors import RecipeError
+from alpacafarm.recipe import ModelSpec, load_recipe
+from alpacafarm.testing import learnable_preferences, run_recipe, write_records
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def classifier_and_tokenizer(path: str):
+    from alpacafarm.model_loading import load_classifier, load_tokenizer
+
+    spec = ModelSpec(name=path)
+    return load_classifier(spec, path).eval(), load_tokenizer(spec, path)
+
+
+def test_answer_mean_features_average_the_answer_tokens_whatever_the_batch(tiny_model_dir: str):
+    """Each row is the final hidden state averaged over the answer's tokens (not the prompt's, not the EOS pad), as
+    one unpadded sequence computes it; batching and padding change nothing."""
+    import torch
+
+    from alpacafarm.rewards import answer_mean_features
+
+    model, tokenizer = classifier_and_tokenizer(tiny_model_dir)
+    prompts = ["Question: name a colour.\nAnswer:", "Q: two plus two?\nA:", "Say hi.\n"]
+    answers = [" Blue, like the sky on a clear day.", " Four.", " Hello there, friend, how are you today?"]
+    features = answer_mean_features(model, tokenizer, prompts, answers, batch_size=3, max_length=None)
+    assert features.shape == (3, model.config.hidden_size) and features.dtype == torch.float32
+    with torch.inference_mode():
+        for row, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
+            start = len(tokenizer(prompt)["input_ids"])
+            ids = tokenizer(prompt + answer + tokenizer.eos_token, return_tensors="pt")["input_ids"]
+            hidden = model.base_model(input_ids=ids).last_hidden_state[0]
+            # the EOS counts unless it is the pad token (then transformers' classifier rule skips it too)
+            end = ids.shape[1] - (tokenizer.pad_token_id == tokenizer.eos_token_id)
+            assert torch.allclose(features[row], hidden[start:end].mean(0), atol=1e-5)
+            assert not torch.allclose(features[row], hidden[end - 1], atol=1e-3)  # not the last token alone
+    one_by_one = answer_mean_features(model, tokenizer, prompts, answers, batch_size=1, max_length=None)
+    assert torch.allclose(features, one_by_one, atol=1e-5)
+    with pytest.raises(ValueError, match="3 prompts but 2 answers"):
+        answer_mean_features(model, tokenizer, prompts, answers[:2], batch_size=2, max_length=None)
+
+
+def test_a_mean_pooled_head_only_reward_model_learns_and_scores_its_average(tiny_model_dir: str, tmp_path: Path):
+    """``pooling: mean`` fits the head on averaged answer features, says so in the saved config, and the scorer
+    applies that head to the same average: the saved folder scores what the head learned."""
+    import torch
+
+    from alpacafarm.rewards import POOLING_ATTRIBUTE, RewardScorer, answer_mean_features
+
+    prefs = write_records(tmp_path / "prefs.jsonl", learnable_preferences(120))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "name: rm-mean\n"
+        f"model: {{name: {tiny_model_dir}}}\n"
+        f"data:\n  preferences: {{path: {prefs}}}\n"
+        "stages:\n  - name: rm\n    method: reward_model\n"
+        "    config: {trainable_layers: 0, pooling: mean, learning_rate: 1.0e-2, num_train_epochs: 2,"
+        " weight_decay: 0.01, eval_fraction: 0.2}\n", encoding="utf-8")
+    artifact = run_recipe(recipe, tmp_path / "run")["rm"]
+    meta = artifact.metadata
+    assert meta["head_only"] and meta["eval_accuracy"] > 0.9 and meta["train_accuracy"] > 0.9
+    assert json.loads((Path(artifact.path) / "config.json").read_text())[POOLING_ATTRIBUTE] == "mean"
+
+    spec = ModelSpec(name=tiny_model_dir)
+    scorer = RewardScorer.from_path(artifact.path, spec)
+    assert scorer.pooling == "mean"
+    records = learnable_preferences(6)
+    answers = [r["output_1"] for r in records]
+    prompts = [scorer.prompt_of(r) for r in records]
+    model, tokenizer = classifier_and_tokenizer(artifact.path)
+    features = answer_mean_features(model, tokenizer, prompts, answers, batch_size=4, max_length=None)
+    expected = (features @ model.score.weight.detach().reshape(-1)).tolist()
+    assert scorer.score_records(records, answers, batch_size=2) == pytest.approx(expected, abs=1e-4)
+    with pytest.raises(ValueError, match="score_answers"):
+        scorer.score_texts([p + a for p, a in zip(prompts, answers, strict=True)])
+    # a last-token reward model's saved config carries no pooling: folders written before it load as they did
+    last = RewardScorer(model, tokenizer)
+    del model.config.alpacafarm_pooling
+    assert RewardScorer(model, tokenizer).pooling == "last" and last.pooling == "mean"
+    assert torch.isfinite(torch.tensor(scorer.score_records(records, answers))).all()
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ("{pooling: mean}", "pooling: mean is a head on frozen features: set trainable_layers: 0"),
+    ("{trainable_layers: 2, pooling: mean}", "set trainable_layers: 0"),
+    ("{trainable_layers: 0, pooling: max}", "pooling must be one of last, mean, not 'max'"),
+])
+def test_pooling_errors_name_the_setting(tiny_model_dir: str, tmp_path: Path, config: str, message: str):
+    prefs = write_records(tmp_path / "prefs.jsonl", learnable_preferences(8))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"name: rm-bad\nmodel: {{name: {tiny_model_dir}}}\ndata:\n  preferences: {{path: {prefs}}}\n"
+                      f"stages:\n  - name: rm\n    method: reward_model\n    config: {config}\n", encoding="utf-8")
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(recipe)
