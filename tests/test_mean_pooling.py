@@ -101,3 +101,41 @@ def test_pooling_errors_name_the_setting(tiny_model_dir: str, tmp_path: Path, co
                       f"stages:\n  - name: rm\n    method: reward_model\n    config: {config}\n", encoding="utf-8")
     with pytest.raises(RecipeError, match=message):
         load_recipe(recipe)
+
+
+def test_ppo_and_best_of_n_score_with_a_mean_pooled_reward_model(tiny_model_dir: str, tmp_path: Path):
+    """The methods that climb or rerank by the reward model read its pooling from the saved folder: PPO's rollouts
+    and best-of-n's samples are scored by the answer average (best-of-n's recorded reward is the scorer's)."""
+    import math
+
+    from alpacafarm.rewards import RewardScorer
+
+    instructions = write_records(tmp_path / "instructions.jsonl",
+                                 [{"instruction": f"Say something about item {i}.", "input": ""} for i in range(12)])
+    prefs = write_records(tmp_path / "prefs.jsonl", learnable_preferences(24))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "name: mean-methods\n"
+        f"model: {{name: {tiny_model_dir}}}\n"
+        f"data:\n  instructions: {{path: {instructions}}}\n  preferences: {{path: {prefs}}}\n"
+        "stages:\n"
+        "  - {name: split, method: split_instructions, config: {eval_size: 4}}\n"
+        "  - {name: rm, method: reward_model, config: {trainable_layers: 0, pooling: mean, learning_rate: 1.0e-2,"
+        " num_train_epochs: 1, eval_fraction: 0.25}}\n"
+        "  - {name: ppo, method: ppo, config: {max_steps: 2, warmup_steps: 0, rollout_batch_size: 4,"
+        " mini_batch_size: 4, per_device_train_batch_size: 4, generation_batch_size: 4, max_new_tokens: 6,"
+        " learning_rate: 1.0e-3, save_strategy: 'no', score_batch_size: 4}}\n"
+        "  - {name: bon, method: best_of_n, config: {split: eval, n: 2, sampling: {max_new_tokens: 6, batch_size: 4},"
+        " score_batch_size: 4}}\n", encoding="utf-8")
+    artifacts = run_recipe(recipe, tmp_path / "run")
+    history = json.loads((tmp_path / "run/stages/ppo/metrics.json").read_text())["log_history"]
+    scores = [e["score"] for e in history if "score" in e]
+    assert len(scores) == 2 and all(math.isfinite(s) for s in scores)
+    scorer = RewardScorer.from_path(artifacts["rm"].path, ModelSpec(name=tiny_model_dir))
+    rows = [json.loads(line) for line in (tmp_path / "run/stages/bon/samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and scorer.pooling == "mean"
+    rescored = scorer.score_records(rows, [r["output"] for r in rows])
+    assert rescored == pytest.approx([r["reward"] for r in rows], abs=1e-3)
+    # the last token's reading of the same head would have ranked them otherwise
+    scorer.pooling = "last"
+    assert scorer.score_records(rows, [r["output"] for r in rows]) != pytest.approx(rescored, abs=1e-3)
