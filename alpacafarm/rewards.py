@@ -221,29 +221,8 @@ def last_token_features(model: Any, tokenizer: Any, texts: Sequence[str], *, bat
     That is the rightmost token that is not the pad token (transformers' rule for sequence classifiers; with
     a tokenizer whose pad token is its EOS, the last token before the trailing EOS).
     """
-    import torch
-
-    tokenizer.padding_side = "right"
-    backbone = model.base_model
-    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-    rows: list[Any] = [None] * len(texts)
-    device = next(model.parameters()).device
-    pad_id = tokenizer.pad_token_id
-    with torch.inference_mode():
-        for start in range(0, len(order), batch_size):
-            chunk = order[start:start + batch_size]
-            batch = tokenizer([texts[i] for i in chunk], padding=True, return_tensors="pt",
-                              truncation=max_length is not None, max_length=max_length).to(device)
-            hidden = backbone(**batch).last_hidden_state
-            not_pad = (batch["input_ids"] != pad_id).int() * batch["attention_mask"]
-            positions = torch.arange(not_pad.shape[1], device=device)
-            last = (positions * not_pad).argmax(dim=-1)
-            picked = hidden[torch.arange(len(chunk), device=device), last].float().cpu()
-            for row, i in enumerate(chunk):
-                rows[i] = picked[row]
-            if progress is not None:
-                progress(len(chunk))
-    return torch.stack(rows)
+    return _final_states(model, tokenizer, texts, None, batch_size=batch_size, max_length=max_length,
+                         progress=progress)
 
 
 def answer_mean_features(model: Any, tokenizer: Any, prompts: Sequence[str], answers: Sequence[str], *,
@@ -256,14 +235,22 @@ def answer_mean_features(model: Any, tokenizer: Any, prompts: Sequence[str], ans
     ``benchmarks/gold_token_stability.py``: over the top 32 principal directions, correlation 0.998 against 0.69).
     An empty answer is read at the prompt's last token.
     """
-    import torch
-
     if len(prompts) != len(answers):
         raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
-    tokenizer.padding_side = "right"
-    backbone = model.base_model
     texts = [with_eos(p + a, tokenizer.eos_token) for p, a in zip(prompts, answers, strict=True)]
     starts = [len(tokenizer(p, add_special_tokens=True)["input_ids"]) for p in prompts]
+    return _final_states(model, tokenizer, texts, starts, batch_size=batch_size, max_length=max_length,
+                         progress=progress)
+
+
+def _final_states(model: Any, tokenizer: Any, texts: Sequence[str], starts: Sequence[int] | None, *,
+                  batch_size: int, max_length: int | None, progress: Any) -> Any:
+    """Each text's final hidden state at its last non-pad token (``starts`` None), or averaged from token
+    ``starts[i]`` to that token; batched longest first, right-padded."""
+    import torch
+
+    tokenizer.padding_side = "right"
+    backbone = model.base_model
     order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
     rows: list[Any] = [None] * len(texts)
     device = next(model.parameters()).device
@@ -273,15 +260,19 @@ def answer_mean_features(model: Any, tokenizer: Any, prompts: Sequence[str], ans
             chunk = order[begin:begin + batch_size]
             batch = tokenizer([texts[i] for i in chunk], padding=True, return_tensors="pt",
                               truncation=max_length is not None, max_length=max_length).to(device)
-            hidden = backbone(**batch).last_hidden_state.float()
+            hidden = backbone(**batch).last_hidden_state
             real = (batch["input_ids"] != pad_id).int() * batch["attention_mask"]
             positions = torch.arange(real.shape[1], device=device)
             last = (positions * real).argmax(dim=-1)
-            start = torch.minimum(torch.tensor([starts[i] for i in chunk], device=device), last)
-            span = ((positions >= start[:, None]) & (positions <= last[:, None])).float()
-            pooled = (hidden * span[..., None]).sum(1) / span.sum(1, keepdim=True)
+            if starts is None:
+                picked = hidden[torch.arange(len(chunk), device=device), last].float()
+            else:
+                start = torch.minimum(torch.tensor([starts[i] for i in chunk], device=device), last)
+                span = ((positions >= start[:, None]) & (positions <= last[:, None])).float()
+                picked = (hidden.float() * span[..., None]).sum(1) / span.sum(1, keepdim=True)
+            picked = picked.cpu()
             for row, i in enumerate(chunk):
-                rows[i] = pooled[row].cpu()
+                rows[i] = picked[row]
             if progress is not None:
                 progress(len(chunk))
     return torch.stack(rows)

@@ -69,26 +69,25 @@ def stability(scores: dict[tuple[int, int], float], n: int) -> list[dict[str, fl
     return out
 
 
-def answer_features(answers: list[tuple[dict[str, Any], str]], rows: list[tuple[int, int, dict, str]], kind: str,
-                    max_length: int) -> Any:
-    """SmolLM2's final hidden states for each row's text (the gold's layout: chat-template prompt, answer, EOS),
-    read at the last answer token (``last``: where the gold and the proxy read), at the appended EOS (``eos``: a
-    fixed token, so only attention carries the answer there) or averaged over the answer's tokens (``mean``)."""
+def answer_features(rows: list[tuple[int, int, dict, str]], kind: str, max_length: int) -> Any:
+    """SmolLM2's final hidden states for each row's answer, read as the golds read them
+    (:func:`gold_head.features_of`: ``last``, the answer's last token, where the last-token gold and proxy read;
+    ``mean``, averaged over the answer's tokens) or at the appended EOS (``eos``: a fixed token, so only attention
+    carries the answer there)."""
     import torch
 
-    from alpacafarm_annotators.gold_head import frozen_model, text_of
+    from alpacafarm_annotators.gold_head import features_of, frozen_model, text_of
 
     model, tokenizer, prompt = frozen_model("smollm2-135m-instruct")
-    backbone, out = model.base_model, []
-    with torch.inference_mode():
+    if kind != "eos":
+        return features_of(model, tokenizer, prompt, [r[2] for r in rows], [r[3] for r in rows], pooling=kind,
+                           max_length=max_length)
+    out = []
+    with torch.inference_mode():  # one text at a time: no padding, so the EOS is the last position
         for _, _, record, answer in rows:
             text = text_of(prompt, tokenizer.eos_token, record, answer)
             ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_length)["input_ids"]
-            start = len(tokenizer(prompt(record["instruction"], record.get("input") or ""))["input_ids"])
-            hidden = backbone(input_ids=ids).last_hidden_state[0]
-            end = ids.shape[1] - 1  # the EOS
-            out.append(hidden[end - 1] if kind == "last" else hidden[end] if kind == "eos"
-                       else hidden[min(start, end - 1):end].mean(0))
+            out.append(model.base_model(input_ids=ids).last_hidden_state[0, -1])
     return torch.stack(out).float()
 
 
@@ -142,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"change {row['mean_change']:+.3f} +- {row['sd_change']:.3f} (sd); scores' sd {row['sd_scores']:.3f}")
     one_cut = [r for r in rows if r[1] in (0, 1)]
     for kind in args.features:
-        value = direction_stability(answer_features(answers, one_cut, kind, args.max_length), one_cut, len(answers))
+        value = direction_stability(answer_features(one_cut, kind, args.max_length), one_cut, len(answers))
         print(f"{kind} features: top 32 principal directions, mean correlation with one token fewer {value:.3f}")
     return 0
 
