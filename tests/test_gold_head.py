@@ -112,7 +112,7 @@ def test_the_gold_of_an_answer_barely_moves_when_it_loses_its_last_token(gold: s
     from alpacafarm_annotators import gold_head
 
     score = getattr(gold_head, gold)
-    tokenizer = gold_head.frozen_model("smollm2-135m-instruct")[1]
+    tokenizer = gold_head._frozen("smollm2-135m-instruct")[1]  # the gold's own copy: loaded once
     records = load_source(DataSource(builtin="alpaca_eval_sample"))[:48]
     answers = [" ".join(r["reference"].split(" ")[:45]) for r in records]
     shorter = [tokenizer.decode(tokenizer(a, add_special_tokens=False)["input_ids"][:-1]) for a in answers]

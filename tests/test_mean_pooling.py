@@ -83,10 +83,25 @@ def test_a_mean_pooled_head_only_reward_model_learns_and_scores_its_average(tiny
     with pytest.raises(ValueError, match="score_answers"):
         scorer.score_texts([p + a for p, a in zip(prompts, answers, strict=True)])
     # a last-token reward model's saved config carries no pooling: folders written before it load as they did
-    last = RewardScorer(model, tokenizer)
+    saved = RewardScorer(model, tokenizer)
     del model.config.alpacafarm_pooling
-    assert RewardScorer(model, tokenizer).pooling == "last" and last.pooling == "mean"
+    assert RewardScorer(model, tokenizer).pooling == "last" and saved.pooling == "mean"
     assert torch.isfinite(torch.tensor(scorer.score_records(records, answers))).all()
+
+
+def test_a_layout_that_shares_the_reward_models_backbone_refuses_mean_pooling(tiny_model_dir: str):
+    """LoRA PPO scores through the critic's backbone with its adapter off (AdapterOffClassifier), which has no
+    score head or backbone of its own to average over: a mean-pooled reward model there is one clear error, not a
+    last-token reading of a head fitted on averages."""
+    from alpacafarm.errors import UserError
+    from alpacafarm.rewards import RewardScorer
+    from alpacafarm_methods.ppo.models import AdapterOffClassifier
+
+    model, tokenizer = classifier_and_tokenizer(tiny_model_dir)
+    model.config.alpacafarm_pooling = "mean"
+    assert RewardScorer(model, tokenizer).pooling == "mean"  # the classifier itself can
+    with pytest.raises(UserError, match=r"pooling: mean .*LoRA PPO"):
+        RewardScorer(AdapterOffClassifier(model, None), tokenizer)
 
 
 @pytest.mark.parametrize(("config", "message"), [
