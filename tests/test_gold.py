@@ -121,6 +121,28 @@ def test_the_builtin_gold_gives_nothing_for_length_alone():
     assert sum(d < f for d, f in zip(doubled, full, strict=True)) > len(answers) * 3 / 4  # and loops
 
 
+def test_looping_is_a_share_so_a_long_answer_s_first_half_escapes_nothing():
+    """The answer gold's loop penalty: 0 for an answer whose repeats are a list's natural few (whole or its first
+    half alike), 1 for an answer written twice or stuck on a word; the count the rubric uses charges the whole
+    answer and not its half (the 0.125 the first half of a long Davinci003 answer gained from the count alone)."""
+    from alpacafarm_annotators.gold_functions import looping, repeated_phrases
+
+    steps = [f"Step {k}: make sure that you {verb} the {thing} before the next one."
+             for k, (verb, thing) in enumerate([("wash", "pan"), ("heat", "oil"), ("chop", "onion"), ("add", "salt"),
+                                                ("stir", "sauce"), ("taste", "soup"), ("serve", "plates"),
+                                                ("clean", "table")], 1)]
+    whole = " ".join(steps)
+    half = " ".join(whole.split(" ")[: len(whole.split(" ")) // 2])
+    assert repeated_phrases(whole) > repeated_phrases(half)  # the count charges the whole more than its half
+    assert looping(whole) == looping(half) == 0.0
+    assert looping(f"{whole}\n{whole}") == 1.0
+    assert looping("A friendly group is: " + "ellen. " * 20) == 1.0
+    sample = ("Dance with a guitar. Shake the ceiling. Write a song.\n\nDance with a guitar. Boring song. "  # an SFT
+              "Fangirl.\n\nDance with a guitar. Fangirl.\n\nDance with a guitar. Fangirl.\n\nDance with a guitar. F")
+    assert 0.2 < looping(sample) < 0.6
+    assert looping("") == looping("Too short.") == 0.0
+
+
 def test_the_builtin_gold_prefers_on_topic_organised_answers_without_loops():
     from alpacafarm_annotators.gold_functions import helpfulness
 

@@ -2,10 +2,12 @@
 
     python tools/fit_gold_head.py --data ../shared/data --sft-samples RUN/stages/preferences/preferences.jsonl \
         --out plugins/alpacafarm_annotators/gold_head_smollm2.json [--features-cache FILE]
-    python tools/fit_gold_head.py ... --pooling mean --out plugins/alpacafarm_annotators/gold_head_smollm2_mean.json
+    python tools/fit_gold_head.py ... --pooling mean --cuts 300 \
+        --out plugins/alpacafarm_annotators/gold_head_smollm2_mean.json
 
 ``--pooling mean`` reads the hidden states averaged over the answer's tokens instead of the last token's
-(``gold_head.answer_head``; its proxy is a head-only reward model with ``pooling: mean``).
+(``gold_head.answer_head``; its proxy is a head-only reward model with ``pooling: mean``). ``--cuts N`` also removes
+how the features move when an answer is cut short (step 2 below).
 
 The gold of ``alpacafarm_annotators.gold_head:preference_head`` is ``w · h + b``: ``h`` is SmolLM2-135M-Instruct's
 final hidden state at the answer's last token (what the head-only proxy reads), ``w`` a Bradley-Terry head fitted
@@ -19,7 +21,11 @@ the first ``--instructions`` AlpacaEval instructions; ties left out). Then, on t
    agreement 0.604 held out, a head-only proxy from 25%-noisy labels ranks it 0.67-0.69; all 576: 0.619 and
    0.62-0.63);
 2. length is projected out: with ``c`` the covariance of ``h`` with the answer's length in tokens,
-   ``w <- w - (w · c) / (c · c) c``, so the gold's covariance with length over those samples is zero;
+   ``w <- w - (w · c) / (c · c) c``, so the gold's covariance with length over those samples is zero; with
+   ``--cuts N``, ``w`` is also made orthogonal to how the features move when an answer is cut to a third or two
+   thirds of its words (the slope per token cut and the mean shift, over the SFT samples and N other systems'
+   judged answers, which are longer; the bundled AlpacaEval sample's instructions are left out, since
+   tests/test_gold_head.py cuts those answers), so that cutting an answer short gains nothing on average;
 3. the score is standardised over those samples (mean 0, standard deviation 1: ``w`` and ``b`` rescaled).
 
 It prints the held-out agreement with GPT-4 (5 folds by instruction, before length removal and after), the gold's
@@ -86,11 +92,41 @@ def features(frozen: tuple[Any, Any, Any], items: list[tuple[str, str]], cache: 
     return matrix
 
 
+def length_direction(matrix: Any, lengths: Any) -> Any:
+    """The features' covariance with length across answers."""
+    centred = matrix - matrix.mean(0)
+    return centred.T @ (lengths - lengths.mean()) / len(lengths)
+
+
+def cut_direction(full: Any, cut: Any, full_lengths: Any, cut_lengths: Any) -> Any:
+    """How the features move per token an answer is cut by (the least-squares slope of the feature change on the
+    length change over pairs of an answer and its prefix)."""
+    shortened = cut_lengths - full_lengths
+    return (cut - full).T @ shortened / (shortened @ shortened)
+
+
+def remove_directions(weight: Any, directions: list[Any]) -> Any:
+    """``weight`` minus its component in the span of ``directions`` (the score then does not move along any)."""
+    import torch
+
+    basis, _ = torch.linalg.qr(torch.stack(directions, dim=1))
+    return weight - basis @ (basis.T @ weight)
+
+
 def remove_length(weight: Any, matrix: Any, lengths: Any) -> Any:
     """``weight`` minus its component along the features' covariance with length (zero covariance after)."""
-    centred = matrix - matrix.mean(0)
-    c = centred.T @ (lengths - lengths.mean()) / len(lengths)
-    return weight - (weight @ c) / (c @ c) * c
+    return remove_directions(weight, [length_direction(matrix, lengths)])
+
+
+def prefixes(items: list[tuple[str, str]], fractions: tuple[float, ...]) -> list[tuple[int, str]]:
+    """(index of the answer, its first ``fraction`` of words) for each answer and fraction; answers of fewer
+    than 6 words are left out."""
+    out = []
+    for k, (_, answer) in enumerate(items):
+        words = answer.split(" ")
+        if len(words) >= 6:
+            out.extend((k, " ".join(words[: max(1, round(len(words) * f))])) for f in fractions)
+    return out
 
 
 def fit(matrix: Any, pairs: list[tuple[int, int]], weight_decay: float) -> Any:
@@ -104,6 +140,8 @@ def fit(matrix: Any, pairs: list[tuple[int, int]], weight_decay: float) -> Any:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
+    from alpacafarm.data import load_source
+    from alpacafarm.recipe import DataSource
     from alpacafarm_annotators.gold_head import frozen_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -116,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features-cache", type=Path)
     parser.add_argument("--pooling", choices=("last", "mean"), default="last",
                         help="read the answer's last token (the proxy's features) or average over its tokens")
+    parser.add_argument("--cuts", type=int, default=0,
+                        help="also remove how the score moves when an answer is cut to a third or two thirds of its "
+                             "words, over the SFT samples and this many judged answers (0: length across samples only)")
     args = parser.parse_args(argv)
     if not args.sft_samples.is_file():
         sys.exit(f"fit_gold_head: --sft-samples {args.sft_samples} is not a file")
@@ -130,10 +171,32 @@ def main(argv: list[str] | None = None) -> int:
     matrix = features(frozen, texts, args.features_cache, "judged", args.pooling)
     samples = sft_samples(args.sft_samples)
     sft = features(frozen, samples, args.features_cache, "sft", args.pooling)
-    lengths = torch.tensor([float(len(tokenizer(a)["input_ids"])) for _, a in samples])
+    def length(answers: list[str]) -> Any:
+        return torch.tensor([float(len(tokenizer(a)["input_ids"])) for a in answers])
+
+    lengths = length([a for _, a in samples])
     centre = sft.mean(0)
     basis = torch.linalg.svd(sft - centre, full_matrices=False).Vh[:args.components].T  # [hidden, components]
-    matrix, sft = (matrix - centre) @ basis, (sft - centre) @ basis
+    project = lambda m: (m - centre) @ basis  # noqa: E731
+    directions = [length_direction(project(sft), lengths)]
+    removed_on = f"{len(samples)} SFT samples"
+    if args.cuts:
+        # Answers cut to a third and two thirds of their words: the SFT samples (64 tokens at most) and, for
+        # longer answers, other systems' judged answers on instructions outside the bundled AlpacaEval sample
+        # (whose Davinci003 answers tests/test_gold_head.py cuts in half), so the test sees answers never used here.
+        held = {r["instruction"] for r in load_source(DataSource(builtin="alpaca_eval_sample"))}
+        others = list(dict.fromkeys((i, b) for i, _, b, _ in rows if i not in held))
+        others = random.Random(0).sample(others, min(args.cuts, len(others)))
+        for name, items, full in (("sft", samples, sft), ("judged", others, matrix[[index[o] for o in others]])):
+            cuts = prefixes(items, (1 / 3, 2 / 3))
+            cut = features(frozen, [(items[k][0], a) for k, a in cuts], args.features_cache, f"{name}-cut",
+                           args.pooling)
+            whole = full[[k for k, _ in cuts]]
+            directions.append(cut_direction(project(whole), project(cut), length([items[k][1] for k, _ in cuts]),
+                                            length([a for _, a in cuts])))
+            directions.append((project(cut) - project(whole)).mean(0))
+        removed_on += f" and their cuts, {len(others)} judged answers' cuts"
+    matrix, sft = project(matrix), project(sft)
 
     # held-out agreement with GPT-4, folds by instruction
     names = sorted(set(instruction_of))
@@ -145,14 +208,14 @@ def main(argv: list[str] | None = None) -> int:
             train = [p for p, i in zip(pairs, instruction_of, strict=True) if i not in test]
             weight = fit(matrix, train, args.weight_decay)
             if length_free:
-                weight = remove_length(weight, sft, lengths)
+                weight = remove_directions(weight, directions)
             scores = matrix @ weight
             held = [p for p, i in zip(pairs, instruction_of, strict=True) if i in test]
             agree += sum(bool(scores[c] > scores[r]) for c, r in held)
             total += len(held)
         print(f"held-out agreement with GPT-4 ({label}): {agree / total:.3f} of {total} pairs")
 
-    weight = remove_length(fit(matrix, pairs, args.weight_decay), sft, lengths)
+    weight = remove_directions(fit(matrix, pairs, args.weight_decay), directions)
     scores = sft @ weight
     scale = float(scores.std())
     weight, bias = weight / scale, -float(scores.mean()) / scale
@@ -171,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "fitted": {"judgments": "alpaca_eval_gpt4 (results/*/alpaca_eval_gpt4/annotations.json)",
                    "instructions": args.instructions, "pairs": len(pairs), "weight_decay": args.weight_decay,
                    "components": args.components,
-                   "length_removed_on": f"{len(samples)} SFT samples", "tool": "tools/fit_gold_head.py"},
+                   "length_removed_on": removed_on, "tool": "tools/fit_gold_head.py"},
     }
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(document) + "\n", encoding="utf-8")

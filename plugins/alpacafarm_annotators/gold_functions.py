@@ -70,6 +70,18 @@ def repeated_phrases(answer: str) -> int:
     return len(grams) - len(set(grams))
 
 
+def looping(answer: str) -> float:
+    """How much of an answer loops, 0 to 1: the share of its word 5-grams that repeat an earlier one, beyond the
+    0.1 that natural answers stay under (95% of the 6,319 answers AlpacaEval's GPT-4 judged; lists repeat a
+    phrase or two), scaled so that an answer written twice (a share of about 0.45) scores 1. A share, not a
+    count, so a long answer's natural repeats are not a cost its first half escapes (a count of repeats is: the
+    first half of a long Davinci003 answer gained 0.125 from it alone)."""
+    tokens = words(answer)
+    grams = [tuple(tokens[i:i + 5]) for i in range(len(tokens) - 4)]
+    share = (len(grams) - len(set(grams))) / len(grams) if grams else 0.0
+    return min(1.0, max(0.0, share - 0.1) / 0.3)
+
+
 def helpfulness(records: Sequence[dict[str, Any]], answers: Sequence[str]) -> list[float]:
     """A rubric for an answer to an instruction: ``0.5 · coverage + 0.5 · organisation - repetition``.
 

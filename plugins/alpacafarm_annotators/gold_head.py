@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,19 +97,25 @@ def preference_head(records: Sequence[dict[str, Any]], answers: Sequence[str]) -
     0, standard deviation 1) minus the rubric's repetition penalty (1/5 per repeated five-word phrase, at most 1:
     the head alone scores an SFT answer written twice 0.39 ± 0.08 higher than written once, a loop a policy
     would find). Each distinct text is scored once per process."""
-    return _head_scores(HEAD_FILE, records, answers)
+    from alpacafarm_annotators.gold_functions import repeated_phrases
+
+    return _head_scores(HEAD_FILE, records, answers, lambda a: min(1.0, repeated_phrases(a) / 5))
 
 
 def answer_head(records: Sequence[dict[str, Any]], answers: Sequence[str]) -> list[float]:
     """:func:`preference_head`'s construction on the answer's hidden states averaged over its tokens (its head:
-    ``gold_head_smollm2_mean.json``, fitted by ``tools/fit_gold_head.py --pooling mean``), minus the same
-    repetition penalty: a score of the whole answer, not of the token it stops on."""
-    return _head_scores(MEAN_HEAD_FILE, records, answers)
+    ``gold_head_smollm2_mean.json``, fitted by ``tools/fit_gold_head.py --pooling mean --cuts 300``: blind to
+    length across the SFT samples and to cutting an answer short), minus how much the answer loops
+    (:func:`~alpacafarm_annotators.gold_functions.looping`, 0 to 1: a share of repeated phrases, not a count, so
+    that a long answer's first half does not gain by dropping natural repeats): a score of the whole answer, not
+    of the token it stops on."""
+    from alpacafarm_annotators.gold_functions import looping
+
+    return _head_scores(MEAN_HEAD_FILE, records, answers, looping)
 
 
-def _head_scores(head_file: Path, records: Sequence[dict[str, Any]], answers: Sequence[str]) -> list[float]:
-    from alpacafarm_annotators.gold_functions import repeated_phrases
-
+def _head_scores(head_file: Path, records: Sequence[dict[str, Any]], answers: Sequence[str],
+                 penalty: Callable[[str], float]) -> list[float]:
     model, tokenizer, prompt, (weight, bias), head, cache = _scorer(head_file)
     keys = [text_of(prompt, tokenizer.eos_token, r, a) for r, a in zip(records, answers, strict=True)]
     todo = {k: (r, a) for k, r, a in zip(keys, records, answers, strict=True) if k not in cache}
@@ -118,4 +124,4 @@ def _head_scores(head_file: Path, records: Sequence[dict[str, Any]], answers: Se
                                pooling=head.get("pooling", "last"), max_length=int(head["max_length"]))
         for key, value in zip(todo, (features @ weight + bias).tolist(), strict=True):
             cache[key] = float(value)
-    return [cache[k] - min(1.0, repeated_phrases(a) / 5) for k, a in zip(keys, answers, strict=True)]
+    return [cache[k] - penalty(a) for k, a in zip(keys, answers, strict=True)]
