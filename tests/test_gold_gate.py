@@ -71,5 +71,5 @@ def test_the_gate_fails_a_reward_model_that_learns_from_swapped_labels(register_
     assert verdicts["best_of_8"]["verdict"] == "FAIL", verdicts["best_of_8"]
     assert verdicts["best_of_8"]["delta"] < -5  # not a marginal call: learning the wrong way round costs more
     assert verdicts["best_of_1"]["verdict"] == "PASS"  # a plain sample does not read the reward model
-    metrics = json.loads((run / "stages/reward_model/manifest.json").read_text())
-    assert "swapped_reward_model" in json.dumps(metrics)  # the candidate really ran
+    manifest = json.loads((run / "stages/reward_model/manifest.json").read_text())
+    assert manifest["method"] == "swapped_reward_model"  # the candidate really ran

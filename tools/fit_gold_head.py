@@ -171,13 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     matrix = features(frozen, texts, args.features_cache, "judged", args.pooling)
     samples = sft_samples(args.sft_samples)
     sft = features(frozen, samples, args.features_cache, "sft", args.pooling)
+
     def length(answers: list[str]) -> Any:
         return torch.tensor([float(len(tokenizer(a)["input_ids"])) for a in answers])
 
     lengths = length([a for _, a in samples])
     centre = sft.mean(0)
     basis = torch.linalg.svd(sft - centre, full_matrices=False).Vh[:args.components].T  # [hidden, components]
-    project = lambda m: (m - centre) @ basis  # noqa: E731
+
+    def project(x: Any) -> Any:  # into the top principal directions of the SFT samples
+        return (x - centre) @ basis
+
     directions = [length_direction(project(sft), lengths)]
     removed_on = f"{len(samples)} SFT samples"
     if args.cuts:

@@ -63,11 +63,16 @@ def organisation(answer: str) -> float:
     return min(1.0, list_items(answer) / 3)
 
 
-def repeated_phrases(answer: str) -> int:
-    """Word 5-grams that repeat an earlier one: a looping answer (natural prose rarely repeats five words)."""
+def _phrases(answer: str) -> tuple[int, int]:
+    """(word 5-grams, those that repeat an earlier one)."""
     tokens = words(answer)
     grams = [tuple(tokens[i:i + 5]) for i in range(len(tokens) - 4)]
-    return len(grams) - len(set(grams))
+    return len(grams), len(grams) - len(set(grams))
+
+
+def repeated_phrases(answer: str) -> int:
+    """Word 5-grams that repeat an earlier one: a looping answer (natural prose rarely repeats five words)."""
+    return _phrases(answer)[1]
 
 
 def looping(answer: str) -> float:
@@ -76,9 +81,8 @@ def looping(answer: str) -> float:
     phrase or two), scaled so that an answer written twice (a share of about 0.45) scores 1. A share, not a
     count, so a long answer's natural repeats are not a cost its first half escapes (a count of repeats is: the
     first half of a long Davinci003 answer gained 0.125 from it alone)."""
-    tokens = words(answer)
-    grams = [tuple(tokens[i:i + 5]) for i in range(len(tokens) - 4)]
-    share = (len(grams) - len(set(grams))) / len(grams) if grams else 0.0
+    grams, repeated = _phrases(answer)
+    share = repeated / grams if grams else 0.0
     return min(1.0, max(0.0, share - 0.1) / 0.3)
 
 
