@@ -226,53 +226,105 @@ def last_token_features(model: Any, tokenizer: Any, texts: Sequence[str], *, bat
 
 
 def answer_mean_features(model: Any, tokenizer: Any, prompts: Sequence[str], answers: Sequence[str], *,
-                         batch_size: int, max_length: int | None, progress: Any = None) -> Any:
+                         batch_size: int, max_length: int | None, progress: Any = None,
+                         share_prompts: bool = True) -> Any:
     """The backbone's final hidden states averaged over each answer's tokens, as a float32 ``[len(answers), hidden]``.
 
     The text read is ``prompt + answer + EOS`` (as the reward model reads it); the average runs from the first token
     after the prompt up to the last token that is not the pad token (the EOS too where EOS is not the pad token).
     Unlike :func:`last_token_features` this barely moves when an answer loses its last token (measured by
     ``benchmarks/gold_token_stability.py``: over the top 32 principal directions, correlation 0.998 against 0.69).
-    An empty answer is read at the prompt's last token.
+    An empty answer is read at the prompt's last token. Answers to one prompt (best-of-n's samples, a preference
+    stage's k samples) share one pass over the prompt: its keys and values are computed once and reused
+    (``share_prompts=False``: each text whole, what ``benchmarks/feature_sharing.py`` compares it with).
     """
     if len(prompts) != len(answers):
         raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
     texts = [with_eos(p + a, tokenizer.eos_token) for p, a in zip(prompts, answers, strict=True)]
-    starts = [len(tokenizer(p, add_special_tokens=True)["input_ids"]) for p in prompts]
-    return _final_states(model, tokenizer, texts, starts, batch_size=batch_size, max_length=max_length,
-                         progress=progress)
+    prompt_ids = {p: tokenizer(p, add_special_tokens=True)["input_ids"] for p in dict.fromkeys(prompts)}
+    return _final_states(model, tokenizer, texts, [prompt_ids[p] for p in prompts], batch_size=batch_size,
+                         max_length=max_length, progress=progress, share_prompts=share_prompts)
 
 
-def _final_states(model: Any, tokenizer: Any, texts: Sequence[str], starts: Sequence[int] | None, *,
-                  batch_size: int, max_length: int | None, progress: Any) -> Any:
-    """Each text's final hidden state at its last non-pad token (``starts`` None), or averaged from token
-    ``starts[i]`` to that token; batched longest first, right-padded."""
+def _final_states(model: Any, tokenizer: Any, texts: Sequence[str], prompt_ids: Sequence[list[int]] | None, *,
+                  batch_size: int, max_length: int | None, progress: Any, share_prompts: bool = True) -> Any:
+    """Each text's final hidden state at its last non-pad token (``prompt_ids`` None), or averaged from the token
+    after its prompt's (``prompt_ids[i]``) to that token. Texts that share a prompt with at least one other answer
+    run as one pass over the prompt and then its answers (``share_prompts``); the rest batch longest first,
+    right-padded. A text that occurs twice is computed once. The rows depend only on the texts given (not on any
+    earlier call), so a stage's scores are the same whether its run resumed or not."""
     import torch
 
     tokenizer.padding_side = "right"
     backbone = model.base_model
-    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-    rows: list[Any] = [None] * len(texts)
-    device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
+    ids = tokenizer(list(texts), truncation=max_length is not None, max_length=max_length)["input_ids"]
+    starts = [-1] * len(texts) if prompt_ids is None else [len(p) for p in prompt_ids]
+    keys = [(tuple(i), s) for i, s in zip(ids, starts, strict=True)]
+    todo = list(dict.fromkeys(keys))
+    by_prompt: dict[tuple[int, ...], list[tuple[tuple[int, ...], int]]] = {}
+    for text_ids, start in todo:
+        if start >= 0 and any(t != pad_id for t in text_ids[start:]):  # read in the answer: the prompt's pass is shared
+            by_prompt.setdefault(text_ids[:start], []).append((text_ids, start))
+    shared = [group for group in by_prompt.values() if len(group) > 1 and share_prompts]
+    alone = set(todo).difference(k for group in shared for k in group)
+    computed: dict[tuple[tuple[int, ...], int], Any] = {}
+    device = next(model.parameters()).device
     with torch.inference_mode():
+        for group in shared:
+            for begin in range(0, len(group), batch_size):
+                chunk = group[begin:begin + batch_size]
+                computed.update(zip(chunk, _answers_after_prompt(backbone, chunk, pad_id, device), strict=True))
+                if progress is not None:
+                    progress(len(chunk))
+        order = sorted(alone, key=lambda k: (-len(k[0]), k))
         for begin in range(0, len(order), batch_size):
             chunk = order[begin:begin + batch_size]
-            batch = tokenizer([texts[i] for i in chunk], padding=True, return_tensors="pt",
-                              truncation=max_length is not None, max_length=max_length).to(device)
-            hidden = backbone(**batch).last_hidden_state
-            real = (batch["input_ids"] != pad_id).int() * batch["attention_mask"]
-            positions = torch.arange(real.shape[1], device=device)
-            last = (positions * real).argmax(dim=-1)
-            if starts is None:
-                picked = hidden[torch.arange(len(chunk), device=device), last].float()
-            else:
-                start = torch.minimum(torch.tensor([starts[i] for i in chunk], device=device), last)
-                span = ((positions >= start[:, None]) & (positions <= last[:, None])).float()
-                picked = (hidden.float() * span[..., None]).sum(1) / span.sum(1, keepdim=True)
-            picked = picked.cpu()
-            for row, i in enumerate(chunk):
-                rows[i] = picked[row]
+            computed.update(zip(chunk, _whole_texts(backbone, tokenizer, chunk, pad_id, device), strict=True))
             if progress is not None:
                 progress(len(chunk))
-    return torch.stack(rows)
+    if progress is not None and len(keys) > len(todo):
+        progress(len(keys) - len(todo))
+    return torch.stack([computed[k] for k in keys])
+
+
+def _whole_texts(backbone: Any, tokenizer: Any, keys: Sequence[tuple[Any, ...]], pad_id: int, device: Any) -> list:
+    """The rows of whole texts in one right-padded batch (see :func:`_final_states`)."""
+    import torch
+
+    batch = tokenizer.pad({"input_ids": [list(k[0]) for k in keys]}, return_tensors="pt").to(device)
+    hidden = backbone(**batch).last_hidden_state
+    real = (batch["input_ids"] != pad_id).int() * batch["attention_mask"]
+    positions = torch.arange(real.shape[1], device=device)
+    last = (positions * real).argmax(dim=-1)
+    if all(k[1] < 0 for k in keys):
+        picked = hidden[torch.arange(len(keys), device=device), last].float()
+    else:
+        start = torch.minimum(torch.tensor([k[1] for k in keys], device=device), last)
+        span = ((positions >= start[:, None]) & (positions <= last[:, None])).float()
+        picked = (hidden.float() * span[..., None]).sum(1) / span.sum(1, keepdim=True)
+    return [row.clone() for row in picked.cpu()]
+
+
+def _answers_after_prompt(backbone: Any, keys: Sequence[tuple[Any, ...]], pad_id: int, device: Any) -> list:
+    """The averaged answer rows of texts sharing one prompt: the prompt's keys and values computed once, then the
+    answers (right-padded) attend to them; the same states as :func:`_whole_texts` reads, to float rounding."""
+    import torch
+
+    start = keys[0][1]
+    prompt = torch.tensor([list(keys[0][0][:start])], device=device)
+    cache = backbone(input_ids=prompt, use_cache=True).cache
+    cache.batch_repeat_interleave(len(keys))
+    answers = [list(k[0][start:]) for k in keys]
+    width = max(len(a) for a in answers)
+    input_ids = torch.tensor([a + [pad_id] * (width - len(a)) for a in answers], device=device)
+    mask = torch.tensor([[1] * len(a) + [0] * (width - len(a)) for a in answers], device=device)
+    attention = torch.cat([torch.ones(len(keys), start, dtype=mask.dtype, device=device), mask], dim=1)
+    positions = torch.arange(start, start + width, device=device).expand(len(keys), width)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention, position_ids=positions, cache=cache,
+                      use_cache=True).last_hidden_state
+    local = torch.arange(width, device=device)
+    last = (local * ((input_ids != pad_id).int() * mask)).argmax(dim=-1)
+    span = (local <= last[:, None]).float()
+    picked = (hidden.float() * span[..., None]).sum(1) / span.sum(1, keepdim=True)
+    return [row.clone() for row in picked.cpu()]

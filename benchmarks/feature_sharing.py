@@ -1,0 +1,87 @@
+"""How much faster do the frozen SmolLM2 features come when answers to one prompt share its pass? Prints seconds per
+answer both ways, on the same texts, in one process.
+
+A gold-world run reads SmolLM2-135M-Instruct's hidden states averaged over each answer (``answer_mean_features``)
+for many answers to one prompt: a preference stage's k samples (the gold labels them, the head-only reward model
+reads them), best-of-n's n samples. This takes ``--instructions``
+AlpacaEval instructions with ``--k`` systems' answers each (``results/*/model_outputs.json`` under ``--data``, cut to
+``--answer-tokens`` tokens, as a 64-token SFT sample is) and times, in one process on the same texts:
+
+- ``whole``: every text in one pass, batches longest first (each text alone, as before the prompt was shared);
+- ``shared``: each prompt once, its keys and values reused by its k answers;
+
+and prints the largest difference between the ``whole`` and ``shared`` rows (float rounding only).
+
+    python benchmarks/feature_sharing.py --data ../shared/data --instructions 24 --k 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+def answers_by_instruction(data: Path, instructions: int, k: int) -> list[tuple[str, list[str]]]:
+    """The first ``instructions`` instructions (AlpacaEval order) with ``k`` systems' answers each."""
+    files = sorted(data.glob("tatsu-lab_alpaca_eval/results/*/model_outputs.json"))[:k]
+    if len(files) < k:
+        raise SystemExit(f"feature_sharing: {len(files)} results/*/model_outputs.json under {data}, need --k {k}")
+    outputs = [json.loads(f.read_text(encoding="utf-8")) for f in files]
+    by_instruction: dict[str, list[str]] = {}
+    for system in outputs:
+        for row in system:
+            by_instruction.setdefault(row["instruction"], []).append(row["output"])
+    full = [(i, a) for i, a in by_instruction.items() if len(a) >= k]
+    return [(i, a[:k]) for i, a in full[:instructions]]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, default=Path("../shared/data"))
+    parser.add_argument("--instructions", type=int, default=24)
+    parser.add_argument("--k", type=int, default=8, help="answers per instruction (best-of-n's n)")
+    parser.add_argument("--answer-tokens", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=16)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from alpacafarm.rewards import answer_mean_features
+    from alpacafarm_annotators.gold_head import MEAN_HEAD_FILE, frozen_model
+
+    head = json.loads(MEAN_HEAD_FILE.read_text(encoding="utf-8"))
+    model, tokenizer, prompt = frozen_model(head["model"])
+    prompts: list[str] = []
+    answers: list[str] = []
+    for instruction, outputs in answers_by_instruction(args.data, args.instructions, args.k):
+        for output in outputs:
+            prompts.append(prompt(instruction, ""))
+            ids = tokenizer(output, add_special_tokens=False)["input_ids"][:args.answer_tokens]
+            answers.append(tokenizer.decode(ids))
+    tokens = sum(len(tokenizer(p + a)["input_ids"]) for p, a in zip(prompts, answers, strict=True))
+    prompt_tokens = sum(len(tokenizer(p)["input_ids"]) for p in prompts)
+    print(f"{len(answers)} answers ({args.instructions} instructions x {args.k}), {tokens / len(answers):.0f} tokens "
+          f"each on average, {prompt_tokens / len(answers):.0f} of them the prompt; torch threads "
+          f"{torch.get_num_threads()}")
+
+    def timed(share: bool) -> tuple[float, Any]:
+        start = time.perf_counter()
+        rows = answer_mean_features(model, tokenizer, prompts, answers, batch_size=args.batch_size,
+                                    max_length=int(head["max_length"]), share_prompts=share)
+        return time.perf_counter() - start, rows
+
+    timed(False)  # warm-up (the first batches of a process are slower)
+    whole_s, whole = timed(False)
+    shared_s, shared = timed(True)
+    for name, seconds in (("whole", whole_s), ("shared", shared_s)):
+        print(f"{name:>7}: {seconds / len(answers):.4f} s per answer ({seconds:.1f} s)")
+    gap = float((whole - shared).abs().max())
+    print(f"shared / whole: {shared_s / whole_s:.2f}; largest |whole - shared| {gap:.2e} (feature scale "
+          f"{float(whole.abs().mean()):.2f})")
+
+
+if __name__ == "__main__":
+    main()
