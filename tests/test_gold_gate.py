@@ -3,10 +3,10 @@ anyone could write: chosen and rejected the wrong way round) takes best-of-8 fro
 SFT sample to below it, and ``alpacafarm bench`` FAILs it against the committed baseline
 (``benchmarks/baselines/gold.json``, ``recipes/bench/gold.yaml``); the unchanged plain sample passes.
 
-Marked ``gate`` (``pytest -m gate``; not in ``.ci/run``, which it would take past its time): it runs the
-benchmark's reward model, best-of-8 and evaluation again (41 minutes on 2 cores, measured). Where the gate's own run
-folder exists (``alpacafarm bench recipes/bench/gold.yaml ...`` was run here) it is copied, so the split and the
-labelled SFT samples are not made twice; without it they are made too."""
+Marked ``gate`` (``pytest -m gate``; ``.ci/run`` runs it right after the gate itself): it runs the benchmark's
+reward model, best-of-8 and evaluation again (about 4 minutes on 2 cores). Where the gate's own run folder exists
+(``alpacafarm bench recipes/bench/gold.yaml ...`` was run here, as ``.ci/run`` does first) it is copied, so the split
+and the labelled SFT samples are not made twice; without it they are made too."""
 
 from __future__ import annotations
 
