@@ -1,14 +1,16 @@
 """Best-of-n win-rate against n for reward models trained on preferences with different label noise.
 
-    python benchmarks/best_of_n_noise.py --run runs/quickstart [--noise 0 0.25 0.35 0.45] [--json out.json]
+    python benchmarks/best_of_n_noise.py --run runs/quickstart-offline-judge [--noise 0 0.25 0.35 0.45] \\
+        [--json out.json]
 
-Reuses a quickstart run's samples, so every noise level sees exactly the same answers: the preference pairs of
-its ``preferences`` stage are relabelled by the offline pool with ``p_label_flip`` = each noise level (the flipped
-pairs are nested: a pair flipped at 25% is also flipped at 35%), a head-only reward model is fitted on each
-labelling exactly as the quickstart's ``reward_model`` stage does (``trainable_layers: 0``, same settings), the
-``best_of_n`` stage's samples are rescored, and best-of-n for every n is judged against the references by the
-noiseless offline judge. Prints win-rate ± SE, the paired difference to n = 1 (± its paired SE) and the mean proxy
-reward per (noise, n) — the paper's Figure 13 (over-optimization grows with label noise) at CPU scale.
+Reuses the samples of a run of recipes/quickstart-offline-judge.yaml, so every noise level sees exactly the same
+answers: the preference pairs of its ``preferences`` stage are relabelled by the offline pool with ``p_label_flip``
+= each noise level (the flipped pairs are nested: a pair flipped at 25% is also flipped at 35%), a head-only reward
+model is fitted on each labelling exactly as that recipe's ``reward_model`` stage does (``trainable_layers: 0``,
+same settings), the ``best_of_n`` stage's samples are rescored, and best-of-n for every n is judged against the
+references by the noiseless offline judge. Prints win-rate ± SE, the paired difference to n = 1 (± its paired SE)
+and the mean proxy reward per (noise, n) — the paper's Figure 13 (over-optimization grows with label noise) at CPU
+scale.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from pathlib import Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", default="runs/quickstart", help="a finished quickstart run directory")
+    parser.add_argument("--run", default="runs/quickstart-offline-judge",
+                        help="a finished run of recipes/quickstart-offline-judge.yaml")
     parser.add_argument("--noise", type=float, nargs="+", default=[0.0, 0.25, 0.35, 0.45])
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()

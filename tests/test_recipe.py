@@ -123,7 +123,7 @@ def test_set_overrides_are_coerced(quickstart_copy):
     assert recipe.model.trust_remote_code is True
     assert recipe.model.lora.target_modules == ["q_proj", "v_proj"]
     assert recipe.model.lora.dropout == pytest.approx(1e-5)
-    assert loaded.resolved()["stages"][0]["config"] == {"eval_size": 72, "eval_fraction": 0.5}
+    assert loaded.resolved()["stages"][0]["config"] == {"eval_size": 128, "eval_fraction": 0.5}
 
 
 def test_exponent_floats_are_floats_in_files_and_overrides(tmp_path):
