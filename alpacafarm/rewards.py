@@ -14,6 +14,7 @@ method's ``ensemble_size``); :func:`combine_members` turns its members' scores i
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -313,7 +314,9 @@ def _answers_after_prompt(backbone: Any, keys: Sequence[tuple[Any, ...]], pad_id
 
     start = keys[0][1]
     prompt = torch.tensor([list(keys[0][0][:start])], device=device)
-    cache = backbone(input_ids=prompt, use_cache=True).cache
+    # transformers renamed past_key_values to cache (argument and output) within 5.x: take the name this one has
+    name = "cache" if "cache" in inspect.signature(type(backbone).forward).parameters else "past_key_values"
+    cache = getattr(backbone(input_ids=prompt, use_cache=True), name)
     cache.batch_repeat_interleave(len(keys))
     answers = [list(k[0][start:]) for k in keys]
     width = max(len(a) for a in answers)
@@ -321,8 +324,8 @@ def _answers_after_prompt(backbone: Any, keys: Sequence[tuple[Any, ...]], pad_id
     mask = torch.tensor([[1] * len(a) + [0] * (width - len(a)) for a in answers], device=device)
     attention = torch.cat([torch.ones(len(keys), start, dtype=mask.dtype, device=device), mask], dim=1)
     positions = torch.arange(start, start + width, device=device).expand(len(keys), width)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention, position_ids=positions, cache=cache,
-                      use_cache=True).last_hidden_state
+    hidden = backbone(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                      **{name: cache}).last_hidden_state
     local = torch.arange(width, device=device)
     last = (local * ((input_ids != pad_id).int() * mask)).argmax(dim=-1)
     span = (local <= last[:, None]).float()
