@@ -3,8 +3,8 @@ answer both ways, on the same texts, in one process.
 
 A gold-world run reads SmolLM2-135M-Instruct's hidden states averaged over each answer (``answer_mean_features``)
 for many answers to one prompt: a preference stage's k samples (the gold labels them, the head-only reward model
-reads them), best-of-n's n samples. This takes ``--instructions``
-AlpacaEval instructions with ``--k`` systems' answers each (``results/*/model_outputs.json`` under ``--data``, cut to
+reads them), best-of-n's n samples. This takes ``--instructions`` AlpacaEval instructions with ``--k`` systems'
+answers each (Davinci003's reference and ``results/*/model_outputs.json`` under ``--data``, cut to
 ``--answer-tokens`` tokens, as a 64-token SFT sample is) and times, in one process on the same texts:
 
 - ``whole``: every text in one pass, batches longest first (each text alone, as before the prompt was shared);
@@ -19,23 +19,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 
 def answers_by_instruction(data: Path, instructions: int, k: int) -> list[tuple[str, list[str]]]:
-    """The first ``instructions`` instructions (AlpacaEval order) with ``k`` systems' answers each."""
-    files = sorted(data.glob("tatsu-lab_alpaca_eval/results/*/model_outputs.json"))[:k]
-    if len(files) < k:
-        raise SystemExit(f"feature_sharing: {len(files)} results/*/model_outputs.json under {data}, need --k {k}")
-    outputs = [json.loads(f.read_text(encoding="utf-8")) for f in files]
-    by_instruction: dict[str, list[str]] = {}
-    for system in outputs:
-        for row in system:
-            by_instruction.setdefault(row["instruction"], []).append(row["output"])
-    full = [(i, a) for i, a in by_instruction.items() if len(a) >= k]
-    return [(i, a[:k]) for i, a in full[:instructions]]
+    """The first ``instructions`` AlpacaEval instructions with ``k`` systems' answers each (the shared data, read by
+    ``tools/offline_judge_data.load_data``: Davinci003's reference and ``results/*/model_outputs.json``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from offline_judge_data import load_data
+
+    loaded = load_data(data, max_instructions=instructions)
+    systems = sorted(loaded.outputs)[:k]
+    if len(systems) < k:
+        raise SystemExit(f"feature_sharing: {len(systems)} systems' outputs under {data}, need --k {k}")
+    return [(i, [loaded.outputs[s][i] for s in systems]) for i in loaded.instructions
+            if all(i in loaded.outputs[s] for s in systems)]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -51,8 +51,9 @@ def test_answer_mean_features_average_the_answer_tokens_whatever_the_batch(tiny_
 
 def test_answers_to_one_prompt_share_its_pass_and_read_the_same_states(tiny_model_dir: str):
     """Samples of one prompt (best-of-n's, a preference stage's) run the prompt once and attend to its keys and
-    values: the rows equal each text computed alone, unpadded, whatever the answers' lengths and the batch; an
-    answer that is all EOS (pad) is still read at the prompt's last token."""
+    values (read once per batch of its answers, not once per answer): the rows equal each text computed alone,
+    unpadded, whatever the answers' lengths and the batch; an answer that is all EOS (pad) is still read at the
+    prompt's last token."""
     import torch
 
     from alpacafarm.rewards import answer_mean_features
@@ -61,7 +62,14 @@ def test_answers_to_one_prompt_share_its_pass_and_read_the_same_states(tiny_mode
     prompts = ["Question: name a colour.\nAnswer:"] * 4 + ["Say hi.\n"] * 3 + ["Alone here.\n"]
     answers = [" Blue.", " Red, like a fire engine or a ripe tomato.", " Green", "", " Hello!",
                " Hi there, how are you doing on this fine day?", " Hey", " Just one answer."]
+    rows_read: list[list[int]] = []
+    hook = model.base_model.register_forward_pre_hook(
+        lambda _, args, kwargs: rows_read.extend(kwargs["input_ids"].tolist()), with_kwargs=True)
     shared = answer_mean_features(model, tokenizer, prompts, answers, batch_size=3, max_length=None)
+    hook.remove()
+    first = tokenizer(prompts[0])["input_ids"]
+    # the first prompt is read once per batch of its 4 answers (2 batches of 3), not once per answer
+    assert sum(row[:len(first)] == first for row in rows_read) == 2
     with torch.inference_mode():
         for row, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
             start = len(tokenizer(prompt)["input_ids"])
