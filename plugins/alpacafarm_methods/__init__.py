@@ -7,8 +7,9 @@
   iterative form ``online_dpo`` (``DPOTrainer``), ``ipo`` (``DPOTrainer``'s IPO loss), ``simpo`` (``CPOTrainer``,
   no reference model), ``orpo`` (``ORPOTrainer``, no reference model) and ``kto`` (``KTOTrainer``, on each output
   labelled desirable or not); ``direct_alignment.py`` is the stage they share.
-- ``sampling/``: methods that sample and keep what the reward model prefers: ``best_of_n`` (at decoding time) and
-  ``expert_iteration`` (then SFT on the winners).
+- ``sampling/``: methods that sample and keep what the reward model prefers: ``best_of_n`` (at decoding time),
+  ``expert_iteration`` (then SFT on the winners) and ``reward_pairs`` (the best against the worst sample: preference
+  pairs for the direct-alignment methods).
 - ``ppo/`` and ``quark/``: the paper's RL methods as released (our own trainers on one accelerate Accelerator).
 - ``online_rl/``: TRL's ``GRPOTrainer`` and ``RLOOTrainer``, rewarded by the reward model, rules or the annotator.
 - ``pairs.py``: the preference pairs every pairwise method reads.
@@ -27,6 +28,8 @@ def register_methods(register):
              description="Bradley-Terry reward model on pairwise preferences, initialised from the SFT model")
     register("best_of_n", "alpacafarm_methods.sampling.best_of_n:BestOfN",
              description="best-of-n sampling with the reward model; one run evaluates every n <= N on prefixes")
+    register("reward_pairs", "alpacafarm_methods.sampling.reward_pairs:RewardPairs",
+             description="preference pairs labelled by the reward model: the best and the worst of n samples each")
     register("expert_iteration", "alpacafarm_methods.sampling.expert_iteration:ExpertIteration",
              description="expert iteration: best-of-n on unlabeled instructions, then SFT on the best samples")
     register("ppo", "alpacafarm_methods.ppo.method:PPO",

@@ -19,6 +19,7 @@ naming this stage) evaluates every n and plots the curve.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -40,8 +41,9 @@ def powers_of_two(n_max: int) -> list[int]:
     return [*values, n_max]
 
 
-class BestOfNConfig(GenerationBackendFields):
-    """Which instructions, how many samples, how to sample and score them.
+class RankedSamplesConfig(GenerationBackendFields):
+    """Which instructions, how many samples, how to sample and score them: what every method that ranks ``n``
+    samples per instruction by the reward model shares (``best_of_n``, ``reward_pairs``).
 
     Sampling defaults: temperature 1.0 (the paper, Section 4.1: best-of-n reranks samples at 1.0 for diversity)
     and top_p 0.9 (the released decoding, ``HFDecodingArguments`` in ``alpaca_farm/inference/decode.py``; the
@@ -53,7 +55,6 @@ class BestOfNConfig(GenerationBackendFields):
     split: str = Field("eval", description="file of the instruction splits to answer (eval: a decoding policy)")
     max_instructions: int | None = Field(None, ge=1)
     n: int = Field(16, ge=1, description="the largest n: samples drawn per instruction (the paper sweeps up to 1024)")
-    n_values: list[int] | None = Field(None, description="the n evaluated on prefixes; default 1, 2, 4, ..., n")
     sampling: SamplingConfig = Field(
         default_factory=lambda: SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=256),
         description="n is taken from the field above; a sampling block given replaces the default (unset fields "
@@ -62,6 +63,33 @@ class BestOfNConfig(GenerationBackendFields):
     ensemble: EnsembleRule = Field("mean", description="how an ensemble reward model's members combine")
     ensemble_coefficient: float = Field(DEFAULT_ENSEMBLE_COEFFICIENT, ge=0.0,
                                         description="uncertainty_weighted: the members' variance is weighted by this")
+
+
+def ranked_samples(context: StageContext, config: RankedSamplesConfig, what: str
+                   ) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]], float]:
+    """``(records, samples, seconds)``: ``config.n`` samples of every instruction of ``config.split``, each with
+    its ``reward``, grouped per instruction, on every rank.
+
+    Sampling and scoring are split across ranks, each in batches that do not depend on the number of processes
+    (the same samples and scores as one process); the caller's main process alone writes files. The sampling
+    seed is the block's seed plus the stage's."""
+    records = context.records("instruction_splits", config.split)[: config.max_instructions]
+    sampling = config.sampling.model_copy(update={"n": config.n, "seed": config.sampling.seed + context.seed})
+    started = time.perf_counter()
+    rows, _ = context.generate_on_ranks(config.backend, config.backend_config, records, sampling,
+                                        f"{what}: sampling")
+    reward = context.reward_function(batch_size=config.score_batch_size, ensemble=config.ensemble,
+                                     ensemble_coefficient=config.ensemble_coefficient)
+    with context.progress(f"{what}: scoring", len(rows)) as line:
+        samples = score_groups(reward, records, rows, config.n, config.score_batch_size,
+                               f"stage {context.stage!r}: scoring", line)
+    return records, samples, time.perf_counter() - started
+
+
+class BestOfNConfig(RankedSamplesConfig):
+    """:class:`RankedSamplesConfig` and the n evaluated on prefixes of the samples."""
+
+    n_values: list[int] | None = Field(None, description="the n evaluated on prefixes; default 1, 2, 4, ..., n")
 
     @model_validator(mode="after")
     def _check_n_values(self) -> BestOfNConfig:
@@ -86,21 +114,9 @@ class BestOfN(Method):
 
     def run(self, context: StageContext) -> Artifact:
         config: BestOfNConfig = self.config
-        records = context.records("instruction_splits", config.split)[: config.max_instructions]
-        sampling = config.sampling.model_copy(update={"n": config.n, "seed": config.sampling.seed + context.seed})
-        started = time.perf_counter()
-        # Sampling and scoring are split across ranks, each in batches that do not depend on the number of
-        # processes (the same samples and scores as one process); the main process alone writes the files.
-        rows, _ = context.generate_on_ranks(config.backend, config.backend_config, records, sampling,
-                                            f"best-of-{config.n}: sampling")
-        reward = context.reward_function(batch_size=config.score_batch_size, ensemble=config.ensemble,
-                                         ensemble_coefficient=config.ensemble_coefficient)
-        with context.progress(f"best-of-{config.n}: scoring", len(rows)) as line:
-            samples = score_groups(reward, records, rows, config.n, config.score_batch_size,
-                                   f"stage {context.stage!r}: scoring", line)
+        records, samples, seconds = ranked_samples(context, config, f"best-of-{config.n}")
         if not context.is_main:
             return Artifact("outputs", str(context.stage_dir))
-        seconds = time.perf_counter() - started
         write_jsonl(context.stage_dir / "samples.jsonl", [s for group in samples for s in group])
         systems: list[System] = []
         lengths: dict[str, float] = {}  # for people reading the manifest: the evaluation measures its own
