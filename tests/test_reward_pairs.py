@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -121,3 +122,30 @@ def test_dpo_learns_from_the_reward_pairs_it_is_given(pairs_run: dict[str, Any])
     pairs = read_records(pairs_run["run_dir"] / "stages" / "reward_pairs" / "preferences.jsonl")
     assert metrics["n_pairs"] == len(pairs) and metrics["n_dropped_no_preference"] == 0
     assert Path(pairs_run["artifacts"]["dpo"].path, "config.json").is_file()
+
+
+def test_the_gold_ranked_pairs_tool_keeps_the_golds_best_against_its_worst(tmp_path: Path):
+    """``benchmarks/gold_ranked_pairs.py`` (the diagnostic in docs/gold.md) with a rubric gold: per instruction,
+    every distinct answer of its pairs is scored and the highest is preferred to the lowest."""
+    import importlib.util
+
+    from alpacafarm_annotators.gold_functions import helpfulness
+
+    tool_path = Path(__file__).resolve().parents[1] / "benchmarks" / "gold_ranked_pairs.py"
+    spec = importlib.util.spec_from_file_location("gold_ranked_pairs", tool_path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    answers = {"List three fruits.": ["Apples.", "1. Apples\n2. Pears\n3. Plums",
+                                      "Fruits:\n1. Apples\n2. Pears\n3. Plums"],
+               "Name a colour.": ["Blue.", "Blue."]}  # one distinct answer: no pair
+    records = [{"instruction": q, "input": "", "output_1": a, "output_2": b, "preference": 1}
+               for q, texts in answers.items() for a, b in itertools.pairwise(texts)]
+    source, out = tmp_path / "prefs.jsonl", tmp_path / "pairs.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    assert tool.main([str(source), str(out), "--gold", "alpacafarm_annotators.gold_functions:helpfulness"]) == 0
+    pairs = read_records(out)
+    texts = answers["List three fruits."]
+    scores = helpfulness([{"instruction": "List three fruits.", "input": ""}] * 3, texts)
+    assert len(pairs) == 1 and pairs[0]["preference"] == 1
+    assert (pairs[0]["output_1"], pairs[0]["output_2"]) == (texts[scores.index(max(scores))],
+                                                          texts[scores.index(min(scores))])
