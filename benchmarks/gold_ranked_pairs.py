@@ -16,15 +16,17 @@ the number of pairs and their mean gold margin. A recipe reads the file as a dat
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
 
 
 def main(argv: list[str] | None = None) -> int:
+    from alpacafarm.data import read_records, write_jsonl
     from alpacafarm.registry import import_target
+    from alpacafarm_methods.sampling.reward_pairs import best_and_worst
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("preferences", type=Path)
@@ -34,25 +36,25 @@ def main(argv: list[str] | None = None) -> int:
     gold = import_target(args.gold, "gold function")
 
     answers: dict[tuple[str, str], list[str]] = {}
-    for line in args.preferences.read_text(encoding="utf-8").splitlines():
-        record = json.loads(line)
+    for record in read_records(args.preferences):
         group = answers.setdefault((record["instruction"], record.get("input") or ""), [])
         group.extend(o for o in (record["output_1"], record["output_2"]) if o not in group)
     keys = [key for key, group in answers.items() for _ in group]
     texts = [text for group in answers.values() for text in group]
     scores = gold([{"instruction": k[0], "input": k[1]} for k in keys], texts)
 
-    scored: dict[tuple[str, str], list[tuple[float, str]]] = {}
+    scored: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for key, text, score in zip(keys, texts, scores, strict=True):
-        scored.setdefault(key, []).append((float(score), text))
+        scored.setdefault(key, []).append({"output": text, "reward": float(score)})
     pairs, margins = [], []
     for (instruction, input_), group in scored.items():
-        (low, worst), (high, best) = min(group), max(group)
-        if high > low:
-            pairs.append({"instruction": instruction, "input": input_, "output_1": best, "output_2": worst,
-                          "preference": 1, "annotator": "gold"})
-            margins.append(high - low)
-    args.out.write_text("".join(json.dumps(p) + "\n" for p in pairs), encoding="utf-8")
+        ranked = best_and_worst(group)  # the reward_pairs stage's rule, the gold as the reward
+        if ranked is not None:
+            best, worst = ranked
+            pairs.append({"instruction": instruction, "input": input_, "output_1": best["output"],
+                          "output_2": worst["output"], "preference": 1, "annotator": "gold"})
+            margins.append(best["reward"] - worst["reward"])
+    write_jsonl(args.out, pairs)
     print(f"{len(pairs)} pairs from {len(scored)} instructions, mean gold margin "
           f"{sum(margins) / max(len(margins), 1):.3f} -> {args.out}")
     return 0

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from alpacafarm.data import read_records
-from alpacafarm_methods.sampling.reward_pairs import RewardPairsConfig, best_and_worst, ranked_pair
+from alpacafarm.errors import UserError
+from alpacafarm_methods.sampling.reward_pairs import RewardPairsConfig, best_and_worst, ranked_pair, ranked_pairs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -34,6 +35,15 @@ def test_a_ranked_pair_prefers_the_best_in_either_position():
     assert (first["output_1"], first["preference"], first["reward_1"], first["reward_2"]) == ("Blue.", 1, 1.5, -0.5)
     assert (second["output_1"], second["preference"], second["reward_1"], second["reward_2"]) == ("I am.", 2, -0.5, 1.5)
     assert first["annotator"] == second["annotator"] == "reward_model"
+
+
+def test_no_ranked_pair_at_all_fails_instead_of_writing_an_empty_dataset():
+    records = [{"instruction": "Name a colour.", "input": ""}, {"instruction": "Say hi.", "input": ""}]
+    alike = [_group(("Blue.", 0.3), ("Red.", 0.3)), _group(("Hi.", -1.0), ("Hi.", 2.0))]
+    with pytest.raises(UserError, match="stage 'pairs': the reward model ranks no two samples of any of the 2"):
+        ranked_pairs(records, alike, 0, "stage 'pairs'")
+    one = ranked_pairs(records, [alike[0], _group(("Hi.", -1.0), ("Hello there.", 2.0))], 0, "stage 'pairs'")
+    assert [(p["instruction"], max(p["reward_1"], p["reward_2"])) for p in one] == [("Say hi.", 2.0)]
 
 
 def test_the_config_samples_the_training_split_and_needs_two_samples():
@@ -73,15 +83,12 @@ stages:
 
 @pytest.fixture(scope="module")
 def pairs_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> dict[str, Any]:
-    from alpacafarm.pipeline import Pipeline
-    from alpacafarm.plugins import get_registry
-    from alpacafarm.recipe import load_recipe
+    from alpacafarm.testing import run_recipe
 
     root = tmp_path_factory.mktemp("reward-pairs")
     recipe = root / "pairs.yaml"
     recipe.write_text(RECIPE.format(model=tiny_model_dir), encoding="utf-8")
-    outcomes = Pipeline(load_recipe(recipe), get_registry(), root / "run").run()
-    return {"run_dir": root / "run", "artifacts": {o.name: o.artifact for o in outcomes}}
+    return {"run_dir": root / "run", "artifacts": run_recipe(recipe, root / "run")}
 
 
 @pytest.mark.slow

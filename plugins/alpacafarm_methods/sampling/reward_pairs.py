@@ -17,8 +17,9 @@ label (the paper's label noise). What it cannot do is know more than the reward 
 errors, which the gold-preference world measures (``docs/gold.md``).
 
 An instruction whose samples all score the same (or whose best and worst are the same text) gives no pair and is
-counted. Which of the two answers is ``output_1`` is a coin seeded by the stage's seed and the instruction, so no
-position carries the preference.
+counted; when no instruction gives one (a reward model that scores everything alike), the stage fails instead of
+completing with an empty dataset. Which of the two answers is ``output_1`` is a coin seeded by the stage's seed
+and the instruction, so no position carries the preference.
 
 A stage that needs ``preferences`` and names no input takes the latest stage that provides them: after a
 ``reward_pairs`` stage, a method meant to learn from the annotators' pairs says so (``inputs: {preferences:
@@ -39,6 +40,7 @@ from typing import Any
 from pydantic import Field
 
 from alpacafarm.data import write_jsonl
+from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.reward_selection import mean
 from alpacafarm.seeding import stable_uniform
@@ -74,6 +76,21 @@ def ranked_pair(record: dict[str, Any], best: dict[str, Any], worst: dict[str, A
             "outcome": "labelled"}
 
 
+def ranked_pairs(records: Sequence[dict[str, Any]], samples: Sequence[Sequence[dict[str, Any]]], seed: int,
+                 where: str) -> list[dict[str, Any]]:
+    """One :func:`ranked_pair` per record whose samples rank (its position coin drawn from ``seed`` and the record's
+    index); a :class:`~alpacafarm.errors.UserError` naming ``where`` when none does."""
+    pairs = []
+    for index, (record, group) in enumerate(zip(records, samples, strict=True)):
+        ranked = best_and_worst(group)
+        if ranked is not None:
+            pairs.append(ranked_pair(record, *ranked, stable_uniform(seed, "reward_pairs", index)))
+    if not pairs:
+        raise UserError(f"{where}: the reward model ranks no two samples of any of the {len(records)} instructions "
+                        "(every sample of each scored alike, or the same text): no preference pair to write")
+    return pairs
+
+
 class RewardPairs(Method):
     """Best-against-worst of n samples per instruction, ranked by the reward model: a preference dataset."""
 
@@ -88,13 +105,8 @@ class RewardPairs(Method):
         path = context.stage_dir / "preferences.jsonl"
         if not context.is_main:
             return Artifact("dataset", str(path))
-        pairs, margins = [], []
-        for index, (record, group) in enumerate(zip(records, samples, strict=True)):
-            ranked = best_and_worst(group)
-            if ranked is None:
-                continue
-            pairs.append(ranked_pair(record, *ranked, stable_uniform(context.seed, "reward_pairs", index)))
-            margins.append(ranked[0]["reward"] - ranked[1]["reward"])
+        pairs = ranked_pairs(records, samples, context.seed, f"stage {context.stage!r}")
+        margins = [abs(p["reward_1"] - p["reward_2"]) for p in pairs]
         write_jsonl(context.stage_dir / "samples.jsonl", [s for group in samples for s in group])
         write_jsonl(path, pairs)
         context.logger.info("stage %s: %d pairs from %d instructions x %d samples, mean reward margin %.4f",
