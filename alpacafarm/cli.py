@@ -123,9 +123,13 @@ def _run(args: argparse.Namespace, main: bool) -> int:
 
 def print_plan(pipeline: object, force: list[str]) -> int:
     """``run --plan``: one line per stage (name, run / resume / skip, why) on stdout; nothing runs or is written."""
+    from alpacafarm.pipeline import input_warnings
+
     decisions = pipeline.plan_run(force=force)
     width = max(len(d.name) for d in decisions)
     print(f"plan for recipe {pipeline.recipe.name!r} in {pipeline.run_dir} (nothing is run):")
+    for line in input_warnings(pipeline.stages):
+        print(f"  warning: {line}")
     for d in decisions:
         print(f"  {d.name:<{width}}  {d.action:<6}  {d.reason}")
     running = sum(d.action != "skip" for d in decisions)
@@ -134,7 +138,7 @@ def print_plan(pipeline: object, force: list[str]) -> int:
 
 
 def cmd_recipe_check(args: argparse.Namespace) -> int:
-    from alpacafarm.pipeline import plan
+    from alpacafarm.pipeline import input_warnings, plan
     from alpacafarm.plugins import get_registry
     from alpacafarm.recipe import load_recipe
 
@@ -145,6 +149,8 @@ def cmd_recipe_check(args: argparse.Namespace) -> int:
     for stage in stages:
         wiring = ", ".join(f"{k} <- {v}" for k, v in stage.inputs.items()) or "no inputs"
         print(f"  {stage.name}: {stage.method} ({stage.plugin}); {wiring}")
+    for line in input_warnings(stages):
+        print(f"warning: {line}")
     return 0
 
 

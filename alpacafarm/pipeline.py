@@ -66,6 +66,9 @@ class PlannedStage:
     config: Any
     raw_config: dict[str, Any]
     inputs: dict[str, str] = field(default_factory=dict)
+    #: Inputs the recipe did not name that several earlier stages provide: requirement -> those stages, in order
+    #: (the stage takes the last one; :func:`input_warnings` says so).
+    ambiguous: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,20 +96,24 @@ def plan(loaded: LoadedRecipe, registry: Registry) -> list[PlannedStage]:
     recipe, doc = loaded.recipe, loaded.source
     planned: list[PlannedStage] = []
     providers: dict[str, str] = {}  # what → latest stage that provides it
+    every_provider: dict[str, list[str]] = {}  # what → every stage that provides it, in order
+    ambiguous: dict[str, list[str]] = {}  # the stage being wired: requirement → its several providers
 
-    def resolve(stage_index: int, stage_name: str, method: str, requirement: str, explicit: str | None,
+    def resolve(where: tuple[Any, ...], stage_name: str, method: str, requirement: str, explicit: str | None,
                 optional: bool = False) -> str | None:
         known = [BASE_MODEL, *recipe.data, *(p.name for p in planned)]
         if explicit is not None:
             if explicit in known and not (explicit == BASE_MODEL and recipe.model is None):
                 return explicit
             raise doc.error(
-                ("stages", stage_index, "inputs", requirement),
+                (*where, "inputs", requirement),
                 f"{explicit!r} is not an earlier stage, a data name or {BASE_MODEL!r}{did_you_mean(explicit, known)}",
             )
         for candidate in (providers.get(requirement), requirement if requirement in recipe.data else None,
                           requirement if any(p.name == requirement for p in planned) else None):
             if candidate:
+                if candidate == providers.get(requirement) and len(every_provider[requirement]) > 1:
+                    ambiguous[requirement] = list(every_provider[requirement])
                 return candidate
         if optional:
             return None
@@ -115,17 +122,18 @@ def plan(loaded: LoadedRecipe, registry: Registry) -> list[PlannedStage]:
             return BASE_MODEL
         if fallback == BASE_MODEL:
             raise doc.error(("model",), f"stage {stage_name!r} (method {method!r}) needs a model: add a 'model:' block")
+        named = where[0] if len(where) == 1 else f"{where[0]}[{where[1]}]"
         raise doc.error(
-            ("stages", stage_index),
+            where,
             f"stage {stage_name!r} (method {method!r}) needs {requirement!r} but no earlier stage provides it and no "
-            f"data source is named so; add one, or set stages[{stage_index}].inputs.{requirement}",
+            f"data source is named so; add one, or set {named}.inputs.{requirement}",
         )
 
-    def wire(index: int, name: str, method: str, requires: tuple[str, ...], optional: tuple[str, ...],
+    def wire(where: tuple[Any, ...], name: str, method: str, requires: tuple[str, ...], optional: tuple[str, ...],
              explicit: dict[str, str]) -> dict[str, str]:
-        inputs = {r: resolve(index, name, method, r, explicit.get(r)) for r in requires}
+        inputs = {r: resolve(where, name, method, r, explicit.get(r)) for r in requires}
         for r in optional:
-            provider = resolve(index, name, method, r, explicit.get(r), optional=True)
+            provider = resolve(where, name, method, r, explicit.get(r), optional=True)
             if provider is not None:
                 inputs[r] = provider
         return inputs
@@ -135,26 +143,43 @@ def plan(loaded: LoadedRecipe, registry: Registry) -> list[PlannedStage]:
             continue
         entry = registry.entry("method", spec.method)
         method_cls = registry.target_class("method", spec.method)  # a Method subclass, else one line
-        inputs = wire(i, spec.name, spec.method, method_cls.requires, method_cls.optional, spec.inputs)
+        ambiguous = {}
+        inputs = wire(("stages", i), spec.name, spec.method, method_cls.requires, method_cls.optional, spec.inputs)
         planned.append(PlannedStage(spec.name, spec.method, method_cls, entry.plugin, "method",
-                                    loaded.stage_configs[spec.name], dict(spec.config), inputs))
+                                    loaded.stage_configs[spec.name], dict(spec.config), inputs, ambiguous))
         providers[method_cls.provides] = spec.name
+        every_provider.setdefault(method_cls.provides, []).append(spec.name)
 
     if recipe.evaluation is not None:
+        ambiguous = {}
         evaluation = recipe.evaluation
         entry = registry.entry("evaluator", evaluation.evaluator)
         evaluator_cls = registry.target_class("evaluator", evaluation.evaluator)
         policies = policy_stages(recipe, [p.name for p in planned], doc)
-        inputs = wire(len(planned), EVALUATION_STAGE, evaluation.evaluator,
+        inputs = wire(("evaluation",), EVALUATION_STAGE, evaluation.evaluator,
                       tuple(r for r in evaluator_cls.requires if r != "policy"),
-                      evaluator_cls.optional, {})
+                      evaluator_cls.optional, evaluation.inputs)
         if isinstance(evaluation.policy, list):  # several systems: one input per evaluated stage
             inputs.update({f"policy:{name}": name for name in policies})
         else:
             inputs["policy"] = policies[0]
         planned.append(PlannedStage(EVALUATION_STAGE, evaluation.evaluator, evaluator_cls, entry.plugin, "evaluator",
-                                    loaded.stage_configs[EVALUATION_STAGE], dict(evaluation.config), inputs))
+                                    loaded.stage_configs[EVALUATION_STAGE], dict(evaluation.config), inputs, ambiguous))
     return planned
+
+
+def input_warnings(stages: list[PlannedStage]) -> list[str]:
+    """One line per input a stage takes from the latest of several stages that provide it, the recipe naming none
+    (a recipe with both the annotators' and the reward model's pairs, two reward models, ...): the rule is
+    documented, but the choice is easy to miss, so ``run``, ``run --plan`` and ``recipe check`` say it."""
+    lines = []
+    for stage in stages:
+        for requirement, providers in stage.ambiguous.items():
+            where = "evaluation.inputs" if stage.kind == "evaluator" else f"stages.{stage.name}.inputs"
+            lines.append(f"stage {stage.name!r} takes {requirement!r} from {providers[-1]!r}, the latest of "
+                         f"{len(providers)} stages that provide it ({', '.join(map(repr, providers))}); "
+                         f"name one in {where}.{requirement} to choose")
+    return lines
 
 
 def policy_stages(recipe: Any, planned: list[str], doc: Any) -> list[str]:
@@ -304,6 +329,7 @@ class Pipeline:
         logs; every rank runs the stages whose method has ``ranks = Ranks.ALL``; ranks agree after each step (see
         :mod:`alpacafarm.distributed`: a failure on one rank stops every rank, naming it)."""
         from alpacafarm import distributed
+        from alpacafarm.console import console
 
         distributed.init()
         self._check_force(force)
@@ -328,6 +354,10 @@ class Pipeline:
                         if distributed.world_size() > 1:
                             logger.info("running on %d processes (world size %d); rank 0 writes the run directory",
                                         distributed.world_size(), distributed.world_size())
+                        for line in input_warnings(self.stages):
+                            logger.warning(line)
+                            console().print(f"warning: {line}", style="yellow", highlight=False, markup=False,
+                                            soft_wrap=True)
                 return self._run_stages(set(force))
         except BaseException as exc:
             if handler is not None:  # the main process, its run directory made and locked

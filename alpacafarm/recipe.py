@@ -195,6 +195,8 @@ class EvaluationSpec(_Strict):
     annotator: PluginRef | None = None
     policy: str | list[str] | None = None
     config: dict[str, Any] = Field(default_factory=dict)
+    #: explicit wiring of the evaluator's other inputs (e.g. which of two reward models scores the outputs)
+    inputs: dict[str, str] = Field(default_factory=dict)
 
 
 def run_name_problem(name: str) -> str | None:
@@ -357,6 +359,13 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
         loaded.stage_configs["evaluate"] = registry.config("evaluator", evaluation.evaluator, evaluation.config,
                                                            source=doc, path=("evaluation", "config"))
         _check_backend(registry, loaded.stage_configs["evaluate"], doc, ("evaluation", "config"))
+        evaluator_cls = registry.target_class("evaluator", evaluation.evaluator)
+        accepted = (*(r for r in evaluator_cls.requires if r != "policy"), *evaluator_cls.optional)
+        for requirement in evaluation.inputs:
+            if requirement not in accepted:
+                raise doc.error(("evaluation", "inputs", requirement),
+                                f"evaluator {evaluation.evaluator!r} has no input {requirement!r} (inputs: "
+                                f"{', '.join(accepted) or 'none'}; the systems it judges are evaluation.policy)")
         if evaluation.annotator is not None:
             roles.append(("evaluation", evaluation.annotator, ("evaluation", "annotator")))
     for role, ref, at in roles:

@@ -349,6 +349,65 @@ def test_a_single_policy_keeps_the_plain_input_name(recipe_file: Path, tmp_path:
     assert outcomes["evaluate"].artifact.metadata["inputs"] == ["policy"]
 
 
+def two_providers_recipe(tmp_path: Path, total_inputs: str = "", evaluation_inputs: str = "") -> Path:
+    """Two stages provide ``numbers``, two provide ``total``: what a stage or the evaluation takes unnamed is the
+    latest (a recipe with the annotators' and the reward model's pairs, or two reward models, is this shape)."""
+    path = tmp_path / "two.yaml"
+    path.write_text(
+        "name: two\n"
+        f"data:\n  instructions:\n    path: {tmp_path / 'instructions.jsonl'}\n"
+        "stages:\n"
+        "  - name: numbers\n    method: make_numbers\n"
+        "  - name: more_numbers\n    method: make_numbers\n    config: {scale: 2}\n"
+        f"  - name: total\n    method: sum_numbers\n{total_inputs}"
+        "  - name: total_again\n    method: sum_numbers\n    inputs: {numbers: numbers}\n"
+        f"evaluation:\n  evaluator: listing\n  policy: [numbers]\n{evaluation_inputs}"
+    )
+    return path
+
+
+def test_an_input_that_several_stages_provide_takes_the_latest_and_says_so(recipe_file: Path, tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]):
+    from alpacafarm.pipeline import input_warnings
+
+    recipe = two_providers_recipe(tmp_path)
+    pipeline = Pipeline(load_recipe(recipe), get_registry(), tmp_path / "out")
+    assert input_warnings(pipeline.stages) == [
+        "stage 'total' takes 'numbers' from 'more_numbers', the latest of 2 stages that provide it ('numbers', "
+        "'more_numbers'); name one in stages.total.inputs.numbers to choose",
+        "stage 'evaluate' takes 'total' from 'total_again', the latest of 2 stages that provide it ('total', "
+        "'total_again'); name one in evaluation.inputs.total to choose",
+    ]
+    outcomes = {o.name: o for o in pipeline.run()}
+    assert outcomes["total"].artifact.metadata["total"] == 2 * (3 + 5)  # more_numbers' (scale 2), the latest
+    assert outcomes["total_again"].artifact.metadata["total"] == 3 + 5  # named: numbers'
+    warned = "warning: stage 'total' takes 'numbers' from 'more_numbers', the latest of 2 stages"
+    assert warned in capsys.readouterr().err
+    assert "WARNING stage 'total' takes 'numbers' from 'more_numbers'" in (tmp_path / "out" / "run.log").read_text()
+
+
+def test_naming_the_input_chooses_it_and_silences_the_warning(recipe_file: Path, tmp_path: Path):
+    from alpacafarm.pipeline import input_warnings
+
+    recipe = two_providers_recipe(tmp_path, "    inputs: {numbers: numbers}\n", "  inputs: {total: total}\n")
+    pipeline = Pipeline(load_recipe(recipe), get_registry(), tmp_path / "out")
+    assert input_warnings(pipeline.stages) == []
+    outcomes = {o.name: o for o in pipeline.run()}
+    assert outcomes["total"].artifact.metadata["total"] == 3 + 5
+    manifest = json.loads((tmp_path / "out" / "stages" / "evaluate" / "manifest.json").read_text())
+    assert manifest["inputs"]["total"]["from"] == "total"
+
+
+def test_an_evaluation_input_it_does_not_take_is_named(recipe_file: Path, tmp_path: Path):
+    recipe = two_providers_recipe(tmp_path, evaluation_inputs="  inputs: {totl: total}\n")
+    with pytest.raises(RecipeError, match=r"evaluation\.inputs\.totl: evaluator 'listing' has no input 'totl' "
+                                          r"\(inputs: total;"):
+        load_recipe(recipe)
+    recipe = two_providers_recipe(tmp_path, evaluation_inputs="  inputs: {total: totl}\n")
+    with pytest.raises(RecipeError, match=r"evaluation\.inputs\.total: 'totl' is not an earlier stage.*did you mean"):
+        Pipeline(load_recipe(recipe), get_registry(), tmp_path / "out")
+
+
 def test_evaluated_stages_must_exist_and_not_all_be_disabled(recipe_file: Path, tmp_path: Path):
     with pytest.raises(RecipeError, match=r"evaluation\.policy\[1\].*no stage named 'nubmers'.*did you mean 'numbers'"):
         run(several_policies_recipe(tmp_path, "[numbers, nubmers]"), tmp_path / "out")
