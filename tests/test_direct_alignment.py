@@ -190,6 +190,37 @@ def test_a_stage_killed_after_a_checkpoint_resumes_to_the_uninterrupted_weights(
 # ------------------------------------------------------------------------------------------- KTO's binary feedback
 
 
+@pytest.mark.parametrize("method", ["simpo", "orpo", "kto"])
+def test_a_prompt_that_fills_max_length_is_left_out_instead_of_turning_the_weights_to_nan(
+        method: str, tiny_model_dir: str, tmp_path: Path):
+    """TRL's CPO and ORPO trainers keep a row whose prompt alone fills max_length, with an empty answer, and its
+    average log-probability is 0/0: every weight was NaN after the first step (SimPO diverged at any learning rate
+    on real data, where 7 of 384 AlpacaEval prompts are longer than 192 tokens). The stage leaves such rows out,
+    counts them, and trains on the rest."""
+    import torch
+
+    long = {"instruction": "Summarise this text: " + "the quick brown fox jumps over the lazy dog " * 12,
+            "input": "", "output_1": "A fox jumps.", "output_2": "No.", "preference": 1}
+    prefs = write_records(tmp_path / "prefs.jsonl", [*learnable_preferences(8), long])
+    recipe = tmp_path / "long.yaml"
+    recipe.write_text(
+        f"name: long-prompt\nmodel: {{name: {tiny_model_dir}}}\ndata:\n  preferences: {{path: {prefs}}}\n"
+        f"stages:\n  - name: {method}\n    method: {method}\n"
+        "    config: {per_device_train_batch_size: 9, learning_rate: 1.0e-3, logging_steps: 1, warmup_steps: 0,"
+        " max_steps: 2, max_length: 128, eval_fraction: 0, save_strategy: 'no'}\n", encoding="utf-8")
+    artifact = run_recipe(recipe, tmp_path / "run")[method]
+    assert artifact.metadata["n_dropped_prompt_fills_max_length"] == (2 if method == "kto" else 1)
+    assert artifact.metadata["n_train_kept"] == (16 if method == "kto" else 8)
+    assert all(torch.isfinite(w).all() for w in weights(artifact.path).values())
+    assert "prompt alone fills max_length 128" in (tmp_path / "run" / "run.log").read_text()
+
+
+def test_every_prompt_filling_max_length_is_a_one_line_error(tiny_model_dir: str, tmp_path: Path):
+    recipe = recipe_file(tmp_path, tiny_model_dir, "simpo", ", max_length: 16")
+    with pytest.raises(UserError, match=r"stage simpo: every prompt fills max_length 16 on its own: raise max_length"):
+        run_recipe(recipe, tmp_path / "run")
+
+
 def test_kto_turns_pairs_into_desirable_and_undesirable_outputs_and_reads_pointwise_labels():
     from alpacafarm.prompts import format_prompt
     from alpacafarm_methods.preference.kto import binary_feedback

@@ -147,6 +147,42 @@ def last_logged(log_history: list[dict[str, Any]], keys: tuple[str, ...]) -> dic
     return found
 
 
+def prompt_length(prompt: str, tokenizer: Any) -> int:
+    """How many tokens a formatted prompt takes in a TRL preference trainer: its tokens, plus the BOS those
+    trainers put first when the tokenizer has one and the prompt does not start with it."""
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return len(ids) + (1 if bos is not None and (not ids or ids[0] != bos) else 0)
+
+
+def rows_with_room(groups: list[list[dict[str, Any]]], tokenizer: Any,
+                   max_length: int | None) -> tuple[list[list[dict[str, Any]]], int]:
+    """The groups without the rows whose prompt alone fills ``max_length`` (groups left empty go too), and how many
+    rows went.
+
+    TRL's ``DPOTrainer`` drops such rows itself; its ``CPOTrainer`` (SimPO) and ``ORPOTrainer`` truncate the answer
+    to nothing and keep the row, and a loss over the answer's *average* log-probability is then 0/0: NaN, which
+    spreads to every weight at the first step, at any learning rate. Every direct-alignment stage drops them here,
+    with a count, so all of them train on the same rows.
+    """
+    if max_length is None:
+        return groups, 0
+    fits: dict[str, bool] = {}
+    kept, dropped = [], 0
+    for group in groups:
+        rows = []
+        for row in group:
+            if row["prompt"] not in fits:
+                fits[row["prompt"]] = prompt_length(row["prompt"], tokenizer) < max_length
+            if fits[row["prompt"]]:
+                rows.append(row)
+            else:
+                dropped += 1
+        if rows:
+            kept.append(rows)
+    return kept, dropped
+
+
 class DirectAlignment(Method):
     """A direct-alignment stage: the SFT model trained on preference rows by one TRL trainer.
 
@@ -188,10 +224,19 @@ class DirectAlignment(Method):
         args = stage_training_args(self.config, context)
         model_path = context.input("sft_model").path
         records = context.records("preferences", "preferences")
-        groups, dropped = self.examples(records, spec, load_tokenizer(spec, model_path))
-        groups = limit(groups, args.max_examples)
+        tokenizer = load_tokenizer(spec, model_path)
+        groups, dropped = self.examples(records, spec, tokenizer)
         if not groups:
             raise UserError(f"stage {context.stage}: none of the {len(records)} preference records has {self.usable}")
+        groups, too_long = rows_with_room(groups, tokenizer, args.max_length)
+        if too_long:
+            context.logger.warning("stage %s: %d of %d rows left out: the prompt alone fills max_length %d, which "
+                                   "would leave an empty answer (raise max_length to keep them)", context.stage,
+                                   too_long, too_long + sum(map(len, groups)), args.max_length)
+        if not groups:
+            raise UserError(f"stage {context.stage}: every prompt fills max_length {args.max_length} on its own: "
+                            f"raise max_length")
+        groups = limit(groups, args.max_examples)
         train_groups, eval_groups = split_pairs(groups, args.eval_fraction, context.seed)
         train_rows = [row for group in train_groups for row in group]
         eval_rows = [row for group in eval_groups for row in group]
@@ -220,6 +265,7 @@ class DirectAlignment(Method):
             "n_train_kept": len(trainer.train_dataset),  # TRL drops rows whose prompt fills max_length
             "n_eval": len(eval_rows),
             "n_dropped_no_preference": dropped,
+            "n_dropped_prompt_fills_max_length": too_long,
             "lora": spec.lora is not None,
             "merged": merged,
         }
