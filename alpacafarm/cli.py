@@ -123,7 +123,7 @@ def _run(args: argparse.Namespace, main: bool) -> int:
 
 def print_plan(pipeline: object, force: list[str]) -> int:
     """``run --plan``: one line per stage (name, run / resume / skip, why) on stdout; nothing runs or is written."""
-    from alpacafarm.pipeline import input_warnings
+    from alpacafarm.stage_wiring import input_warnings
 
     decisions = pipeline.plan_run(force=force)
     width = max(len(d.name) for d in decisions)
@@ -138,9 +138,9 @@ def print_plan(pipeline: object, force: list[str]) -> int:
 
 
 def cmd_recipe_check(args: argparse.Namespace) -> int:
-    from alpacafarm.pipeline import input_warnings, plan
     from alpacafarm.plugins import get_registry
     from alpacafarm.recipe import load_recipe
+    from alpacafarm.stage_wiring import input_warnings, plan
 
     registry = get_registry()
     loaded = load_recipe(args.recipe, args.overrides, registry)

@@ -120,7 +120,7 @@ LAYERS: dict[str, set[str]] = {
                             "alpacafarm.artifacts", "alpacafarm.method", "alpacafarm.stage_attempts",
                             "alpacafarm.divergence"},
     "the method helpers": {"alpacafarm.training_rows", "alpacafarm.reward_selection", "alpacafarm.policy_training"},
-    "the run": {"alpacafarm.manifest", "alpacafarm.run_directory", "alpacafarm.pipeline"},
+    "the run": {"alpacafarm.manifest", "alpacafarm.run_directory", "alpacafarm.stage_wiring", "alpacafarm.pipeline"},
     "entry points": {"alpacafarm.cli", "alpacafarm.__main__", "alpacafarm.testing", "alpacafarm.testing.launch",
                      "alpacafarm.testing.openai_server", "alpacafarm.testing.pytest_plugin",
                      "alpacafarm.testing.batch_server"},
