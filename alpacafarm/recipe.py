@@ -199,6 +199,15 @@ class EvaluationSpec(_Strict):
     inputs: dict[str, str] = Field(default_factory=dict)
 
 
+def _check_input_names(given: dict[str, str], accepted: tuple[str, ...], owner: str, doc: Any,
+                       where: tuple[Any, ...], note: str = "") -> None:
+    """Every name in a stage's (or the evaluation's) ``inputs:`` must be an input its class declares."""
+    for requirement in given:
+        if requirement not in accepted:
+            raise doc.error((*where, "inputs", requirement),
+                            f"{owner} has no input {requirement!r} (inputs: {', '.join(accepted) or 'none'}{note})")
+
+
 def run_name_problem(name: str) -> str | None:
     """Why ``name`` cannot be a run's folder name (one path component under the runs folder), or None."""
     if not name or not name.strip():
@@ -339,13 +348,8 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
         loaded.stage_configs[stage.name] = registry.config("method", stage.method, stage.config, source=doc,
                                                            path=("stages", i, "config"))
         _check_backend(registry, loaded.stage_configs[stage.name], doc, ("stages", i, "config"))
-        accepted = (*method_cls.requires, *method_cls.optional)
-        for requirement in stage.inputs:
-            if requirement not in accepted:
-                raise doc.error(
-                    ("stages", i, "inputs", requirement),
-                    f"method {stage.method!r} has no input {requirement!r} (inputs: {', '.join(accepted) or 'none'})",
-                )
+        _check_input_names(stage.inputs, (*method_cls.requires, *method_cls.optional), f"method {stage.method!r}",
+                           doc, ("stages", i))
     roles = [("feedback", recipe.annotator, ("annotator",))]
     for i, stage in enumerate(recipe.stages):
         if stage.annotator is not None:
@@ -360,12 +364,10 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
                                                            source=doc, path=("evaluation", "config"))
         _check_backend(registry, loaded.stage_configs["evaluate"], doc, ("evaluation", "config"))
         evaluator_cls = registry.target_class("evaluator", evaluation.evaluator)
-        accepted = (*(r for r in evaluator_cls.requires if r != "policy"), *evaluator_cls.optional)
-        for requirement in evaluation.inputs:
-            if requirement not in accepted:
-                raise doc.error(("evaluation", "inputs", requirement),
-                                f"evaluator {evaluation.evaluator!r} has no input {requirement!r} (inputs: "
-                                f"{', '.join(accepted) or 'none'}; the systems it judges are evaluation.policy)")
+        _check_input_names(evaluation.inputs,
+                           (*(r for r in evaluator_cls.requires if r != "policy"), *evaluator_cls.optional),
+                           f"evaluator {evaluation.evaluator!r}", doc, ("evaluation",),
+                           note="; the systems it judges are evaluation.policy")
         if evaluation.annotator is not None:
             roles.append(("evaluation", evaluation.annotator, ("evaluation", "annotator")))
     for role, ref, at in roles:

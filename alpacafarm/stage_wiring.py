@@ -38,13 +38,12 @@ class PlannedStage:
     #: (the stage takes the last one; :func:`input_warnings` says so).
     ambiguous: dict[str, list[str]] = field(default_factory=dict)
 
+
 def plan(loaded: LoadedRecipe, registry: Registry) -> list[PlannedStage]:
     """Resolve every stage's inputs; errors name the stage and the YAML path."""
     recipe, doc = loaded.recipe, loaded.source
     planned: list[PlannedStage] = []
-    providers: dict[str, str] = {}  # what → latest stage that provides it
-    every_provider: dict[str, list[str]] = {}  # what → every stage that provides it, in order
-    ambiguous: dict[str, list[str]] = {}  # the stage being wired: requirement → its several providers
+    providers: dict[str, list[str]] = {}  # what → every stage that provides it, in order (the latest last)
 
     def resolve(where: tuple[Any, ...], stage_name: str, method: str, requirement: str, explicit: str | None,
                 optional: bool = False) -> str | None:
@@ -56,11 +55,9 @@ def plan(loaded: LoadedRecipe, registry: Registry) -> list[PlannedStage]:
                 (*where, "inputs", requirement),
                 f"{explicit!r} is not an earlier stage, a data name or {BASE_MODEL!r}{did_you_mean(explicit, known)}",
             )
-        for candidate in (providers.get(requirement), requirement if requirement in recipe.data else None,
+        for candidate in (providers.get(requirement, [None])[-1], requirement if requirement in recipe.data else None,
                           requirement if any(p.name == requirement for p in planned) else None):
             if candidate:
-                if candidate == providers.get(requirement) and len(every_provider[requirement]) > 1:
-                    ambiguous[requirement] = list(every_provider[requirement])
                 return candidate
         if optional:
             return None
@@ -77,33 +74,34 @@ def plan(loaded: LoadedRecipe, registry: Registry) -> list[PlannedStage]:
         )
 
     def wire(where: tuple[Any, ...], name: str, method: str, requires: tuple[str, ...], optional: tuple[str, ...],
-             explicit: dict[str, str]) -> dict[str, str]:
+             explicit: dict[str, str]) -> tuple[dict[str, str], dict[str, list[str]]]:
+        """The stage's inputs, and those the recipe left unnamed that it took from the latest of several providers."""
         inputs = {r: resolve(where, name, method, r, explicit.get(r)) for r in requires}
         for r in optional:
             provider = resolve(where, name, method, r, explicit.get(r), optional=True)
             if provider is not None:
                 inputs[r] = provider
-        return inputs
+        ambiguous = {r: list(providers[r]) for r, source in inputs.items()
+                     if r not in explicit and len(providers.get(r, ())) > 1 and source == providers[r][-1]}
+        return inputs, ambiguous
 
     for i, spec in enumerate(recipe.stages):
         if not spec.enabled:
             continue
         entry = registry.entry("method", spec.method)
         method_cls = registry.target_class("method", spec.method)  # a Method subclass, else one line
-        ambiguous = {}
-        inputs = wire(("stages", i), spec.name, spec.method, method_cls.requires, method_cls.optional, spec.inputs)
+        inputs, ambiguous = wire(("stages", i), spec.name, spec.method, method_cls.requires, method_cls.optional,
+                                 spec.inputs)
         planned.append(PlannedStage(spec.name, spec.method, method_cls, entry.plugin, "method",
                                     loaded.stage_configs[spec.name], dict(spec.config), inputs, ambiguous))
-        providers[method_cls.provides] = spec.name
-        every_provider.setdefault(method_cls.provides, []).append(spec.name)
+        providers.setdefault(method_cls.provides, []).append(spec.name)
 
     if recipe.evaluation is not None:
-        ambiguous = {}
         evaluation = recipe.evaluation
         entry = registry.entry("evaluator", evaluation.evaluator)
         evaluator_cls = registry.target_class("evaluator", evaluation.evaluator)
         policies = policy_stages(recipe, [p.name for p in planned], doc)
-        inputs = wire(("evaluation",), EVALUATION_STAGE, evaluation.evaluator,
+        inputs, ambiguous = wire(("evaluation",), EVALUATION_STAGE, evaluation.evaluator,
                       tuple(r for r in evaluator_cls.requires if r != "policy"),
                       evaluator_cls.optional, evaluation.inputs)
         if isinstance(evaluation.policy, list):  # several systems: one input per evaluated stage
