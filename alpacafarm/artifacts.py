@@ -76,7 +76,7 @@ class System:
     step: int | None = None
     #: mean reward-model score of its outputs as the stage scored them (else the evaluation scores them)
     proxy_reward: float | None = None
-    #: the stage's training reward there (PPO: the rollouts' mean score at that step)
+    #: the stage's training reward there (PPO: the rollouts' mean score over the steps since the snapshot before)
     train_reward: float | None = None
     #: its KL to the reference model when the stage knows it (best-of-n: ``log n - (n - 1)/n``), and its SE
     kl: float | None = None
@@ -85,7 +85,7 @@ class System:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A policy saved during training: its step, its model folder, the training reward at that step."""
+    """A policy saved during training: its step, its model folder, the training reward of the steps that led there."""
 
     step: int
     path: str

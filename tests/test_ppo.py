@@ -755,7 +755,7 @@ def test_snapshots_are_saved_sampled_and_judged_step_by_step(one_torch_thread: N
     register_test_plugin(Plugin(), "snapshot-test")
     references = write_records(tmp_path / "refs.jsonl", [{**p, "output": "A reference answer."} for p in PROMPTS])
     recipe = ppo_recipe(tmp_path, tiny_model_dir)
-    text = recipe.read_text().replace("save_steps: 2,", "save_steps: 2, snapshot_steps: 1,")
+    text = recipe.read_text().replace("save_steps: 2,", "save_steps: 2, snapshot_steps: 2,")
     text = text.replace("config: {split: eval, sampling:", "config: {split: eval, snapshots: true, sampling:")
     recipe.write_text(text + "evaluation:\n  evaluator: win_rate\n  annotator: longer_answer\n  policy: outputs\n"
                       f"  config: {{references: {{path: {references}}}, reference_field: output}}\n")
@@ -763,8 +763,7 @@ def test_snapshots_are_saved_sampled_and_judged_step_by_step(one_torch_thread: N
 
     stage = tmp_path / "run" / "stages" / "ppo"
     listed = {s.step: s.path for s in artifacts["ppo"].snapshots}
-    assert listed == {1: str(stage / "snapshots/step-1"), 2: str(stage / "snapshots/step-2"),
-                      3: str(stage / "snapshots/step-3"), 4: str(stage / "model")}
+    assert listed == {2: str(stage / "snapshots/step-2"), 4: str(stage / "model")}
     weights = [load_weights(Path(folder)) for folder in listed.values()]
     assert all(not torch.equal(a, b) for a, b in itertools.pairwise(weights))  # each step moved it
     assert not list((stage / "snapshots").glob("*.partial"))
@@ -773,19 +772,29 @@ def test_snapshots_are_saved_sampled_and_judged_step_by_step(one_torch_thread: N
     systems = artifacts["outputs"].systems
     scores = {s.step: s.train_reward for s in artifacts["ppo"].snapshots}
     logged = steps_of(json.loads((stage / "metrics.json").read_text())["log_history"])
-    assert scores == {s: logged[s]["score"] for s in (1, 2, 3, 4)}
+    # each snapshot's training reward: the mean rollout reward of the steps that led to it, not its last step's
+    assert scores == pytest.approx({2: (logged[1]["score"] + logged[2]["score"]) / 2,
+                                    4: (logged[3]["score"] + logged[4]["score"]) / 2})
     assert systems == [System(f"outputs@{s}", str(outputs / ("outputs.jsonl" if s == 4 else f"step-{s}.jsonl")),
-                              step=s, train_reward=scores[s]) for s in (1, 2, 3, 4)]
+                              step=s, train_reward=scores[s]) for s in (2, 4)]
     for system in systems:
         assert len(Path(system.outputs).read_text().splitlines()) == 4
 
     evaluation = tmp_path / "run" / "stages" / "evaluate"
     rows = json.loads((evaluation / "results.json").read_text())["rows"]
-    assert [(r["system"], r["step"]) for r in rows] == [(f"outputs@{s}", s) for s in (1, 2, 3, 4)]
+    assert [(r["system"], r["step"]) for r in rows] == [(f"outputs@{s}", s) for s in (2, 4)]
     assert all(isinstance(r["proxy_reward"], float) for r in rows)
-    assert [r["train_reward"] for r in rows] == [scores[s] for s in (1, 2, 3, 4)]
+    assert [r["train_reward"] for r in rows] == [scores[s] for s in (2, 4)]
     assert (evaluation / "over_training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+
+def test_a_snapshots_training_reward_is_the_mean_over_the_steps_since_the_one_before():
+    from alpacafarm_methods.ppo.method import snapshot_rewards
+
+    steps = [{"step": s, "score": float(s)} for s in range(1, 9)] + [{"step": 9, "kl": 0.1}]  # a row without score
+    assert snapshot_rewards(steps, [8, 4]) == {4: 2.5, 8: 6.5}  # (1+2+3+4)/4 and (5+6+7+8)/4, in step order
+    assert snapshot_rewards(steps, [3, 9]) == {3: 2.0, 9: 6.0}  # the last window holds steps 4..8 (9 has no score)
+    assert snapshot_rewards([], [2]) == {2: None}  # nothing logged: no number made up
 
 def load_weights(folder: Path) -> torch.Tensor:
     """Every weight of a saved model folder, flattened into one vector."""

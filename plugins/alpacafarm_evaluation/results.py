@@ -255,8 +255,8 @@ def plot_over_training(rows: list[dict[str, Any]], path: Path) -> None:
     """Win-rate (± SE, left) and reward (right) against the training step, one line per stage whose systems carry
     a ``step`` (the paper's Figure 5: over-optimisation shows as a win-rate that turns down while the proxy reward
     keeps rising), the starting system (:func:`over_training_lines`) as a dashed line with its ± SE band. The reward
-    is each stage's own training reward at that step (``train_reward``: PPO's mean rollout reward under the reward
-    model it optimises) where recorded, else the evaluation's proxy reward."""
+    is each stage's own training reward there (``train_reward``: PPO's mean rollout reward since the snapshot
+    before, under the reward model it optimises) where recorded, else the evaluation's proxy reward."""
     import matplotlib
 
     matplotlib.use("Agg")

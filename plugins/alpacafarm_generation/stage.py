@@ -39,9 +39,9 @@ class GenerateOutputs(Method):
     With ``snapshots: true`` it samples each snapshot of the ``sft_model`` input too (its artifact's
     :class:`~alpacafarm.artifacts.Snapshot` list) into ``step-<N>.jsonl``, with the same seed for every step, and
     hands them on as the artifact's :class:`~alpacafarm.artifacts.System` list (``<stage>@<step>``, each with its
-    ``step`` and the ``train_reward`` its stage recorded there, e.g. PPO's mean rollout reward at that step): the
-    evaluation judges each and plots win-rate and proxy reward against the step. The artifact's path is
-    ``outputs.jsonl``, the final model's samples, either way."""
+    ``step`` and the ``train_reward`` its stage recorded there, e.g. PPO's mean rollout reward since the snapshot
+    before): the evaluation judges each and plots win-rate and proxy reward against the step. The artifact's path
+    is ``outputs.jsonl``, the final model's samples, either way."""
 
     config_class = GenerateOutputsConfig
     requires = ("sft_model", "instruction_splits")
