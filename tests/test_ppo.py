@@ -796,6 +796,7 @@ def test_a_snapshots_training_reward_is_the_mean_over_the_steps_since_the_one_be
     assert snapshot_rewards(steps, [3, 9]) == {3: 2.0, 9: 6.0}  # the last window holds steps 4..8 (9 has no score)
     assert snapshot_rewards([], [2]) == {2: None}  # nothing logged: no number made up
 
+
 def load_weights(folder: Path) -> torch.Tensor:
     """Every weight of a saved model folder, flattened into one vector."""
     from safetensors.torch import load_file
