@@ -390,3 +390,29 @@ def test_the_over_training_plot_reads_snapshots_against_the_system_they_start_fr
                                                                                        "clean": [4]}
     # a table that starts with a snapshot has no starting system to read the lines against
     assert over_training_lines(rows[1:])[1] is None
+
+
+def test_gold_against_kl_draws_each_curves_paired_difference_to_the_first_system(tmp_path):
+    """The middle panel of gold_vs_kl.png: Δ gold against the table's first system with its paired SE, the first
+    system at Δ 0 on its own curve; rows the evaluation gave no paired difference are left out of it."""
+    import matplotlib.image
+
+    from alpacafarm_evaluation.results import kl_deltas, plot_gold_vs_kl
+
+    def row(system, stage, kl, delta=None, se=None, first="bon/best_of_1"):
+        return {"system": system, "stage": stage, "kl": kl, "gold": 0.1, "gold_se": 0.1,
+                "vs_system": None if system == first else first, "delta_gold_vs_system": delta,
+                "paired_se_gold_vs_system": se, "train_reward": None, "proxy_reward": 0.5}
+
+    rows = [row("bon/best_of_1", "bon", 0.0), row("bon/best_of_4", "bon", 0.64, 0.3, 0.07),
+            row("ppo@8", "ppo", 1.7, 0.26, 0.07), row("ppo@16", "ppo", 2.6, 0.2, 0.08),
+            row("noisy@8", "noisy", 1.0), row("noisy@16", "noisy", 2.0)]
+    first, deltas = kl_deltas(rows)
+    assert first == "bon/best_of_1"
+    assert deltas == {"bon": [(0.0, 0.0, 0.0), (0.64, 0.3, 0.07)], "ppo": [(1.7, 0.26, 0.07), (2.6, 0.2, 0.08)]}
+
+    three, two = tmp_path / "three.png", tmp_path / "two.png"
+    plot_gold_vs_kl(rows, three)
+    plot_gold_vs_kl([{**r, "vs_system": None, "delta_gold_vs_system": None} for r in rows], two)
+    assert matplotlib.image.imread(three).shape[1] == 1500   # three panels at dpi 100
+    assert matplotlib.image.imread(two).shape[1] == 1000     # no paired differences: gold and proxy only

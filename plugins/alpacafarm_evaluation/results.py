@@ -199,18 +199,38 @@ def kl_curves(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return {stage: sorted(points, key=lambda r: r["kl"]) for stage, points in stages.items() if len(points) > 1}
 
 
+def kl_deltas(rows: list[dict[str, Any]]) -> tuple[str | None, dict[str, list[tuple[float, float, float]]]]:
+    """What the middle panel of ``gold_vs_kl.png`` draws: the system every gold difference is read against (the
+    table's first, ``vs_system``) and, per curve of :func:`kl_curves`, its points as (KL, Δ gold, paired SE); the
+    first system is its own curve's point (Δ 0, SE 0), rows without a paired difference are left out. Paired
+    bands are much narrower than each mean's own SE, so differences between curves show where they are real."""
+    first = next((r["vs_system"] for r in rows if r.get("vs_system")), None)
+    deltas: dict[str, list[tuple[float, float, float]]] = {}
+    for stage, points in kl_curves(rows).items():
+        shown = [(r["kl"], 0.0, 0.0) if r["system"] == first else
+                 (r["kl"], r["delta_gold_vs_system"], r.get("paired_se_gold_vs_system") or 0.0)
+                 for r in points if r["system"] == first or r.get("delta_gold_vs_system") is not None]
+        if shown:
+            deltas[stage] = shown
+    return first, deltas
+
+
 def plot_gold_vs_kl(rows: list[dict[str, Any]], path: Path) -> None:
-    """Gold score (± SE band, left) and proxy reward (right) against the KL to the SFT model, one curve per stage
-    (Gao et al. 2023, Figure 1; Coste et al. 2024): over-optimisation shows as a gold curve that turns down while
-    the proxy keeps rising. The proxy is each stage's own reward where recorded (``train_reward``, a policy's
-    rollout reward at that step), else the evaluation's proxy reward."""
+    """Gold score (± SE band, left), its paired difference to the table's first system (± paired SE, middle, where
+    the evaluation computed one: :func:`kl_deltas`) and proxy reward (right) against the KL to the SFT model, one
+    curve per stage (Gao et al. 2023, Figure 1; Coste et al. 2024): over-optimisation shows as a gold curve that
+    turns down while the proxy keeps rising. The proxy is each stage's own reward where recorded
+    (``train_reward``, a policy's mean rollout reward since the snapshot before), else the evaluation's proxy
+    reward."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     curves = kl_curves(rows)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    first, deltas = kl_deltas(rows)
+    fig, axes = plt.subplots(1, 3 if deltas else 2, figsize=(15 if deltas else 10, 4))
+    left, right = axes[0], axes[-1]
     try:
         for stage, points in curves.items():
             kl = [r["kl"] for r in points]
@@ -219,12 +239,22 @@ def plot_gold_vs_kl(rows: list[dict[str, Any]], path: Path) -> None:
             line = left.plot(kl, gold, marker="o", label=stage)[0]
             left.fill_between(kl, [g - e for g, e in zip(gold, se, strict=True)],
                               [g + e for g, e in zip(gold, se, strict=True)], color=line.get_color(), alpha=0.15)
+            if stage in deltas:
+                x, d, e = (list(v) for v in zip(*deltas[stage], strict=True))
+                axes[1].plot(x, d, marker="o", color=line.get_color(), label=stage)
+                axes[1].fill_between(x, [a - s for a, s in zip(d, e, strict=True)],
+                                     [a + s for a, s in zip(d, e, strict=True)], color=line.get_color(), alpha=0.15)
             key = "train_reward" if all(r.get("train_reward") is not None for r in points) else "proxy_reward"
             shown = [r for r in points if r.get(key) is not None]
             right.plot([r["kl"] for r in shown], [r[key] for r in shown], marker="s", color=line.get_color(),
                        label=stage)
         left.set_xlabel("KL to the SFT model (nats)")
         left.set_ylabel("mean gold score ± SE")
+        if deltas:
+            axes[1].axhline(0.0, linestyle="--", linewidth=1, color="#555555")
+            axes[1].set_xlabel("KL to the SFT model (nats)")
+            axes[1].set_ylabel(f"Δ gold vs {first} ± paired SE")
+            axes[1].legend(fontsize=8)
         right.set_xlabel("KL to the SFT model (nats)")
         right.set_ylabel("proxy reward (the reward model)")
         left.legend(fontsize=8)
