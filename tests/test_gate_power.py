@@ -19,22 +19,32 @@ def load_program():
     return module
 
 
-def write_run(run: Path, n: int, copies: int = 1, gain: float = 0.06) -> None:
+def write_run(run: Path, n: int, copies: int = 1, gain: float = 0.06, status: str = "complete") -> None:
     """Three judged systems on ``n`` instructions (each repeated ``copies`` times under new names, so the scores'
-    spread is the same and only n grows): a base, a system ``gain`` better on average, one twice that."""
+    spread is the same and only n grows): a base, a system ``gain`` better on average, one twice that, each handed
+    on by an evaluation stage whose manifest says ``status``."""
     rng = random.Random(0)
     base = [min(max(rng.gauss(0.5, 0.2), 0.01), 0.99) for _ in range(n)]
     noise = [[rng.gauss(0.0, 0.12) for _ in range(n)] for _ in range(2)]
     systems = {"sft_outputs": base,
                "trained": [min(max(b + gain + e, 0.0), 1.0) for b, e in zip(base, noise[0], strict=True)],
                "best/best_of_8": [min(max(b + 2 * gain + e, 0.0), 1.0) for b, e in zip(base, noise[1], strict=True)]}
+    from alpacafarm.artifacts import Artifact, JudgedSystem
+
+    stage = run / "stages" / "evaluate"
+    judged = []
     for name, values in systems.items():
-        folder = run / "stages" / "evaluate" / "systems" / name.replace("/", "__")
+        folder = stage / "systems" / name.replace("/", "__")
         folder.mkdir(parents=True)
         records = [{"instruction": f"instruction {i} copy {c}", "input": "", "output_1": "reference",
                     "output_2": f"{name} {i}", "preference": 1.0 + v}
                    for c in range(copies) for i, v in enumerate(values)]
         (folder / "annotations.json").write_text(json.dumps(records), encoding="utf-8")
+        judged.append(JudgedSystem(name, name.split("/")[0], str(folder / "annotations.json")))
+    # the evaluation's hand-off, recorded as a finished stage records it
+    artifact = Artifact("evaluation", str(stage), judged=judged)
+    (stage / "manifest.json").write_text(json.dumps({"status": status, "artifact": artifact.to_json(run)}),
+                                         encoding="utf-8")
 
 
 def test_the_instructions_it_says_are_needed_bring_the_mde_under_a_third_of_the_smallest_gain(tmp_path, capsys):
@@ -62,7 +72,18 @@ def test_a_system_that_was_not_judged_is_named_and_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "ppo_outputs@48" in err and "trained" in err
     assert program.main([str(tmp_path / "nowhere"), "--base", "sft_outputs"]) == 2
-    assert "run the recipe's evaluation first" in capsys.readouterr().err
+    assert "is missing: run the recipe's evaluation to the end first" in capsys.readouterr().err
+    write_run(tmp_path / "interrupted", 16, status="running")   # annotations on disk, the stage not finished
+    assert program.main([str(tmp_path / "interrupted"), "--base", "sft_outputs"]) == 2
+    assert "status 'running'" in capsys.readouterr().err
+
+
+def test_systems_are_named_as_the_evaluation_named_them(tmp_path, capsys):
+    """A best-of-n system is ``stage/best_of_n`` in the results; its folder's name is not what the user types."""
+    program = load_program()
+    write_run(tmp_path, 32)
+    assert program.main([str(tmp_path), "--base", "sft_outputs", "--systems", "best/best_of_8"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("best/best_of_8 ")
 
 
 def test_gains_are_paired_differences_in_points(tmp_path, capsys):
