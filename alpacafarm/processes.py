@@ -1,13 +1,17 @@
-"""Which processes are alive or hold a file: the annotation cache's claims and its lock errors name them.
+"""Which processes are alive or hold a file, and how long to wait for a lock one holds: the annotation cache's
+claims and its lock errors name them.
 
 Linux's /proc where it can be read; elsewhere ``kill(pid, 0)`` alone, and no lock holders.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from pathlib import Path
+
+from alpacafarm.errors import UserError
 
 #: This machine's name, as claims record it (a claim from another host is judged by its heartbeat alone).
 HOST = socket.gethostname()
@@ -52,3 +56,23 @@ def lock_holders(path: Path) -> list[str]:
         except OSError:  # gone, or another user's
             continue
     return found[:3]
+
+
+#: How long an operation waits for a lock another process holds on the cache before failing (seconds). Writers
+#: hold it for milliseconds; only a stuck program (a sqlite3 shell left in a transaction) holds it for long.
+LOCK_TIMEOUT_ENV = "ALPACAFARM_CACHE_LOCK_TIMEOUT_S"
+DEFAULT_LOCK_TIMEOUT_S = 5.0
+
+
+def lock_timeout_s() -> float:
+    """``$ALPACAFARM_CACHE_LOCK_TIMEOUT_S``, else :data:`DEFAULT_LOCK_TIMEOUT_S`; a bad value is a UserError."""
+    raw = os.environ.get(LOCK_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_LOCK_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= 3600):
+        raise UserError(f"${LOCK_TIMEOUT_ENV}={raw!r}: expected seconds in (0, 3600]")
+    return value

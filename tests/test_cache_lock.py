@@ -13,8 +13,9 @@ from annotator_server import tagged_pairs
 from conftest import run_cli
 from test_annotation_reliability import write_pairs
 
-from alpacafarm.annotation_cache import DEFAULT_LOCK_TIMEOUT_S, LOCK_TIMEOUT_ENV, AnnotationCache, lock_timeout_s
+from alpacafarm.annotation_cache import AnnotationCache
 from alpacafarm.errors import UserError
+from alpacafarm.processes import DEFAULT_LOCK_TIMEOUT_S, LOCK_TIMEOUT_ENV, lock_timeout_s
 
 
 def test_the_default_bound_is_a_few_seconds_and_a_bad_value_is_refused(monkeypatch: pytest.MonkeyPatch):
@@ -47,3 +48,23 @@ def test_a_locked_cache_fails_within_the_bound_naming_the_holder(tmp_path: Path)
     assert len(lines) == 1 and str(cache.path) in lines[0] and "more than 1 s" in lines[0], lines
     assert f"pid {os.getpid()}" in lines[0]  # the program that holds it
     assert elapsed < 30  # process start and imports included; the wait itself is bounded by 1 s per operation
+
+
+def test_a_fresh_cache_opens_while_another_connection_holds_its_write_lock(tmp_path: Path):
+    """Two processes opening a new cache together: the second's switch to WAL met the first's write lock and
+    SQLite refused it at once (no busy wait where it could deadlock), 'locked for more than 5 s' after 2 ms."""
+    import threading
+
+    path = tmp_path / "annotations.sqlite"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("CREATE TABLE first_writer (x)")  # the file exists, still in rollback mode
+    holder.execute("BEGIN IMMEDIATE")  # the first opener, mid-write
+    release = threading.Timer(0.5, lambda: holder.execute("COMMIT"))
+    release.start()
+    try:
+        cache = AnnotationCache(path)
+    finally:
+        release.join()
+        holder.close()
+    assert cache.connection().execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    assert cache.ledger().requests == 0  # the schema is there
