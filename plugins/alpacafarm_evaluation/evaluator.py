@@ -90,7 +90,7 @@ class WinRateEvaluator(Method):
 
     config_class = WinRateConfig
     requires = ("policy",)
-    optional = ("reward_model",)
+    optional = ("reward_model", "instruction_splits")  # the splits: which split a look is at (``looks.py``)
     produces = ("judged", "table")
     provides = "evaluation"
     annotator_role = "evaluation"
@@ -164,16 +164,22 @@ class WinRateEvaluator(Method):
         golds = [gold_scores(annotator.inner, pairs) for _, _, pairs, _ in evaluated]
         kls = [policy_kl(system) for system, _, _, _ in evaluated]
         rows = results_rows([(s, m, per) for s, m, _, per in evaluated], rewards, golds, kls)
-        files = write_results(rows, context.stage_dir)
+        looks = count_look(context, config, [(s, pairs) for s, _, pairs, _ in evaluated])
+        for row in rows:
+            row["retried_after_looks"] = looks.retried.get(row["stage"])
+        files = write_results(rows, context.stage_dir, looks=looks.to_json())
         judge = evaluated[0][1]["annotator"]
         reference = evaluated[0][1]["reference"]
+        context.logger.info("%s: %s", context.stage, looks.caption())
         if single:
-            metrics = {**evaluated[0][1], "proxy_reward": rows[0]["proxy_reward"], "results": files}
-            title = f"win-rate of {metrics.get('generator')} vs {reference} (judge: {judge})"
+            metrics = {**evaluated[0][1], "proxy_reward": rows[0]["proxy_reward"], "results": files,
+                       "looks": looks.to_json()}
+            title = f"win-rate of {metrics.get('generator')} vs {reference} (judge: {judge}); {looks.caption()}"
             return Artifact("evaluation", str(context.stage_dir / "metrics.json"), metrics, judged=judged,
                             table=Table(**metrics_table(metrics, title)))
-        table = results_table(rows, f"win-rate vs {reference} (judge: {judge})")
-        return Artifact("evaluation", files["json"], {"annotator": judge, "reference": reference, "results": files},
+        table = results_table(rows, f"win-rate vs {reference} (judge: {judge}); {looks.caption()}")
+        return Artifact("evaluation", files["json"], {"annotator": judge, "reference": reference, "results": files,
+                                                      "looks": looks.to_json()},
                         judged=judged, table=Table(**table))
 
 
@@ -197,6 +203,35 @@ class RecordingAnnotator(Annotator):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def count_look(context: StageContext, config: WinRateConfig,
+               systems: Sequence[tuple[Candidate, list[dict[str, Any]]]]) -> Any:
+    """Record this evaluation in the looks ledger (``looks.py``) when it judged instructions of the run's
+    ``instruction_splits`` input, and return what the ledger says (a :class:`~alpacafarm_evaluation.looks.
+    LookSummary`; split None when there is no split input or the judged instructions lie on none of its splits)."""
+    from alpacafarm.annotation import label_identity, without_run_limits
+    from alpacafarm_evaluation.looks import LooksLedger, LookSummary, Splits, instruction_key, stage_settings, world_of
+
+    if "instruction_splits" not in context.inputs:
+        return LookSummary(None)
+    files = context.input("instruction_splits").files
+    held_out = "test" if "test" in files else "eval"
+    if held_out not in files:
+        return LookSummary(None)
+    splits = Splits(frozenset(instruction_key(r) for r in context.records("instruction_splits", held_out)),
+                    frozenset(instruction_key(r) for r in context.records("instruction_splits", "validation"))
+                    if "validation" in files else frozenset())
+    split = splits.which(instruction_key(p) for _, pairs in systems for p in pairs)
+    if split is None:
+        return LookSummary(None)
+    ref = context.annotator_ref("evaluation")
+    judge = {"judge": without_run_limits(ref.model_dump(mode="json")), "labels": label_identity(context.registry,
+                                                                                                 ref.name)}
+    settings = {"references": config.references.model_dump(mode="json") if config.references else None,
+                "reference_field": config.reference_field, "max_instructions": config.max_instructions}
+    judged = [(s.name, s.stage, stage_settings(context.run_dir, s.stage)) for s, _ in systems]
+    return LooksLedger().record(world_of(splits, judge, settings), split, context.run_dir, context.stage, judged)
 
 
 def gold_scores(judge: Annotator, pairs: Sequence[dict[str, Any]]) -> dict[str, float] | None:

@@ -24,7 +24,8 @@ logger = logging.getLogger("alpacafarm")
 COLUMNS = ("system", "stage", "n", "win_rate", "standard_error", "length_controlled_win_rate", "n_wins", "n_wins_base",
            "n_draws", "n_total", "avg_length", "proxy_reward", "delta_vs_smallest_n", "paired_standard_error",
            "vs_system", "delta_vs_system", "paired_se_vs_system", "significant", "continuous_preferences", "step",
-           "train_reward", "gold", "gold_se", "delta_gold_vs_system", "paired_se_gold_vs_system", "kl", "kl_se")
+           "train_reward", "gold", "gold_se", "delta_gold_vs_system", "paired_se_gold_vs_system", "kl", "kl_se",
+           "retried_after_looks")
 #: A paired difference counts as significant beyond this many paired standard errors (about p < 0.05, two-sided).
 SIGNIFICANCE_SES = 2.0
 
@@ -110,7 +111,7 @@ def results_rows(evaluated: Sequence[tuple[Any, dict[str, Any], dict[str, float]
                      "continuous_preferences": bool(metrics.get("continuous_preferences")),
                      "step": system.step, "train_reward": system.train_reward,
                      **gold_columns(gold, first_gold if rows else None),
-                     "kl": kl[0] if kl else None, "kl_se": kl[1] if kl else None})
+                     "kl": kl[0] if kl else None, "kl_se": kl[1] if kl else None, "retried_after_looks": None})
     return rows
 
 
@@ -150,7 +151,8 @@ def results_table(rows: list[dict[str, Any]], title: str) -> dict[str, Any]:
     first = rows[0]["system"] if rows else "first"
     rate = "weighted win-rate %" if any(r.get("continuous_preferences") for r in rows) else "win-rate %"
     columns = ["system", "n", rate, "± SE", "avg len", "proxy rwd", f"Δ vs {first}", "Δ vs n₀"]
-    body = [[r["system"], r["n"] if r["n"] is not None else "-", fmt(r["win_rate"]), fmt(r["standard_error"]),
+    body = [[r["system"] + (" ‡" if r.get("retried_after_looks") else ""), r["n"] if r["n"] is not None else "-",
+             fmt(r["win_rate"]), fmt(r["standard_error"]),
              fmt(r["avg_length"], 0), fmt(r["proxy_reward"], 3),
              delta(r.get("delta_vs_system"), r.get("paired_se_vs_system"), " *" if r.get("significant") else ""),
              delta(r["delta_vs_smallest_n"], r["paired_standard_error"])] for r in rows]
@@ -164,7 +166,7 @@ def results_table(rows: list[dict[str, Any]], title: str) -> dict[str, Any]:
     return {"title": f"{title}; Δ ± paired SE, * beyond {SIGNIFICANCE_SES:g} SE", "columns": columns, "rows": body}
 
 
-def write_results(rows: list[dict[str, Any]], directory: Path) -> dict[str, str]:
+def write_results(rows: list[dict[str, Any]], directory: Path, looks: dict[str, Any] | None = None) -> dict[str, str]:
     """``results.csv``, ``results.json``, ``results.png`` when some row has an ``n`` (the curve against n), and
     ``systems.png`` when there are several systems (win-rate ± SE per system), ``over_training.png`` when systems
     carry a training ``step`` (policy snapshots); returns their paths."""
@@ -173,7 +175,7 @@ def write_results(rows: list[dict[str, Any]], directory: Path) -> dict[str, str]
         writer = csv.DictWriter(fh, fieldnames=list(COLUMNS))
         writer.writeheader()
         writer.writerows(rows)
-    write_json(Path(files["json"]), {"columns": list(COLUMNS), "rows": rows})
+    write_json(Path(files["json"]), {"columns": list(COLUMNS), "rows": rows, "looks": looks})
     if any(r["n"] is not None for r in rows):
         files["png"] = str(directory / "results.png")
         plot_curve(rows, Path(files["png"]))
