@@ -409,16 +409,17 @@ class GivenOutputs:
         return self.outputs
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(("seed", "temperature"), [(0, 1.0), (1, 1.0), (0, 0.7), (1, 1.5)])
 def test_quark_loss_equals_released_up_to_its_padding_denominator(released: SimpleNamespace, tmp_path: Path,
-                                                                  seed: int):
+                                                                  seed: int, temperature: float):
     """The same samples through our ``QuarkTrainer.compute_loss`` (real tiny models) and the released
     ``compute_loss`` fed the same models' response logits: NLL on the kept samples' tokens plus
     ``kl_coef * KL(policy || reference)`` per token, no entropy term (the paper's setting).
 
     Documented difference: the released loss is a mean over ``[batch, response_len]`` with padding counted (as
     0); ours is a mean over real tokens. So ``released * batch * response_len == ours * real tokens``, and the
-    two are equal when no response is padded."""
+    two are equal when no response is padded. At a rollout temperature other than 1 the released policy's forward
+    divides its logits (and the reference's) by it before the log-probabilities, the KL and the loss; so must ours."""
     from alpacafarm.testing import tiny_causal_lm, tiny_tokenizer
     from alpacafarm_methods.quark.config import QuarkMethodConfig
     from alpacafarm_methods.quark.trainer import build_quark_trainer, training_example
@@ -426,7 +427,7 @@ def test_quark_loss_equals_released_up_to_its_padding_denominator(released: Simp
     tokenizer = tiny_tokenizer()
     pad, kl_coef = tokenizer.pad_token_id, 0.05
     args = QuarkMethodConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, step_batch_size=4,
-                             kl_coef=kl_coef, report_to="none", disable_tqdm=True)
+                             kl_coef=kl_coef, temperature=temperature, report_to="none", disable_tqdm=True)
     trainer = build_quark_trainer(args, tiny_causal_lm(tokenizer, seed=seed), tokenizer,
                                   [{"instruction": "not sampled here"}], lambda records, texts: [0.0] * len(texts),
                                   ref_model=tiny_causal_lm(tokenizer, seed=seed + 10))
@@ -448,14 +449,14 @@ def test_quark_loss_equals_released_up_to_its_padding_denominator(released: Simp
         for row, s in enumerate(samples):
             n, start = len(s.response_ids), len(s.prompt_ids) - 1  # logits at t predict token t + 1
             responses[row, :n] = torch.tensor(s.response_ids)
-            policy_logits[row, :n] = logits[row, start:start + n]
-            reference_logits[row, :n] = ref_logits[row, start:start + n]
+            policy_logits[row, :n] = logits[row, start:start + n] / temperature  # as the released forward
+            reference_logits[row, :n] = ref_logits[row, start:start + n] / temperature
         logprobs = released.torch_ops.compute_logprobs(policy_logits, responses, ignore_index=pad)
         owner = SimpleNamespace(
             policy=GivenOutputs({"logits": policy_logits, "logprobs": logprobs}),
             ref_policy=GivenOutputs({"logits": reference_logits}),
             tokenizer=ReleasedTokenizer(pad, logits.shape[-1]),
-            args=SimpleNamespace(temperature=1.0, num_reward_tokens=0),
+            args=SimpleNamespace(temperature=temperature, num_reward_tokens=0),
             kl_ctl=SimpleNamespace(value=kl_coef), entropy_ctl=SimpleNamespace(value=0.0),
             accelerator=SimpleNamespace(device="cpu"))
         batch_for_released = {"queries": torch.ones(4, 2, dtype=torch.long),

@@ -7,6 +7,16 @@ through a sigmoid (Eq. 17): minimise ``(h - 1/(2 tau))^2`` with
 does not drive it to infinity on deterministic preferences as DPO can. TRL averages the log-probabilities over each
 completion's tokens (the form the IPO authors confirmed to TRL; see ``DPOTrainer``'s loss), so ``h`` is per token.
 
+What tau means at this scale: the target ``1/(2 tau)`` is a margin in nats *per token* of the average log-ratio,
+not per answer. TRL's default tau 0.1 asks the chosen answer's per-token log-ratio to exceed the rejected one's by
+5 nats (about 320 nats over a 64-token answer); the runs in docs/gold.md reach ~0.06 nats per token, about 80
+times less, so at those budgets the target is never near and IPO acts as an unregularised squared push on the
+margin (their KL to the SFT model, 17.7-19.4 nats, is the largest of the direct methods). For the regularisation
+to bind, choose tau from the per-token margin you accept, ``tau = 1 / (2 m)``: m = 0.05 nats per token is tau 10.
+The per-sequence form (the margin summed over tokens, as Eq. 17 is written) is not offered: TRL's DPOTrainer has
+only the averaged form, and another form would mean overriding the trainer's private loss code, which this project
+does not do; for answers of similar length L, a per-sequence target M corresponds to tau = L / (2 M).
+
 Everything else is ``dpo``'s: the reference (a frozen SFT copy, or the adapters-off policy with LoRA), the data and
 the stage (:class:`~alpacafarm_methods.preference.direct_alignment.DirectAlignment`).
 """

@@ -254,14 +254,19 @@ class QuarkTrainer:
                 policy.train(was_training)
 
     def token_terms(self, model: Any, inputs: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
-        """Per-token NLL and KL at the response positions, the response mask, and the policy's outputs."""
+        """Per-token NLL and KL at the response positions, the response mask, and the policy's outputs.
+
+        Both are of the distributions the rollouts were sampled from: policy and reference logits divided by the
+        rollout ``temperature``, as the released trainer's policy forward divides them (``rl_models.py``), so at
+        the recipe's 0.7 the loss is that of the tempered policy, not of the raw logits."""
         input_ids, attention_mask, targets = inputs["input_ids"], inputs["attention_mask"], inputs["shift_labels"]
         outputs = model(input_ids=input_ids, attention_mask=attention_mask)
-        logits = outputs.logits[:, :-1]
+        temperature = float(self.args.temperature)
+        logits = outputs.logits[:, :-1].float() / temperature
         mask = targets != IGNORE_INDEX
-        log_probs = logits.float().log_softmax(dim=-1)
+        log_probs = logits.log_softmax(dim=-1)
         nll = -log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        reference = self.reference_logits(model, input_ids, attention_mask)[:, :-1]
+        reference = self.reference_logits(model, input_ids, attention_mask)[:, :-1].float() / temperature
         kl = token_kl(logits, reference)
         return nll, kl, mask, outputs
 
