@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from alpacafarm.recipe import DataSource
 
 BUILTIN_DIR = Path(__file__).parent / "bundled_data"
+#: The paper's Table 2 (win-rates against Davinci003, simulated and human; source in bundled_data/SOURCES.md).
+PAPER_TABLE2 = BUILTIN_DIR / "paper_table2.csv"
 
 
 def builtin_datasets() -> list[str]:

@@ -18,3 +18,6 @@ def register_commands(register):
     register("bench", "alpacafarm_evaluation.bench:main",
              description="CI gate: run a benchmark recipe, compare each system with a committed baseline "
                          "(PASS/FAIL/INCONCLUSIVE/STALE)")
+    register("ordering", "alpacafarm_evaluation.ordering:main",
+             description="rank correlation of a run's method gains with the paper's (Table 2), bootstrapped over "
+                         "instructions, and the pairs that swap")

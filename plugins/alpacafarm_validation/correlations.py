@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from alpacafarm.data import PAPER_TABLE2  # noqa: F401  (the table ``alpacafarm compare paper`` reads)
 from alpacafarm.errors import UserError
 from alpacafarm.validation import Validator
 
 MISSING = {"", "-", "na", "n/a", "nan", "none", "null"}
-PAPER_TABLE2 = Path(__file__).parent / "data" / "paper_table2.csv"
 METRICS = ("spearman", "pearson", "kendall", "r2", "slope")
 
 
