@@ -17,6 +17,11 @@ A batch's life, each step one transaction in the cache's SQLite file (tables ``b
 3. **collected** (:meth:`BatchLedger.collect`): its answers and their ledger rows, in the transaction that
    moves it out of ``pending`` (compare-and-set), so two processes polling the same batch book it once. Pairs
    the batch returned no answer for (expired, cancelled, failed lines) are free again and are re-submitted.
+   Its ledger rows belong to the run that submitted it (its ``run``), whoever collects it: that run's summary
+   and budget count it, never the collector's (:meth:`BatchLedger.booked` is what it cost).
+4. **forgotten** (:meth:`BatchLedger.forget`, by ``alpacafarm annotate --batch-forget``): the provider no longer
+   knows a pending batch (404 for it or its files), so it can never be collected: it is closed with nothing
+   booked (what the provider may have billed for it is unknown here), and its pairs are free again.
 
 A killed or closed run therefore resumes by polling the same batch and never submits its pairs again.
 """
@@ -30,7 +35,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from alpacafarm.annotation_cache import OPEN_BATCH_STATES, AnnotationCache, insert_request, open_batch_keys
+from alpacafarm.annotation_cache import (
+    OPEN_BATCH_STATES,
+    AnnotationCache,
+    LedgerTotals,
+    insert_request,
+    open_batch_keys,
+)
 from alpacafarm.processes import HOST, claim_alive
 
 COLUMNS = ("id", "remote_id", "annotator", "model", "endpoint", "state", "remote_status", "n_requests", "n_pairs",
@@ -47,7 +58,7 @@ class BatchRecord:
     annotator: str
     model: str
     endpoint: str
-    state: str  # submitting, pending, collected, abandoned
+    state: str  # submitting, pending, collected, abandoned, forgotten
     remote_status: str | None  # the provider's: validating, in_progress, finalizing, completed, expired, ...
     n_requests: int
     n_pairs: int
@@ -77,11 +88,14 @@ class BatchRecord:
 
 @dataclass
 class BatchRequest:
-    """One line of a batch file: its ``custom_id``, the pair keys it asks about, the SHA-256 of its JSON body."""
+    """One line of a batch file: its ``custom_id``, the pair keys it asks about, the SHA-256 of its JSON body, and
+    the upper bound of its prompt tokens (what its answer is booked at when the provider's usage is missing or
+    not believable; None for records written before it was kept)."""
 
     custom_id: str
     keys: list[str]
     body_sha256: str
+    tokens_in_bound: int | None = None
 
 
 class BatchConflict(Exception):
@@ -128,8 +142,9 @@ class BatchLedger:
             db.execute(f"INSERT INTO batches ({', '.join(COLUMNS)}) VALUES ({_marks(COLUMNS)})",
                        (batch_id, None, annotator, model, endpoint, "submitting", None, len(requests), len(keys),
                         max_cost_usd, None, None, os.getpid(), HOST, run, now, None, now, None))
-            db.executemany("INSERT INTO batch_requests VALUES (?,?,?,?)",
-                           [(batch_id, r.custom_id, json.dumps(r.keys), r.body_sha256) for r in requests])
+            db.executemany("INSERT INTO batch_requests (batch_id, custom_id, keys, body_sha256, tokens_in_bound) "
+                           "VALUES (?,?,?,?,?)", [(batch_id, r.custom_id, json.dumps(r.keys), r.body_sha256,
+                                                   r.tokens_in_bound) for r in requests])
             db.executemany("INSERT INTO batch_pairs VALUES (?,?)", [(key, batch_id) for key in keys])
             db.executemany("DELETE FROM claims WHERE key = ? AND owner = ?", [(key, owner) for key in keys])
 
@@ -146,6 +161,14 @@ class BatchLedger:
         with self.cache.errors("record a batch in"), self.cache.transaction() as db:
             db.execute("UPDATE batches SET state = 'abandoned', cost_usd = 0, error = ?, updated = ? "
                        "WHERE id = ? AND state = 'submitting'", (error[:500], time.time(), batch_id))
+
+    def forget(self, batch_id: str, error: str) -> bool:
+        """Close a pending batch the provider no longer knows, booking nothing; its pairs are free again. False
+        when it was no longer pending (collected or forgotten by another process meanwhile)."""
+        with self.cache.errors("record a batch in"), self.cache.transaction() as db:
+            changed = db.execute("UPDATE batches SET state = 'forgotten', error = ?, updated = ? WHERE id = ? AND "
+                                 "state = 'pending'", (error[:500], time.time(), batch_id)).rowcount
+        return changed == 1
 
     def take_over(self, batch: BatchRecord, stale_after_s: float) -> bool:
         """Make this process the submitter of a ``submitting`` batch whose submitter died (killed between
@@ -218,8 +241,24 @@ class BatchLedger:
     def requests(self, batch_id: str) -> list[BatchRequest]:
         with self.cache.errors("read batches of"):
             rows = self.cache.connection().execute(
-                "SELECT custom_id, keys, body_sha256 FROM batch_requests WHERE batch_id = ?", (batch_id,)).fetchall()
-        return [BatchRequest(custom_id, json.loads(keys), sha) for custom_id, keys, sha in rows]
+                "SELECT custom_id, keys, body_sha256, tokens_in_bound FROM batch_requests WHERE batch_id = ?",
+                (batch_id,)).fetchall()
+        return [BatchRequest(custom_id, json.loads(keys), sha, bound) for custom_id, keys, sha, bound in rows]
+
+    def booked(self, batch_id: str) -> LedgerTotals:
+        """The ledger rows a batch's collection booked (their ids start with the batch's local id, see
+        :func:`booking_id`): what it cost, for the run that submitted it."""
+        prefix = booking_id(batch_id, "")
+        with self.cache.errors("read the ledger of"):
+            n, t_in, t_out, price = self.cache.connection().execute(
+                "SELECT COUNT(*), COALESCE(SUM(tokens_in),0), COALESCE(SUM(tokens_out),0), COALESCE(SUM(price_usd),0) "
+                "FROM requests WHERE substr(id, 1, ?) = ?", (len(prefix), prefix)).fetchone()
+        return LedgerTotals(n, t_in, t_out, price)
+
+
+def booking_id(batch_id: str, custom_id: str, copy: int = 0) -> str:
+    """The ledger row id of one answered line of a batch (``copy``: the provider listed it more than once)."""
+    return f"batch:{batch_id}:" + (f"{custom_id}:{copy}" if custom_id else "")
 
 
 def _chunks(keys: Sequence[str], size: int = 500) -> list[list[str]]:

@@ -90,7 +90,7 @@ CREATE TABLE IF NOT EXISTS batch_pairs (key TEXT NOT NULL, batch_id TEXT NOT NUL
 OPEN_BATCH_STATES = ("submitting", "pending")
 #: Columns added since the first release (caches written before them are migrated in place).
 ADDED_COLUMNS = {"annotations": {"outcome": "TEXT", "unparsed_asks": "INTEGER"},
-                 "requests": {"keys": "TEXT", "run": "TEXT"}}
+                 "requests": {"keys": "TEXT", "run": "TEXT"}, "batch_requests": {"tokens_in_bound": "INTEGER"}}
 #: Served from the cache: a label, a tie, or a pair given up alone (never a legacy NULL of a poisoned batch).
 SERVABLE = "(preference IS NOT NULL OR outcome = 'unparsed')"
 

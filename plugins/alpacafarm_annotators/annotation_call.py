@@ -25,6 +25,7 @@ from alpacafarm_annotators.endpoint_requests import (
     RequestFailed,
     complete,
 )
+from alpacafarm_annotators.provider_numbers import describe_pairs
 
 logger = logging.getLogger("alpacafarm.annotators")
 
@@ -106,7 +107,9 @@ class AnnotationCall:
         for key, batch in claimed.batched.items():  # its answer comes when that batch is collected, maybe in hours
             self.results[self.index[key]] = self.judge._failed(
                 f"this pair is in {batch} (mode: batch), not yet collected: re-run with mode: batch to collect it, "
-                "or cancel it with alpacafarm annotate --batch-cancel")
+                f"cancel it with alpacafarm annotate --batch-cancel {batch.removeprefix('batch ')}, or, if its "
+                f"provider no longer knows it, release it with alpacafarm annotate --batch-forget "
+                f"{batch.removeprefix('batch ')}")
         self._advance(list(self.index[k] for k in claimed.batched))
         return [self.index[k] for k in claimed.mine], {self.index[k]: who for k, who in claimed.busy.items()}
 
@@ -258,12 +261,8 @@ class AnnotationCall:
             except BaseException:
                 judge.budget.settle(estimate, 0.0)
                 raise
-            if not completion.usage_reported:
-                completion.tokens_in, completion.tokens_out = judge.counted_tokens(prompt, completion.text)
-                if not judge.no_usage:
-                    judge.no_usage = True
-                    logger.warning("%s: %s sent no token usage: tokens are counted here as an upper bound (prompt "
-                                   "bytes, max_tokens) for the ledger and max_cost_usd", judge.name, judge.endpoint)
+            judge.count_tokens_itself(completion, describe_pairs(keys, dict(zip(keys, batch, strict=True))),
+                                      prompt=prompt)  # no usage, or numbers that cannot be true: an upper bound
             judge.budget.settle(estimate, judge.cost(completion.tokens_in, completion.tokens_out))
             self.answered += 1
             self.failures_in_a_row = 0

@@ -16,7 +16,7 @@ import json
 import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from alpacafarm.errors import UserError, redact
@@ -28,6 +28,7 @@ from alpacafarm_annotators.endpoint_requests import (
     retry_after_s,
     short_error,
 )
+from alpacafarm_annotators.provider_numbers import read_usage
 
 logger = logging.getLogger("alpacafarm.annotators")
 T = TypeVar("T")
@@ -91,25 +92,46 @@ def line_bytes(custom_id: str, url: str, body: bytes) -> bytes:
 
 @dataclass
 class LineResult:
-    """What a finished batch says about one request: a completion body, or why there is none."""
+    """What a finished batch says about one request (its ``custom_id``): a completion body, or why there is none.
+
+    A provider may list a ``custom_id`` more than once (a bug, but one that costs money): an answer beats an error
+    for it (the answer was billed; re-sending it would buy it again), further answers are in ``extra`` (billed
+    too, so booked), and answers that disagree with each other leave ``body`` None with ``conflict`` saying so."""
 
     body: dict[str, Any] | None
     error: str | None
+    extra: list[dict[str, Any]] = field(default_factory=list)
+    conflict: str | None = None
+
+    @property
+    def answers(self) -> list[dict[str, Any]]:
+        """Every answered body the provider returned for this request (each one billed)."""
+        return ([self.body] if self.body is not None else []) + self.extra
+
+
+class BatchUnknown(UserError):
+    """The provider answered 404 for a batch or one of its files: it no longer knows it (deleted, another
+    account, another provider behind the same URL)."""
+
+    def __init__(self, message: str, detail: str) -> None:
+        super().__init__(message)
+        self.detail = detail
 
 
 def completion_of(style: str, body: dict[str, Any], secrets: Sequence[str]) -> Completion:
-    """A :class:`Completion` from a batch output line's response body (latency is the caller's to set). Raises
+    """A :class:`Completion` from a batch output line's response body (latency is the caller's to set); its usage
+    checked as the live path checks it (:func:`~alpacafarm_annotators.provider_numbers.read_usage`). Raises
     ``ValueError`` for a body without choices."""
     choices = body.get("choices") or []
-    if not choices or not isinstance(choices[0], dict):
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise ValueError("the batch answered with no choices")
     choice = choices[0]
-    text = ((choice.get("message") or {}).get("content") if style == "chat" else choice.get("text")) or ""
-    usage = body.get("usage")
-    usage = usage if isinstance(usage, dict) else None
-    return Completion(redact(str(text), secrets), int((usage or {}).get("prompt_tokens") or 0),
-                      int((usage or {}).get("completion_tokens") or 0), 0.0, 1, choice.get("logprobs"),
-                      usage_reported=usage is not None, finish_reason=choice.get("finish_reason"))
+    message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    text = (message.get("content") if style == "chat" else choice.get("text")) or ""
+    usage = read_usage(body.get("usage"))
+    return Completion(redact(str(text), secrets), usage.tokens_in, usage.tokens_out, 0.0, 1, choice.get("logprobs"),
+                      usage_reported=usage.reported, finish_reason=choice.get("finish_reason"),
+                      usage_problems=usage.problems)
 
 
 class BatchAPI:
@@ -121,9 +143,11 @@ class BatchAPI:
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.timeout_s, self.secrets = timeout_s, list(secrets)
 
-    async def _call(self, what: str, make: Callable[[], Awaitable[T]], retries: int | None = None) -> T:
+    async def _call(self, what: str, make: Callable[[], Awaitable[T]], retries: int | None = None,
+                    about: Sequence[str] = ()) -> T:
         """``await make()`` with retries (``retries``, default ``max_retries``); a refusal (4xx) is a one-line
-        :class:`UserError`, retries exhausted a :class:`RequestFailed`."""
+        :class:`UserError` (a 404 about the batch or file ids in ``about``: :class:`BatchUnknown`; those ids are
+        shown whole), retries exhausted a :class:`RequestFailed`."""
         import openai
 
         limit = self.max_retries if retries is None else retries
@@ -134,12 +158,16 @@ class BatchAPI:
                 return await asyncio.wait_for(make(), self.timeout_s)
             except Exception as exc:
                 if isinstance(exc, openai.APIStatusError) and not is_retryable(exc):
-                    raise UserError(f"{self.endpoint}: the batch endpoint refused to {what} ({exc.status_code}): "
-                                    f"{short_error(exc, self.secrets)}") from None
+                    detail = short_error(exc, self.secrets, keep=about)
+                    message = f"{self.endpoint}: the batch endpoint refused to {what} ({exc.status_code}): {detail}"
+                    if exc.status_code == 404 and about:
+                        raise BatchUnknown(message, f"HTTP 404 for {what}: {detail}") from None
+                    raise UserError(message) from None
                 if not is_retryable(exc) and not isinstance(exc, openai.OpenAIError):
                     raise
                 if attempt > limit:
-                    detail = short_error(exc, self.secrets) or f"no answer within timeout_s={self.timeout_s:g}s"
+                    detail = (short_error(exc, self.secrets, keep=about)
+                              or f"no answer within timeout_s={self.timeout_s:g}s")
                     raise RequestFailed(f"could not {what} at {self.endpoint} after {attempt} attempts: "
                                         f"{type(exc).__name__}: {detail}") from None
                 delay = retry_after_s(exc, self.max_backoff_s)
@@ -185,18 +213,28 @@ class BatchAPI:
         return await self._call("list batches", search)
 
     async def retrieve(self, remote_id: str) -> Any:
-        return await self._call(f"poll batch {remote_id}", lambda: self.client.batches.retrieve(remote_id))
+        return await self._call(f"poll batch {remote_id}", lambda: self.client.batches.retrieve(remote_id),
+                                about=[remote_id])
 
     async def cancel(self, remote_id: str) -> Any:
-        return await self._call(f"cancel batch {remote_id}", lambda: self.client.batches.cancel(remote_id))
+        return await self._call(f"cancel batch {remote_id}", lambda: self.client.batches.cancel(remote_id),
+                                about=[remote_id])
 
     async def results(self, batch: Any) -> dict[str, LineResult]:
-        """The output and error files of a finished batch, by ``custom_id`` (a request in neither has no result)."""
-        found: dict[str, LineResult] = {}
+        """The output and error files of a finished batch, by ``custom_id`` (a request in neither has no result;
+        one listed several times: see :class:`LineResult`)."""
+        rows: dict[str, list[LineResult]] = {}
         for file_id in (batch.output_file_id, batch.error_file_id):
             if not file_id:
                 continue
-            content = await self._call(f"download {file_id}", lambda f=file_id: self.client.files.content(f))
+            try:
+                content = await self._call(f"download {file_id} of batch {batch.id}",
+                                           lambda f=file_id: self.client.files.content(f), about=[file_id, batch.id])
+            except BatchUnknown as exc:
+                if file_id == batch.output_file_id:
+                    raise  # the answers are gone: the batch can never be collected
+                logger.warning("%s: %s; its requests count as unanswered (submitted again)", self.endpoint, exc)
+                continue
             for number, line in enumerate(content.text.splitlines(), start=1):
                 if not line.strip():
                     continue
@@ -206,8 +244,36 @@ class BatchAPI:
                 except (ValueError, KeyError, TypeError):
                     logger.warning("%s: line %d of %s is not a batch result; ignored", self.endpoint, number, file_id)
                     continue
-                found[custom_id] = _line_result(row, self.secrets)
-        return found
+                rows.setdefault(custom_id, []).append(_line_result(row, self.secrets))
+        return {custom_id: self._merge(batch.id, custom_id, found) for custom_id, found in rows.items()}
+
+    def _merge(self, batch_id: str, custom_id: str, found: list[LineResult]) -> LineResult:
+        """One result for a ``custom_id`` the provider listed ``len(found)`` times (see :class:`LineResult`)."""
+        if len(found) == 1:
+            return found[0]
+        answers = [r.body for r in found if r.body is not None]
+        where = f"batch {batch_id}: custom_id {custom_id} is listed {len(found)} times"
+        if not answers:
+            return found[0]
+        if len(answers) < len(found):
+            logger.warning("%s: %s %s, answered and failed: the answer is kept (it was billed; sending the request "
+                           "again would buy it twice)", self.endpoint, where, "in the output and error files")
+        if len({_answer_of(a) for a in answers}) > 1:
+            conflict = (f"{where} with different answers (choices[0] differs): which one is the judge's cannot be "
+                        "told, so none is used; each is booked (billed)")
+            logger.warning("%s: %s", self.endpoint, conflict)
+            return LineResult(None, None, extra=answers, conflict=conflict)
+        if len(answers) > 1:
+            logger.warning("%s: %s with the same answer: it is used once; every copy is booked (billed)",
+                           self.endpoint, where)
+        return LineResult(answers[0], None, extra=answers[1:])
+
+
+def _answer_of(body: dict[str, Any]) -> str:
+    """What identifies an answer (its first choice's text or message), to tell duplicates from conflicts."""
+    choices = body.get("choices") if isinstance(body.get("choices"), list) else []
+    first = choices[0] if choices and isinstance(choices[0], dict) else {}
+    return json.dumps([first.get("message"), first.get("text")], sort_keys=True, default=str)
 
 
 def _line_result(row: dict[str, Any], secrets: Sequence[str]) -> LineResult:

@@ -13,7 +13,13 @@ The call loops until every pair has an answer or ``batch_wait_s`` has passed:
    (completed, expired, cancelled, failed) is downloaded and booked once, and the pairs it returned no answer
    for are submitted again (at most ``batch_resubmits`` times per call; a later run tries again). An answer that
    cannot be read is sent again pair by pair, as the live path re-asks; a single pair's unreadable answer is
-   ``unparsed``.
+   ``unparsed``. Its ``usage`` is checked as the live path checks it (a count that cannot be true is booked at
+   the judge's upper bound, the answer kept); a ``custom_id`` the provider lists twice is never bought again
+   (see :class:`~alpacafarm_annotators.batch_api.LineResult`). Its cost is the submitting run's, whoever
+   collects it (a collector serves those answers as cached).
+
+A batch the provider no longer knows (404 for it or its output file) stops the call with one line naming
+``alpacafarm annotate --batch-forget ID`` (:mod:`.batch_maintenance`), the only way its pairs are freed.
 
 When ``batch_wait_s`` passes with batches still pending, the call raises
 :class:`~alpacafarm.annotation.AnnotationPending` ("batch pending, re-run to collect", exit status 75).
@@ -31,13 +37,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from alpacafarm.annotation import AnnotationFailed, AnnotationPending, ProgressCallback
-from alpacafarm.annotation_batches import BatchConflict, BatchLedger, BatchRecord, BatchRequest
+from alpacafarm.annotation_batches import BatchConflict, BatchLedger, BatchRecord, BatchRequest, booking_id
 from alpacafarm.annotation_cache import OPEN_BATCH_STATES, CacheError
 from alpacafarm.errors import UserError
 from alpacafarm.types import Annotation, Pair
 from alpacafarm_annotators.batch_api import (
     TERMINAL,
     BatchAPI,
+    BatchUnknown,
     BodyCapture,
     LineResult,
     body_sha256,
@@ -45,6 +52,7 @@ from alpacafarm_annotators.batch_api import (
     line_bytes,
 )
 from alpacafarm_annotators.endpoint_requests import RequestFailed, endpoint_path
+from alpacafarm_annotators.provider_numbers import describe_pairs, seconds_between
 
 logger = logging.getLogger("alpacafarm.annotators")
 
@@ -55,7 +63,8 @@ def _age(seconds: float) -> str:
 
 
 class BatchCall:
-    """One batch-mode ``aannotate`` call (or, with no pairs, the annotator's batch maintenance: cancel)."""
+    """One batch-mode ``aannotate`` call (or, with no pairs, the annotator's batch maintenance: cancel, forget; see
+    :mod:`.batch_maintenance`)."""
 
     def __init__(self, judge: Any, pairs: Sequence[Pair], keys: Sequence[str],
                  results: list[Annotation | None], progress: ProgressCallback | None, replicate: int) -> None:
@@ -75,10 +84,7 @@ class BatchCall:
     # ------------------------------------------------------------------------------------------------ the loop
     async def run(self, todo: list[int]) -> None:
         self.index = {self.keys[i]: i for i in todo}
-        client = self.judge._make_client()
-        self.api = BatchAPI(client, endpoint=self.judge.endpoint, max_retries=self.config.max_retries,
-                            backoff_s=self.config.retry_backoff_s, max_backoff_s=self.config.max_backoff_s,
-                            timeout_s=self.config.timeout_s, secrets=self.judge.secrets())
+        client = self.open_api()
         try:
             await self._loop()
         except RequestFailed as exc:
@@ -96,6 +102,7 @@ class BatchCall:
         delay = self.config.batch_poll_s
         while True:
             remaining = self._serve_cached(remaining)
+            self._settle_closed()
             if not remaining:
                 return
             batches = self.ledger.for_keys(remaining)
@@ -130,6 +137,18 @@ class BatchCall:
         if self.progress and found:
             self.progress(len(found), 0.0)
         return [k for k in open_keys if k not in found]
+
+    def _settle_closed(self) -> None:
+        """This call's batches that another process closed meanwhile (collected, forgotten): their cost is this
+        run's (it submitted them), so it is settled against the reservation and counted in this run's usage."""
+        for batch_id in list(self.reserved):
+            record = self.ledger.get(batch_id)
+            if record is None or record.state in OPEN_BATCH_STATES:
+                continue
+            booked = self.ledger.booked(batch_id) if record.state == "collected" else None
+            self.judge.budget.settle(self.reserved.pop(batch_id), booked.price_usd if booked else 0.0)
+            if booked is not None:
+                self.judge._usage.add(booked.tokens_in, booked.tokens_out, booked.price_usd, requests=booked.requests)
 
     def _fail(self, key: str, error: str) -> None:
         self.results[self.index[key]] = self.judge._failed(error)
@@ -188,7 +207,7 @@ class BatchCall:
                                           self.config.timeout_s)
                 custom_id = f"{local_id[:12]}-{j}"
                 lines.append(line_bytes(custom_id, url, body))
-                requests.append(BatchRequest(custom_id, group, body_sha256(body)))
+                requests.append(BatchRequest(custom_id, group, body_sha256(body), judge.counted_tokens(prompt, "")[0]))
                 estimate += judge._estimate(prompt)
         finally:
             await capture.close()
@@ -270,75 +289,103 @@ class BatchCall:
                 await self._repair(record)
                 return True
             return False
-        batch = await self.api.retrieve(record.remote_id)
-        if batch.status not in TERMINAL:
-            if batch.status != record.remote_status:
-                self.ledger.update_status(record.id, batch.status)
-            return False
-        await self.collect(record, batch)
+        try:
+            batch = await self.api.retrieve(record.remote_id)
+            if batch.status not in TERMINAL:
+                if batch.status != record.remote_status:
+                    self.ledger.update_status(record.id, batch.status)
+                return False
+            await self.collect(record, batch)
+        except BatchUnknown as exc:  # never collected, never re-sent by itself: the user decides (--batch-forget)
+            raise UserError(self._unknown(record, exc)) from None
         return True
 
+    def _unknown(self, record: BatchRecord, exc: BatchUnknown) -> str:
+        """The one line for a batch its provider no longer knows, and the way out."""
+        base = f" --base-url {record.endpoint}" if self.config.base_url else ""
+        return (f"{self.judge.name}: the provider no longer knows batch {record.label} ({exc.detail}), so it can "
+                f"never be collected, and its {record.n_pairs} pair(s) stay reserved for it; release them with: "
+                f"alpacafarm annotate --annotator {record.annotator}{base} --batch-forget {record.label} (it books "
+                "nothing in the ledger: what the provider may have billed for it is unknown here; the next run "
+                "submits those pairs, and pays for them, again)")
+
     async def collect(self, record: BatchRecord, batch: Any) -> None:
-        """Download a finished batch and book its answers once (another process may have booked them first)."""
+        """Download a finished batch and book its answers once (another process may have booked them first). The
+        cost is the submitting run's: counted in this run's usage and budget only when this run submitted it."""
         assert self.api is not None
         judge = self.judge
         lines = await self.api.results(batch)
-        elapsed = max(0.0, float((batch.completed_at or batch.expired_at or batch.cancelled_at or batch.failed_at
-                                  or time.time()) - batch.created_at)) if batch.created_at else 0.0
+        ended = batch.completed_at or batch.expired_at or batch.cancelled_at or batch.failed_at or time.time()
+        elapsed = seconds_between(batch.created_at, ended)
         bookings, mine = [], {}
+        known = {k: self.pairs[i] for k, i in self.index.items()}  # to name pairs in messages
         for request in self.ledger.requests(record.id):
-            booking, entries = self._booking(request, lines.get(request.custom_id), elapsed)
-            if booking is not None:
-                bookings.append(booking)
+            rows, entries = self._booking(record, request, lines.get(request.custom_id), elapsed, known)
+            bookings += rows
             mine.update({k: a for k, a in entries if k in self.index})
         error = _batch_error(batch)
         if not self.ledger.collect(record.id, bookings, remote_status=batch.status, error=error):
-            return  # another process booked it: its answers are served from the cache
+            return  # another process booked it: its answers are served from the cache (and settled if ours)
         cost = sum(b["price_usd"] for b in bookings)
-        for booking in bookings:
-            judge._usage.add(booking["tokens_in"], booking["tokens_out"], booking["price_usd"])
-        judge.budget.settle(self.reserved.pop(record.id, 0.0), cost)
+        ours = record.id in self.reserved or (record.run is not None and record.run == judge.run_id)
+        if ours:
+            for booking in bookings:
+                judge._usage.add(booking["tokens_in"], booking["tokens_out"], booking["price_usd"])
+            judge.budget.settle(self.reserved.pop(record.id, 0.0), cost)
         for key, annotation in mine.items():  # unparsed answers too: this call gave them up, like the live path
             if self.results[self.index[key]] is None:
+                annotation.cached = not ours  # bought by another run: served to this one, not paid by it
                 self.results[self.index[key]] = annotation
         if self.progress and mine:
-            self.progress(len(mine), cost)
-        logger.info("%s: collected batch %s (%s): %d answers, $%.4f", judge.name, record.label, batch.status,
-                    len(bookings), cost)
+            self.progress(len(mine), cost if ours else 0.0)
+        logger.info("%s: collected batch %s (%s): %d answers, $%.4f%s", judge.name, record.label, batch.status,
+                    len(bookings), cost, "" if ours else " (submitted by another run, which pays for it)")
 
-    def _booking(self, request: BatchRequest, line: LineResult | None,
-                 elapsed: float) -> tuple[dict[str, Any] | None, list[tuple[str, Annotation]]]:
-        """The ledger row of one answered request and its annotations; (None, []) for a request without an answer
-        (its pairs are submitted again)."""
+    def _booking(self, record: BatchRecord, request: BatchRequest, line: LineResult | None, elapsed: float,
+                 known: dict[str, Pair]) -> tuple[list[dict[str, Any]], list[tuple[str, Annotation]]]:
+        """The ledger rows of one request (one per answer the provider returned for it: each was billed) and its
+        annotations; ([], []) for a request without an answer (its pairs are submitted again)."""
         judge, n = self.judge, len(request.keys)
-        if line is None or line.body is None:
+        if line is None or not line.answers:
             for key in request.keys:
-                self.errors[key] = line.error if line is not None else "the batch returned no answer"
-            return None, []
-        try:
-            completion = completion_of(self.config.style, line.body, judge.secrets())
-        except ValueError as exc:
-            for key in request.keys:
-                self.errors[key] = str(exc)
-            return None, []
-        if not completion.usage_reported:  # an upper bound, as the live path counts it (no prompt here: max_tokens)
-            completion.tokens_out = judge._max_tokens() or len(completion.text.encode("utf-8"))
-            if not judge.no_usage:
-                judge.no_usage = True
-                logger.warning("%s: %s sent no token usage in a batch: output tokens are counted at max_tokens",
-                               judge.name, judge.endpoint)
-        completion.latency_s = elapsed
+                self.errors[key] = line.error if line is not None and line.error else "the batch returned no answer"
+            return [], []
+        rows, completions = [], []
+        what = describe_pairs(request.keys, known)
+        for copy, body in enumerate(line.answers):
+            try:
+                completion = completion_of(self.config.style, body, judge.secrets())
+            except ValueError as exc:
+                if copy == 0 and line.conflict is None:
+                    for key in request.keys:
+                        self.errors[key] = str(exc)
+                    return [], []
+                continue  # a further copy without choices: nothing to book
+            judge.count_tokens_itself(completion, what, tokens_in_bound=request.tokens_in_bound)
+            completion.latency_s = elapsed
+            completions.append(completion)
+            rows.append({"request_id": booking_id(record.id, request.custom_id, copy), "annotator": judge.name,
+                         "model": judge.model, "tokens_in": completion.tokens_in, "tokens_out": completion.tokens_out,
+                         "price_usd": judge.cost(completion.tokens_in, completion.tokens_out), "latency_s": elapsed,
+                         "keys": request.keys, "run": record.run or judge.run_id, "entries": [], "parsed": False})
+        if not rows:
+            return [], []
+        completion, booking = completions[0], rows[0]
+        price = sum(row["price_usd"] for row in rows)
+        if line.conflict is not None:  # two answers, no way to tell the judge's: given up, never re-bought here
+            entries = [(key, Annotation(None, judge.name, None, completion.tokens_in // n, completion.tokens_out // n,
+                                        price / n, elapsed / n, metadata={"error": f"unparsed: {line.conflict}",
+                                                                          "endpoint": judge.endpoint},
+                                        outcome="unparsed")) for key in request.keys]
+            booking["entries"] = entries
+            return rows, entries
         labels = judge.parse(completion, n)
-        price = judge.cost(completion.tokens_in, completion.tokens_out)
-        booking = {"request_id": uuid.uuid4().hex, "annotator": judge.name, "model": judge.model,
-                   "tokens_in": completion.tokens_in, "tokens_out": completion.tokens_out, "price_usd": price,
-                   "latency_s": elapsed, "keys": request.keys, "run": judge.run_id, "entries": [],
-                   "parsed": labels is not None}
+        booking["parsed"] = labels is not None
         if labels is None and n > 1:  # paid, unreadable: each pair is asked again alone (as the live path does)
             self.alone.update(request.keys)
             for key in request.keys:
                 self.errors[key] = "unparsed: the answer could not be read"
-            return booking, []
+            return rows, []
         cut = " (cut off at max_tokens: raise decoding.max_tokens)" if completion.finish_reason == "length" else ""
         metadata = {} if labels is not None else {"error": f"unparsed: the answer could not be read{cut}",
                                                   "endpoint": judge.endpoint}
@@ -347,45 +394,16 @@ class BatchCall:
                                     outcome=None if labels is not None else "unparsed"))
                    for key, label in zip(request.keys, labels or [None], strict=True)]
         booking["entries"] = entries
-        return booking, entries
+        return rows, entries
 
-    # ------------------------------------------------------------------------------------------------ cancel
-    async def cancel(self, which: str) -> list[dict[str, Any]]:
-        """Cancel this annotator's open batches at its endpoint (``which``: ``all`` or a batch id), wait up to
-        ``batch_wait_s`` for each to stop and book what it answered; returns one summary per batch."""
+    # ------------------------------------------------------------------------------------------------ maintenance
+    def open_api(self) -> Any:
+        """A client and the batch API on it, for the maintenance commands (:mod:`.batch_maintenance`)."""
         client = self.judge._make_client()
         self.api = BatchAPI(client, endpoint=self.judge.endpoint, max_retries=self.config.max_retries,
                             backoff_s=self.config.retry_backoff_s, max_backoff_s=self.config.max_backoff_s,
                             timeout_s=self.config.timeout_s, secrets=self.judge.secrets())
-        done = []
-        try:
-            for record in self.ledger.batches(annotator=self.judge.name):
-                if record.endpoint != self.judge.endpoint or which not in ("all", record.id, record.remote_id):
-                    continue
-                if record.state == "submitting":
-                    if not self.ledger.take_over(record, self.config.claim_stale_s):
-                        continue  # its submitter is alive: cancel it once it is submitted
-                    await self._repair(record)
-                    record = self.ledger.get(record.id)
-                    if record is None or record.state != "pending":
-                        done.append({"batch": record.label if record else "?", "state": "abandoned"})
-                        continue
-                batch = await self.api.cancel(record.remote_id)
-                deadline = time.monotonic() + self.config.batch_wait_s
-                delay = self.config.batch_poll_s
-                while batch.status not in TERMINAL and time.monotonic() < deadline:
-                    await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-                    delay = min(delay * 2, self.config.batch_max_poll_s)
-                    batch = await self.api.retrieve(record.remote_id)
-                if batch.status in TERMINAL:
-                    await self.collect(record, batch)
-                else:
-                    self.ledger.update_status(record.id, batch.status)
-                done.append({"batch": record.label, "annotator": record.annotator, "state": batch.status,
-                             "pairs": record.n_pairs})
-        finally:
-            await client.close()
-        return done
+        return client
 
 
 def _batch_error(batch: Any) -> str | None:

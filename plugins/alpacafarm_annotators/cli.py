@@ -21,7 +21,8 @@ are in batches still pending (``mode: batch``: "batch pending, re-run to collect
 
 Batches: ``--batch-status`` lists the pending batches recorded in the annotation cache (their age and worst-case
 cost); ``--annotator NAME --batch-cancel [BATCH]`` cancels that annotator's pending batches (all, or one) and
-books what they had answered.
+books what they had answered; ``--annotator NAME --batch-forget BATCH`` releases the pairs of a pending batch its
+provider no longer knows (404), booking nothing, so that a later run can submit them again.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "cache (annotator, endpoint, status, age, pairs, worst-case cost) and exit; sends nothing")
     batches.add_argument("--batch-cancel", nargs="?", const="all", metavar="BATCH", help="cancel the annotator's "
                          "pending batches (or only BATCH), book what they answered, and exit")
+    batches.add_argument("--batch-forget", metavar="BATCH", help="release the pairs of the pending batch BATCH "
+                         "that its provider no longer knows (it answers 404 for the batch or its output file): "
+                         "nothing is booked in the ledger, and the next run submits (and pays for) them again; a "
+                         "batch the provider still knows is refused")
     add_annotator_options(parser)
     return parser.parse_args(argv)
 
@@ -75,6 +80,10 @@ def main(argv: list[str]) -> int:
         from alpacafarm_annotators.batch_cli import batch_cancel
 
         return batch_cancel(args)
+    if args.batch_forget is not None:
+        from alpacafarm_annotators.batch_cli import batch_forget
+
+        return batch_forget(args)
     if args.describe:
         return describe(args)
     if args.input is None or args.output is None:

@@ -23,10 +23,11 @@ import random
 import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from alpacafarm.errors import UserError, redact, scrub_tokens
+from alpacafarm_annotators.provider_numbers import read_usage
 
 logger = logging.getLogger("alpacafarm.annotators")
 
@@ -50,6 +51,13 @@ class Completion:
     #: False when the reply carried no ``usage``: the caller counts the tokens itself (see prompted.py)
     usage_reported: bool = True
     finish_reason: str | None = None
+    #: what was wrong with the ``usage`` the reply did carry (see provider_numbers.py): counted by the caller too
+    usage_problems: list[str] = field(default_factory=list)
+
+    @property
+    def usage_believable(self) -> bool:
+        """True when ``tokens_in``/``tokens_out`` are the provider's own, checked counts."""
+        return self.usage_reported and not self.usage_problems
 
 
 class RateLimiter:
@@ -160,11 +168,11 @@ async def complete(client: Any, *, style: str, model: str, prompt: Any, decoding
                 raise ValueError("the endpoint answered 200 with no choices")
             choice = response.choices[0]
             text = (choice.message.content if style == "chat" else choice.text) or ""
-            usage = getattr(response, "usage", None)
-            return Completion(redact(text, secrets), getattr(usage, "prompt_tokens", 0) or 0,
-                              getattr(usage, "completion_tokens", 0) or 0, time.perf_counter() - started, attempts,
-                              getattr(choice, "logprobs", None), usage_reported=usage is not None,
-                              finish_reason=getattr(choice, "finish_reason", None))
+            usage = read_usage(getattr(response, "usage", None))  # the one check of a provider's counts
+            return Completion(redact(text, secrets), usage.tokens_in, usage.tokens_out,
+                              time.perf_counter() - started, attempts, getattr(choice, "logprobs", None),
+                              usage_reported=usage.reported, finish_reason=getattr(choice, "finish_reason", None),
+                              usage_problems=usage.problems)
         except Exception as exc:
             if isinstance(exc, openai.APIStatusError) and not is_retryable(exc):
                 raise UserError(f"the endpoint refused the request: {short_error(exc, secrets)}") from None
@@ -218,10 +226,11 @@ async def create_completion(client: Any, style: str, model: str, prompt: Any, de
 _AUTH_STATUSES = (401, 403, 407)
 
 
-def short_error(exc: Exception, secrets: Sequence[str] = ()) -> str:
+def short_error(exc: Exception, secrets: Sequence[str] = (), keep: Sequence[str] = ()) -> str:
     """One line about ``exc`` fit for messages, logs and files. A provider's error body is summarised: its status,
     error code and type; the message only when not an authentication error, scrubbed of the key in every form
-    :func:`alpacafarm.errors.redact` knows and of anything else key-shaped."""
+    :func:`alpacafarm.errors.redact` knows and of anything else key-shaped but the ids in ``keep`` (the batch or
+    file the request was about: an id is random-looking, yet the user needs it whole to act on it)."""
     import openai
 
     if isinstance(exc, openai.APIStatusError):
@@ -232,8 +241,8 @@ def short_error(exc: Exception, secrets: Sequence[str] = ()) -> str:
         message = error.get("message")
         if exc.status_code in _AUTH_STATUSES or not isinstance(message, str):
             return summary
-        return f"{summary}: {_clean(message, secrets)}"
-    return _clean(str(exc), secrets)
+        return f"{summary}: {_clean(message, secrets, keep)}"
+    return _clean(str(exc), secrets, keep)
 
 
 def _words(text: str) -> str:
@@ -241,6 +250,12 @@ def _words(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_. -]", "", text)[:80]
 
 
-def _clean(text: str, secrets: Sequence[str]) -> str:
-    text = scrub_tokens(redact(text, secrets))  # before cutting: a cut key would no longer match
+def _clean(text: str, secrets: Sequence[str], keep: Sequence[str] = ()) -> str:
+    text = redact(text, secrets)  # the key in every form first: an id that quotes it is not kept whole
+    shown = [k for k in keep if k and k not in secrets]
+    for i, known in enumerate(shown):  # our own ids are not keys: out of the token scrubber's sight
+        text = text.replace(known, f"\x00{i}\x00")
+    text = scrub_tokens(text)  # before cutting: a cut key would no longer match
+    for i, known in enumerate(shown):
+        text = text.replace(f"\x00{i}\x00", known)
     return (text.splitlines() or [""])[0][:200]

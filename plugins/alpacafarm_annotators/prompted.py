@@ -55,7 +55,7 @@ import yaml
 
 from alpacafarm.annotation import Annotator, ProgressCallback, identical_tie
 from alpacafarm.annotation_cache import AnnotationCache, CacheError, LedgerTotals, pair_key
-from alpacafarm.errors import UserError, public_url, redact
+from alpacafarm.errors import UserError, public_url, redact, scrub_tokens
 from alpacafarm.seeding import stable_seed
 from alpacafarm.types import Annotation, Pair
 from alpacafarm_annotators import parsing, templates
@@ -99,6 +99,7 @@ class PromptedAnnotator(Annotator):
         self.run_id = uuid.uuid4().hex  # this annotator's rows in the ledger (its run)
         self._usage = LedgerTotals(0, 0, 0, 0.0)
         self.no_usage = False  # an answer came without ``usage``: tokens are counted here (warned once)
+        self.bad_usage = 0  # answers whose ``usage`` was not believable (each named, up to a few)
         if self.budget.max_cost_usd is not None and self.price is None:
             raise UserError(f"annotator {name!r}: max_cost_usd needs a price for model {self.model!r}; set 'price'")
         if config.mode == "batch":
@@ -182,6 +183,34 @@ class PromptedAnnotator(Annotator):
             tokens_in = sum(len(str(m.get("content") or "").encode("utf-8")) + 4 for m in prompt) + 3
         return tokens_in, self._max_tokens() or len(answer.encode("utf-8"))
 
+    def count_tokens_itself(self, completion: Completion, what: str, *, prompt: Any = None,
+                            tokens_in_bound: int | None = None) -> None:
+        """Set the tokens of a paid ``completion`` whose provider reported no usage, or numbers that are not
+        believable (:mod:`~alpacafarm_annotators.provider_numbers`), to this judge's upper bound: the prompt's
+        (:meth:`counted_tokens`; without the prompt, as a batch is collected, ``tokens_in_bound``) and ``max_tokens``.
+        The same for the live and the batch path; ``what`` names the pairs (see ``describe_pairs``). The answer is
+        kept either way: it was paid for, and it is now priced."""
+        if completion.usage_believable:
+            return
+        if prompt is not None:
+            completion.tokens_in, completion.tokens_out = self.counted_tokens(prompt, completion.text)
+        else:
+            completion.tokens_in = tokens_in_bound or 0
+            completion.tokens_out = self._max_tokens() or len(completion.text.encode("utf-8"))
+        bound = "prompt bytes, max_tokens" if prompt is not None or tokens_in_bound else "max_tokens"
+        if completion.usage_problems:
+            self.bad_usage += 1
+            if self.bad_usage <= 5:  # each named, but a provider that always errs does not flood the log
+                problems = scrub_tokens(redact("; ".join(completion.usage_problems), self.secrets()))  # its text
+                logger.warning("%s: %s reported %s for %s: not believed; its tokens are counted here as an upper "
+                               "bound (%s) for the ledger and max_cost_usd, and the answer is kept%s", self.name,
+                               self.endpoint, problems, what, bound,
+                               " (further ones are not shown)" if self.bad_usage == 5 else "")
+        elif not self.no_usage:
+            self.no_usage = True
+            logger.warning("%s: %s sent no token usage: tokens are counted here as an upper bound (%s) for the "
+                           "ledger and max_cost_usd", self.name, self.endpoint, bound)
+
     def secrets(self) -> list[str]:
         """What must never be written: the key, and the credentials and query values of the base URL."""
         from urllib.parse import parse_qsl, urlsplit
@@ -258,9 +287,20 @@ class PromptedAnnotator(Annotator):
 
     async def acancel_batches(self, which: str = "all") -> list[dict[str, Any]]:
         """Cancel this annotator's open batches (``which``: ``all`` or a batch id) and book what they answered."""
+        from alpacafarm_annotators import batch_maintenance
+
         if self.cache is None:
             return []
-        return await BatchCall(self, [], [], [], None, 0).cancel(which)
+        return await batch_maintenance.cancel(BatchCall(self, [], [], [], None, 0), which)
+
+    async def aforget_batch(self, which: str) -> list[dict[str, Any]]:
+        """Release the pairs of this annotator's pending batch ``which`` that its provider no longer knows
+        (``--batch-forget``; see :mod:`~alpacafarm_annotators.batch_maintenance`): nothing is booked."""
+        from alpacafarm_annotators import batch_maintenance
+
+        if self.cache is None:
+            return []
+        return await batch_maintenance.forget(BatchCall(self, [], [], [], None, 0), which)
 
     def decoding(self, replicate: int = 0, attempt: int = 0, keys: Sequence[str] = ()) -> dict[str, Any]:
         """The decoding parameters of one request: the config's for replicate 0; for replicate k > 0 the same with a
