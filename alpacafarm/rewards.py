@@ -235,9 +235,10 @@ def answer_mean_features(model: Any, tokenizer: Any, prompts: Sequence[str], ans
     after the prompt up to the last token that is not the pad token (the EOS too where EOS is not the pad token).
     Unlike :func:`last_token_features` this barely moves when an answer loses its last token (measured by
     ``benchmarks/gold_token_stability.py``: over the top 32 principal directions, correlation 0.998 against 0.69).
-    An empty answer is read at the prompt's last token. Answers to one prompt (best-of-n's samples, a preference
-    stage's k samples) share one pass over the prompt: its keys and values are computed once and reused
-    (``share_prompts=False``: each text whole, what ``benchmarks/feature_sharing.py`` compares it with).
+    An empty answer is read at its EOS token (the one after the prompt), never at the prompt's. Answers to one
+    prompt (best-of-n's samples, a preference stage's k samples) share one pass over the prompt: its keys and
+    values are computed once and reused (``share_prompts=False``: each text whole, what
+    ``benchmarks/feature_sharing.py`` compares it with).
     """
     if len(prompts) != len(answers):
         raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
@@ -301,7 +302,12 @@ def _whole_texts(backbone: Any, tokenizer: Any, keys: Sequence[tuple[Any, ...]],
     if all(k[1] < 0 for k in keys):
         picked = hidden[torch.arange(len(keys), device=device), last].float()
     else:
-        start = torch.minimum(torch.tensor([k[1] for k in keys], device=device), last)
+        # an empty answer is read at its EOS (the first token after the prompt), as an answer, not at the prompt's
+        # last token; an answer cut away by max_length is read at the text's last token
+        final = batch["attention_mask"].sum(dim=1) - 1
+        first = torch.minimum(torch.tensor([k[1] for k in keys], device=device), final)
+        last = torch.maximum(last, first)
+        start = torch.minimum(first, last)
         span = ((positions >= start[:, None]) & (positions <= last[:, None])).float()
         picked = (hidden.float() * span[..., None]).sum(1) / span.sum(1, keepdim=True)
     return [row.clone() for row in picked.cpu()]

@@ -49,16 +49,19 @@ def test_answer_mean_features_average_the_answer_tokens_whatever_the_batch(tiny_
         answer_mean_features(model, tokenizer, prompts, answers[:2], batch_size=2, max_length=None)
 
 
-def test_answers_to_one_prompt_share_its_pass_and_read_the_same_states(tiny_model_dir: str):
+@pytest.mark.parametrize("pad_is_eos", [False, True])
+def test_answers_to_one_prompt_share_its_pass_and_read_the_same_states(tiny_model_dir: str, pad_is_eos: bool):
     """Samples of one prompt (best-of-n's, a preference stage's) run the prompt once and attend to its keys and
     values (read once per batch of its answers, not once per answer): the rows equal each text computed alone,
-    unpadded, whatever the answers' lengths and the batch; an answer that is all EOS (pad) is still read at the
-    prompt's last token."""
+    unpadded, whatever the answers' lengths and the batch; an empty answer is read at its EOS, as an answer,
+    also where EOS is the pad token (SmolLM2's tokenizer: it was read at the prompt's last token)."""
     import torch
 
     from alpacafarm.rewards import answer_mean_features
 
     model, tokenizer = classifier_and_tokenizer(tiny_model_dir)
+    if pad_is_eos:
+        tokenizer.pad_token = tokenizer.eos_token
     prompts = ["Question: name a colour.\nAnswer:"] * 4 + ["Say hi.\n"] * 3 + ["Alone here.\n"]
     answers = [" Blue.", " Red, like a fire engine or a ripe tomato.", " Green", "", " Hello!",
                " Hi there, how are you doing on this fine day?", " Hey", " Just one answer."]
@@ -76,7 +79,7 @@ def test_answers_to_one_prompt_share_its_pass_and_read_the_same_states(tiny_mode
             ids = tokenizer(prompt + answer + tokenizer.eos_token, return_tensors="pt")["input_ids"]
             hidden = model.base_model(input_ids=ids).last_hidden_state[0]
             end = max(ids.shape[1] - (tokenizer.pad_token_id == tokenizer.eos_token_id), start + 1)
-            start = min(start, end - 1)  # an empty answer: the prompt's last token
+            start = min(start, end - 1)  # an empty answer: its EOS token, the one after the prompt
             assert torch.allclose(shared[row], hidden[start:end].mean(0), atol=1e-5), (prompt, answer)
 
 
