@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT, run_cli
-from label_session import call, label, plain_pairs, serving, write_pairs
+from label_session import call, label, next_pair, plain_pairs, serving, write_pairs
 
 DEMO = REPO_ROOT / "plugins" / "alpacafarm_validation" / "data" / "label_demo_pairs.jsonl"
 
@@ -28,10 +28,11 @@ def test_killing_the_server_after_15_labels_loses_none_and_repeats_none(tmp_path
         process.wait(timeout=30)
     assert [r[1] for r in stored(folder)] == first
     with serving("--dir", str(folder)) as (url, _):  # resume: the folder alone
-        status, served = call(url, "/api/next?labeller=ann")
-        assert status == 200 and served["progress"] == {"done": 15, "total": 30}
+        status, served = next_pair(url, "ann")
+        progress = served["progress"]
+        assert status == 200 and (progress["labelled"], progress["skipped"], progress["left"]) == (15, 0, 15)
         rest = [label(url, "ann")["pair_id"] for _ in range(15)]
-        assert call(url, "/api/next?labeller=ann")[1]["done"] is True
+        assert next_pair(url, "ann")[1]["done"] is True
     assert len(set(first + rest)) == 30 and len(stored(folder)) == 30
 
 
@@ -39,7 +40,7 @@ def test_forged_replayed_malformed_and_path_requests_get_4xx_and_change_nothing(
     pairs = write_pairs(tmp_path / "pairs.jsonl", plain_pairs(4))
     folder = tmp_path / "session"
     with serving(str(pairs), "--dir", str(folder)) as (url, _):
-        _, served = call(url, "/api/next?labeller=ann")
+        _, served = next_pair(url, "ann")
         good = {"labeller": "ann", "pair_id": served["pair_id"], "ticket": served["ticket"], "choice": "first"}
         refused = [
             ({**good, "pair_id": "0123456789abcdef"}, None, 404),  # unknown pair id
@@ -58,7 +59,7 @@ def test_forged_replayed_malformed_and_path_requests_get_4xx_and_change_nothing(
             got, answer = call(url, "/api/label", body, raw=raw)
             assert got == status and "error" in answer, (body, raw and raw[:20], got, answer)
         assert call(url, "/api/label", raw=b"labeller=ann", headers={"Content-Type": "text/plain"})[0] == 415
-        assert call(url, "/api/next?labeller=")[0] == 400
+        assert next_pair(url, "")[0] == 400
         assert stored(folder) == []
         assert call(url, "/api/label", good)[0] == 200
         assert call(url, "/api/label", good)[0] == 409  # the same request replayed
@@ -80,8 +81,8 @@ def test_a_token_guards_the_page_and_the_api(tmp_path: Path) -> None:
         token = url.split("token=")[1]
         assert call(url, "/")[0] == 401 and call(url, "/?token=wrong")[0] == 401
         assert call(url, f"/?token={token}")[0] == 200
-        assert call(url, "/api/next?labeller=ann")[0] == 401
-        assert call(url, "/api/next?labeller=ann", headers={"X-Label-Token": "wrong"})[0] == 401
+        assert next_pair(url, "ann")[0] == 401
+        assert next_pair(url, "ann", headers={"X-Label-Token": "wrong"})[0] == 401
         label(url, "ann", headers={"X-Label-Token": token})
 
 
@@ -111,3 +112,63 @@ def test_report_prints_the_offline_judges_agreement_with_the_people(tmp_path: Pa
     assert "human-human agreement on 2 overlap pairs" in shown and "65.7%" in shown
     assert "Spearman of win-rates" in shown and "text_davinci_003 left out" in shown
     assert (folder / "report.png").stat().st_size > 1000
+
+
+def test_every_error_is_the_json_error_shape(tmp_path: Path) -> None:
+    """Issue 61 (10): unknown routes, wrong methods, a foreign host and a missing token answer {"error": ...}."""
+    pairs = write_pairs(tmp_path / "pairs.jsonl", plain_pairs(3))
+    with serving(str(pairs), "--dir", str(tmp_path / "s")) as (url, _):
+        for method_path, status in ((("GET", "/nowhere"), 404), (("GET", "/api/label"), 405),
+                                    (("GET", "/api/next"), 405), (("GET", "/static/nothing.js"), 404)):
+            got, answer = call(url, method_path[1])
+            assert got == status and isinstance(answer, dict) and answer.get("error"), (method_path, got, answer)
+        got, answer = call(url, "/", headers={"Host": "attacker.example"})
+        assert got == 400 and isinstance(answer, dict) and "host" in answer["error"]
+    with serving(str(pairs), "--dir", str(tmp_path / "t"), "--random-token") as (url, _):
+        got, answer = call(url, "/")
+        assert got == 401 and isinstance(answer, dict) and "token" in answer["error"]
+
+
+def test_a_get_changes_nothing(tmp_path: Path) -> None:
+    """Issue 62 (5): fetching a pair is a POST; a GET (a drive-by, a prefetch) reserves nothing."""
+    pairs = write_pairs(tmp_path / "pairs.jsonl", plain_pairs(2))
+    folder = tmp_path / "s"
+    with serving(str(pairs), "--dir", str(folder), "--overlap", "0") as (url, _):
+        for name in ("drive1", "drive2"):
+            assert call(url, f"/api/next?labeller={name}")[0] == 405
+        with sqlite3.connect(folder / "labels.sqlite") as db:
+            assert db.execute("SELECT COUNT(*) FROM assignments").fetchone()[0] == 0
+        label(url, "ann")
+        label(url, "ann")  # both pairs are still there for a real labeller
+
+
+def test_random_token_is_the_same_after_a_restart(tmp_path: Path) -> None:
+    """Issue 62 (2): a restarted server serves the link it printed before, so open tabs keep working."""
+    pairs = write_pairs(tmp_path / "pairs.jsonl", plain_pairs(3))
+    folder = tmp_path / "s"
+    with serving(str(pairs), "--dir", str(folder), "--random-token") as (url, _):
+        token = url.split("token=")[1]
+        label(url, "ann", headers={"X-Label-Token": token})
+    with serving("--dir", str(folder), "--random-token") as (url, _):
+        assert url.split("token=")[1] == token
+        label(url, "ann", headers={"X-Label-Token": token})
+
+
+def test_a_network_server_prints_an_address_teammates_can_open(tmp_path: Path) -> None:
+    """Issue 62 (8): with --host 0.0.0.0 the printed link names this machine's own address, not 0.0.0.0."""
+    import ipaddress
+    import socket
+    from urllib.parse import urlsplit
+
+    pairs = write_pairs(tmp_path / "pairs.jsonl", plain_pairs(3))
+    with serving(str(pairs), "--dir", str(tmp_path / "s"), "--host", "0.0.0.0", "--random-token") as (url, _):
+        host = urlsplit(url).hostname
+        assert host != "0.0.0.0"
+        try:
+            address = ipaddress.ip_address(socket.gethostbyname(host))
+        except OSError:
+            pytest.skip(f"this machine's name {host} does not resolve here")
+        assert not address.is_loopback or address.is_loopback == all(
+            ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(socket.gethostname(), None))
+        token = url.split("token=")[1]
+        assert call(url, f"/?token={token}")[0] == 200  # and the printed address answers

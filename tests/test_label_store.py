@@ -182,7 +182,7 @@ def test_report_measures_agreement_kappa_length_and_spearman(tmp_path: Path) -> 
 def test_export_is_what_compare_agreement_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store = LabelStore.create_or_resume(tmp_path / "s", make_pairs(10), Settings(overlap=1.0))
     label_all(store, "ann", lambda s: "first")
-    label_all(store, "bob", lambda s: "skip" if s["progress"]["done"] == 0 else "first")
+    label_all(store, "bob", lambda s: "skip" if s["progress"]["labelled"] + s["progress"]["skipped"] == 0 else "first")
     records = export_records(store.labels())
     assert sum(r["preference"] is None for r in records) == 1 and {r["shown_first"] for r in records} == {
         "output_1", "output_2"}
@@ -212,3 +212,102 @@ def test_report_command_reads_annotator_labels_and_prints_json(tmp_path: Path,
     assert (tmp_path / "r.png").stat().st_size > 1000 and report["plot"] == str(tmp_path / "r.png")
     assert cli.main(["label", "report", "--dir", str(tmp_path / "nowhere"), "--annotator-labels", "x.json"]) == 2
     assert "no labelling session" in capsys.readouterr().err
+
+
+def test_report_gives_intervals_and_warns_below_the_minimum_of_shared_pairs(tmp_path: Path) -> None:
+    """Issue 62 (4): agreement and kappa carry bootstrap intervals; fewer than 20 shared pairs is a warning."""
+    pairs = make_pairs(30)
+    store = LabelStore.create_or_resume(tmp_path, pairs, Settings(overlap=0.2))
+    label_all(store, "ann", lambda s: "first")
+    label_all(store, "bob", lambda s: "first" if int(s["pair_id"], 16) % 3 else "second")
+    sim = {(p.instruction, p.output_1, p.output_2): [1.0 + (int(p.id, 16) % 2)] for p in pairs}
+    report = build_report(store.labels(), {"sim": sim}, n_bootstrap=300)
+    human_human, row = report["human_human"], report["simulators"]["sim"]
+    assert human_human["pairs"] == 6
+    low, high = human_human["agreement_interval"]
+    assert low <= human_human["agreement"] <= high and high - low > 0.1  # 6 pairs: wide
+    assert human_human["kappa_interval"] is None or human_human["kappa_interval"][0] <= human_human["kappa_interval"][1]
+    assert row["agreement_interval"][0] <= row["agreement"] <= row["agreement_interval"][1]
+    assert row["kappa_interval"][0] <= row["kappa"] <= row["kappa_interval"][1]
+    assert report["min_shared_pairs"] == 20 and "only 6 pairs" in report["warnings"][0]
+
+
+def test_the_default_overlap_gives_the_minimum_of_shared_pairs(tmp_path: Path) -> None:
+    """Issue 62 (4): 10% of 30 pairs was 3 shared pairs; the default now gives 20 (or all, or 10% if more)."""
+    for n, shared in ((30, 20), (12, 12), (400, 40)):
+        store = LabelStore.create_or_resume(tmp_path / str(n), make_pairs(n), Settings())
+        assert sum(p["overlap"] for p in store.pairs()) == shared
+
+
+def test_both_bad_counts_as_a_tie_and_is_kept_apart_in_the_export(tmp_path: Path) -> None:
+    store = LabelStore.create_or_resume(tmp_path, make_pairs(2), Settings())
+    label_all(store, "ann", lambda s: "both_bad")
+    records = export_records(store.labels())
+    assert [(r["choice"], r["preference"]) for r in records] == [("both_bad", 0), ("both_bad", 0)]
+    assert preference_of("both_bad", True) == 0
+
+
+def test_report_lines_fit_80_columns(tmp_path: Path) -> None:
+    """Issue 62 (9): the report's title is one line of its own, not a table title wrapped at 80 columns."""
+    from conftest import run_cli
+
+    store = LabelStore.create_or_resume(tmp_path / "s", make_pairs(12), Settings(overlap=0.25))
+    label_all(store, "ann", lambda s: "first")
+    label_all(store, "bob", lambda s: "first")
+    sim = [{**r, "preference": 1} for r in export_records(store.labels()) if r["labeller"] == "ann"]
+    (tmp_path / "sim.json").write_text(json.dumps(sim))
+    result = run_cli("label", "report", "--dir", str(tmp_path / "s"), "--annotator-labels", str(tmp_path / "sim.json"),
+                     "--n-bootstrap", "50", "--plot", str(tmp_path / "r.png"), env={"COLUMNS": "80"})
+    shown = result.stdout + result.stderr
+    assert result.returncode == 0, shown
+    assert "agreement with 2 labeller(s): 12 pairs, 15 labels, 0 skipped\n" in shown
+    assert "95% bootstrap intervals" in shown and "warning: only 3 pairs" in shown
+    table_lines = [line for line in shown.splitlines() if "│" in line or "┃" in line]
+    assert table_lines and max(len(line) for line in table_lines) <= 80
+
+
+def test_win_rates_carry_standard_errors_for_the_plot(tmp_path: Path) -> None:
+    """Issue 62 (4): the win-rate scatter has error bars: each system's standard error from its comparisons."""
+    pairs = make_pairs(12)
+    store = LabelStore.create_or_resume(tmp_path, pairs, Settings(overlap=0.0))
+    label_all(store, "ann", lambda s: "first")
+    sim = {(p.instruction, p.output_1, p.output_2): [2.0] for p in pairs}
+    report = build_report(store.labels(), {"sim": sim}, n_bootstrap=20)
+    rates = report["win_rates"]
+    assert set(rates["humans_se"]) == set(rates["humans"]) == {"a", "b", "c"}
+    for system, rate in rates["humans"].items():
+        p = rate / 100
+        assert rates["humans_se"][system] == pytest.approx(100 * (p * (1 - p) / 4) ** 0.5)
+    assert rates["simulators"]["sim"]["win_rate_se"] == {"a": 0.0, "b": 0.0, "c": 0.0}  # always wins: no spread
+
+
+def test_a_store_from_before_issue_62_is_served_with_its_labels(tmp_path: Path) -> None:
+    """A session written by the earlier schema (no label counts, no history, leases kept after labelling) is
+    brought up to date when served: its labels count, and nobody gets a pair labelled already."""
+    import sqlite3
+
+    pairs = make_pairs(4)
+    with sqlite3.connect(tmp_path / "labels.sqlite") as db:
+        db.executescript("""
+            CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+            CREATE TABLE pairs (id TEXT PRIMARY KEY, position INTEGER NOT NULL UNIQUE, instruction TEXT NOT NULL,
+                input TEXT NOT NULL, output_1 TEXT NOT NULL, output_2 TEXT NOT NULL, generator_1 TEXT,
+                generator_2 TEXT, overlap INTEGER NOT NULL);
+            CREATE TABLE assignments (labeller TEXT NOT NULL, pair_id TEXT NOT NULL, ticket TEXT NOT NULL UNIQUE,
+                swapped INTEGER NOT NULL, served REAL NOT NULL, PRIMARY KEY (labeller, pair_id));
+            CREATE TABLE labels (labeller TEXT NOT NULL, pair_id TEXT NOT NULL, swapped INTEGER NOT NULL,
+                choice TEXT NOT NULL, preference INTEGER, reason TEXT NOT NULL, created REAL NOT NULL,
+                ticket TEXT NOT NULL, PRIMARY KEY (labeller, pair_id));""")
+        db.executemany("INSERT INTO meta VALUES (?, ?)", [("seed", "0"), ("overlap", "0.0"),
+                                                          ("labels_per_pair", "1"), ("lease_s", "600.0")])
+        db.executemany("INSERT INTO pairs VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)",
+                       [(p.id, i, p.instruction, p.input, p.output_1, p.output_2, p.generator_1, p.generator_2)
+                        for i, p in enumerate(pairs)])
+        for i, labeller in enumerate(("Ann", "bob")):
+            db.execute("INSERT INTO assignments VALUES (?, ?, ?, 0, 1.0)", (labeller, pairs[i].id, f"t{i}"))
+            db.execute("INSERT INTO labels VALUES (?, ?, 0, 'first', 1, '', ?, ?)", (labeller, pairs[i].id, i, f"t{i}"))
+    store = LabelStore.open(tmp_path, write=True)
+    assert store.identify(None, "ann") == "Ann"  # the name as first written; case no longer makes a new person
+    seen = label_all(store, "cyd", lambda s: "first")
+    assert sorted(seen) == sorted(p.id for p in pairs[2:])  # the two labelled pairs are not served again
+    assert store.next_pair("Ann")["progress"]["labelled"] == 1

@@ -19,7 +19,12 @@ same pairs (matched on instruction, output_1, output_2, in canonical orientation
   pair (the common reference, whose win-rate only mirrors the others'). A system's win-rate: the share of its
   labelled comparisons it won, a tie counting one half; the simulator's is measured on the same pairs.
 
-Skipped pairs are not labels (counted apart). Numbers are fractions in [0, 1] (win-rates in %).
+Agreement and kappa carry 95% bootstrap intervals over pairs (:mod:`alpacafarm_validation.label_stats`), and the
+report warns when fewer than ``MIN_SHARED_PAIRS`` pairs have labels from 2 or more people. The humans' row is on
+the shared pairs' labels throughout (agreement, kappa and P(prefers longer) on the same labels).
+
+Skipped pairs are not labels (counted apart); "both bad" counts as a tie. Numbers are fractions in [0, 1]
+(win-rates in %).
 """
 
 from __future__ import annotations
@@ -41,20 +46,18 @@ from alpacafarm_validation.agreement import (
     preference_shares,
     score,
 )
+from alpacafarm_validation.label_stats import (
+    MIN_SHARED_PAIRS,
+    cohen_kappa,
+    human_intervals,
+    shared_pairs_warning,
+    simulator_intervals,
+)
+
+__all__ = ["PAPER_HUMAN_AGREEMENT", "build_report", "cohen_kappa", "labels_from_file", "plot"]
 
 #: Human-human agreement the AlpacaFarm paper measured for its crowd workers (Dubois et al. 2023, §4.3).
 PAPER_HUMAN_AGREEMENT = 0.657
-
-
-def cohen_kappa(a: list[float], b: list[float]) -> float | None:
-    """Cohen's kappa of two raters' labels of the same items (categories 1, 2, tie); None when chance agreement is
-    1 (both raters always gave the same single label) or there is nothing to compare."""
-    if not a or len(a) != len(b):
-        return None
-    observed = sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
-    count_a, count_b = Counter(a), Counter(b)
-    chance = sum(count_a[c] * count_b[c] for c in set(a) | set(b)) / len(a) ** 2
-    return None if chance >= 1 else (observed - chance) / (1 - chance)
 
 
 def _key(row: dict[str, Any]) -> PairKey:
@@ -96,16 +99,22 @@ def _records(labels: dict[PairKey, list[float]]) -> list[dict[str, Any]]:
 
 
 def simulator_row(humans: dict[PairKey, list[tuple[str, float]]], labels: dict[PairKey, list[float]],
-                  seed: int) -> dict[str, Any]:
-    """Agreement, kappa and P(prefers longer) of one simulator's labels against the human labels."""
+                  seed: int, n_bootstrap: int = 2000) -> dict[str, Any]:
+    """Agreement, kappa (each with a bootstrap interval over pairs) and P(prefers longer) of one simulator's
+    labels against the human labels."""
     scores, human_side, sim_side = [], [], []
+    units: list[tuple[list[float], list[tuple[float, float]]]] = []
     matched = {k: v for k, v in labels.items() if k in humans and v}
     for key, values in matched.items():
         typical = mode(values, seed, "simulator", *key)
+        unit: tuple[list[float], list[tuple[float, float]]] = ([], [])
         for _, human in humans[key]:
             scores.append(sum(score(v, human) for v in values) / len(values))
             human_side.append(human)
             sim_side.append(typical)
+            unit[0].append(scores[-1])
+            unit[1].append((human, typical))
+        units.append(unit)
     if not scores:
         raise UserError("none of the simulator's labels is on a pair the humans labelled")
     overlap = {k: [label for _, label in v] for k, v in humans.items() if len(v) >= 2}
@@ -115,13 +124,14 @@ def simulator_row(humans: dict[PairKey, list[tuple[str, float]]], labels: dict[P
         held_out = result.annotator["agreement"] if result.annotator else None
     return {"agreement": sum(scores) / len(scores), "n_human_labels": len(scores), "pairs": len(matched),
             "agreement_overlap_majority": held_out, "kappa": cohen_kappa(human_side, sim_side),
-            **preference_shares(matched, 0)}
+            **simulator_intervals(units, seed, n_bootstrap), **preference_shares(matched, 0)}
 
 
 def win_rates(humans: dict[PairKey, list[tuple[str, float]]], systems: dict[PairKey, tuple[str, str]],
-              labels: dict[PairKey, list[float]] | None) -> dict[str, float]:
+              labels: dict[PairKey, list[float]] | None, *, standard_errors: bool = False) -> dict[str, float]:
     """Win-rate (%) of each system from the human labels (``labels`` None) or a simulator's, on the pairs both
-    labelled; a tie counts one half."""
+    labelled; a tie counts one half. With ``standard_errors``: each win-rate's standard error (%) instead,
+    ``sqrt(p (1 - p) / n)`` over the system's n comparisons (the plot's error bars)."""
     won: Counter[str] = Counter()
     played: Counter[str] = Counter()
     for key, people in humans.items():
@@ -134,6 +144,8 @@ def win_rates(humans: dict[PairKey, list[tuple[str, float]]], systems: dict[Pair
             played[two] += 1
             won[one] += 1.0 if value == 1.0 else 0.5 if value == TIE else 0.0
             won[two] += 1.0 if value == 2.0 else 0.5 if value == TIE else 0.0
+    if standard_errors:
+        return {s: 100.0 * (won[s] / played[s] * (1 - won[s] / played[s]) / played[s]) ** 0.5 for s in sorted(played)}
     return {s: 100.0 * won[s] / played[s] for s in sorted(played)}
 
 
@@ -148,10 +160,13 @@ def correlation(humans: dict[PairKey, list[tuple[str, float]]], systems: dict[Pa
         return None
     everywhere = set.intersection(*(set(s) for s in labelled))
     human_rates = {s: r for s, r in win_rates(humans, systems, None).items() if s not in everywhere}
-    out: dict[str, Any] = {"left_out": sorted(everywhere), "humans": human_rates, "simulators": {}}
+    out: dict[str, Any] = {"left_out": sorted(everywhere), "humans": human_rates, "simulators": {},
+                           "humans_se": {s: e for s, e in win_rates(humans, systems, None, standard_errors=True).items()
+                                         if s in human_rates}}
     for name, labels in sims.items():
         rates = {s: r for s, r in win_rates(humans, systems, labels).items() if s not in everywhere}
-        entry: dict[str, Any] = {"win_rates": rates}
+        entry: dict[str, Any] = {"win_rates": rates, "win_rate_se": {
+            s: e for s, e in win_rates(humans, systems, labels, standard_errors=True).items() if s in rates}}
         rows = [{"system": s, "human": human_rates[s], "simulated": rates[s]} for s in human_rates if s in rates]
         try:
             result = correlate(rows, RankCorrelationConfig(x="simulated", y="human", n_bootstrap=n_bootstrap,
@@ -176,7 +191,9 @@ def build_report(rows: list[dict[str, Any]], sims: dict[str, dict[PairKey, list[
     if overlap:
         result = measure(_records(overlap), AgreementConfig(seed=seed))
         human_human = {"agreement": result.humans["agreement"], "pairs": len(overlap),
-                       "labels": result.humans["n_labels"], **light_kappa(humans)}
+                       "labels": result.humans["n_labels"], **light_kappa(humans),
+                       **human_intervals(humans, seed, n_bootstrap),
+                       "p_prefer_longer": result.humans["p_prefer_longer"]}  # on the same labels as the rest
     systems = {_key(r): (r["generator_1"], r["generator_2"]) for r in rows if r.get("generator_1")
                and r.get("generator_2")}
     return {
@@ -184,8 +201,10 @@ def build_report(rows: list[dict[str, Any]], sims: dict[str, dict[PairKey, list[
                    "skipped": sum(r["preference"] is None for r in rows), "pairs": len(all_labels),
                    **preference_shares(all_labels, 0)},
         "human_human": human_human,
+        "min_shared_pairs": MIN_SHARED_PAIRS,
+        "warnings": [w for w in [shared_pairs_warning(len(overlap))] if w],
         "paper_human_agreement": PAPER_HUMAN_AGREEMENT,
-        "simulators": {name: simulator_row(humans, labels, seed) for name, labels in sims.items()},
+        "simulators": {name: simulator_row(humans, labels, seed, n_bootstrap) for name, labels in sims.items()},
         "win_rates": correlation(humans, systems, sims, n_bootstrap, seed),
     }
 
@@ -229,13 +248,15 @@ def plot(report: dict[str, Any], path: Path) -> None:
             systems = [s for s in rates["humans"] if s in entry["win_rates"]]
             rho = entry.get("spearman")
             label = f"{name} (Spearman {rho:.2f})" if rho is not None else name
-            ax.scatter([entry["win_rates"][s] for s in systems], [rates["humans"][s] for s in systems],
-                       marker=marker, label=label)
+            ax.errorbar([entry["win_rates"][s] for s in systems], [rates["humans"][s] for s in systems],
+                        xerr=[entry.get("win_rate_se", {}).get(s, 0.0) for s in systems],
+                        yerr=[rates.get("humans_se", {}).get(s, 0.0) for s in systems],
+                        fmt=marker, capsize=2, elinewidth=0.8, label=label)
             for s in systems:
                 ax.annotate(s, (entry["win_rates"][s], rates["humans"][s]), fontsize=7, xytext=(3, 3),
                             textcoords="offset points")
         ax.plot([0, 100], [0, 100], color="grey", linewidth=0.5)
-        ax.set_xlabel("simulated win-rate (%)")
+        ax.set_xlabel("simulated win-rate (%), bars: ±1 standard error")
         ax.set_ylabel("human win-rate (%)")
         ax.legend(fontsize=8)
     fig.tight_layout()
