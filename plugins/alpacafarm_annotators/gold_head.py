@@ -125,3 +125,62 @@ def _head_scores(head_file: Path, records: Sequence[dict[str, Any]], answers: Se
         for key, value in zip(todo, (features @ weight + bias).tolist(), strict=True):
             cache[key] = float(value)
     return [cache[k] - penalty(a) for k, a in zip(keys, answers, strict=True)]
+
+
+#: The helpful gold's document (``tools/fit_gold_relevance.py`` writes it): the mean head it builds on, the
+#: weights of relevance and echo, the relevance clip, and the standardisation.
+HELPFUL_FILE = Path(__file__).with_name("gold_helpful_smollm2.json")
+
+
+def helpful_head(records: Sequence[dict[str, Any]], answers: Sequence[str]) -> list[float]:
+    """A gold a person would sign: :func:`answer_head`'s reading of GPT-4's preferences (the mean head, length
+    projected out) plus whether the answer answers its own instruction, minus copying it, minus looping::
+
+        gold = (head + beta * clip(relevance) * (1 - echo) - gamma * echo - mean) / scale - looping
+
+    ``relevance`` is the pointwise mutual information of the answer and its instruction under the frozen SFT model,
+    per token over the answer's first 32 tokens (:mod:`~alpacafarm_annotators.gold_relevance`), ``echo`` the
+    share of the answer copied from the instruction. ``beta`` and ``gamma`` were fitted by
+    ``tools/fit_gold_relevance.py`` on GPT-4's judgments (on the head's instructions) together with contrasts any
+    person makes (the real answer against the empty answer, generic filler, a refusal, another instruction's answer
+    and an echo of the instruction), and the score is standardised on the SFT model's samples (mean 0, sd 1).
+
+    What it rewards, in two sentences: an answer that is about its own
+    instruction and says something the instruction makes likely, as GPT-4 preferred among on-topic answers;
+    non-answers (empty, generic, refusing, off-topic, echoed) lose to a real answer. Formatting, politeness,
+    padding and cutting move it little: relevance is read over a fixed window of the answer's opening tokens and
+    the head is blind to length.
+
+    Why a proxy can learn it, and what it cannot see: the mean-pooled proxy reads the same averaged features as
+    the head, and those features carry part of the relevance (an answer's states differ under its own
+    instruction); the exact likelihood ratio against the empty instruction is not among them, so a proxy fitted on
+    SFT samples sees the gold only in part (the realistic case: over-optimisation shows where it cannot see)."""
+    from alpacafarm_annotators.gold_functions import looping
+    from alpacafarm_annotators.gold_relevance import NEUTRAL, echo_share, read_answers, relevance
+
+    document = _helpful_document()
+    model, tokenizer, prompt, (weight, bias), head, cache = _scorer(Path(__file__).with_name(document["head_file"]))
+    keys = [("helpful", text_of(prompt, tokenizer.eos_token, r, a)) for r, a in zip(records, answers, strict=True)]
+    todo = {k: (r, a) for k, r, a in zip(keys, records, answers, strict=True) if k not in cache}
+    if todo:
+        pending = list(todo.values())
+        own_prompts = [prompt(r["instruction"], r.get("input") or "") for r, _ in pending]
+        texts = [a for _, a in pending]
+        size = int(head["max_length"])
+        features, own = read_answers(model, tokenizer, own_prompts, texts, batch_size=16, max_length=size)
+        _, neutral = read_answers(model, tokenizer, [prompt(*NEUTRAL)] * len(texts), texts, batch_size=16,
+                                  max_length=size, features=False)
+        low, high = document["relevance_clip"]
+        related_all = relevance(own, neutral, document["relevance_window"])
+        for key, (record, answer), head_score, related in zip(
+                todo, pending, (features @ weight + bias).tolist(), related_all, strict=True):
+            echo = echo_share(record, answer)
+            raw = (head_score + document["relevance_weight"] * min(max(related, low), high) * (1 - echo)
+                   - document["echo_weight"] * echo)
+            cache[key] = (raw - document["mean"]) / document["scale"]
+    return [cache[k] - looping(a) for k, a in zip(keys, answers, strict=True)]
+
+
+@functools.cache
+def _helpful_document() -> dict[str, Any]:
+    return json.loads(HELPFUL_FILE.read_text(encoding="utf-8"))

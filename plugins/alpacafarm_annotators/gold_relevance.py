@@ -1,0 +1,111 @@
+"""What the helpful gold reads besides GPT-4's head: whether an answer answers *its* instruction.
+
+:func:`read_answers` reads ``prompt + answer + EOS`` once with the frozen SFT model and returns, per answer, the
+final hidden states averaged over the answer's tokens (the features the mean head and the mean-pooled proxy read;
+an empty answer is its EOS) and the log-probability of each of the answer's tokens and its EOS (the model's
+language-model head is its tied input embedding). :func:`relevance` is the pointwise mutual information of the
+answer and its instruction over the answer's first :data:`WINDOW` tokens, divided by the window,
+
+    sum over t < WINDOW of ( log p(token t | instruction, ...) - log p(token t | the empty instruction, ...) ) / WINDOW
+
+(a shorter answer counts 0 for the tokens it lacks): how much more the instruction makes the answer likely than no
+instruction at all. It is what a person checks first, and what GPT-4's judgments between two on-topic answers
+never varied. Measured per token on 40 Davinci003 answers cut to 45 words: +0.79 nats for the real answer, -0.19
+to -0.40 for a refusal, generic filler and another instruction's answer, -4.75 for the empty answer (ending at
+once is unlikely after a real question) and +2.92 for an echo of the instruction (copying is likely):
+:func:`echo_share` measures the copying, which the gold discounts.
+
+Why a window: a mean over all of an answer's tokens let cutting it to its opening third win (+0.56 sd on Zephyr's
+answers: openings are the most instruction-specific part), and a sum would pay for length; over the window,
+padding and formatting past it buy nothing, and cutting into it costs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+#: The instruction an answer is compared with: none (an empty user turn of the chat template).
+NEUTRAL = ("", "")
+#: Relevance is read over an answer's first 32 tokens (see the module).
+WINDOW = 32
+
+
+def read_answers(model: Any, tokenizer: Any, prompts: Sequence[str], answers: Sequence[str], *, batch_size: int,
+                 max_length: int, features: bool = True) -> tuple[Any, list[list[float]]]:
+    """``(mean features [n, hidden] or None, the log-probability of each of an answer's tokens and its EOS)`` of
+    ``prompt + answer + EOS`` (truncated to ``max_length`` tokens; a text cut inside its prompt counts the last
+    token as its answer). One pass per batch; each distinct text once."""
+    import torch
+
+    from alpacafarm.rewards import with_eos
+
+    if not getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError("gold relevance: the frozen model's language-model head is not its input embedding "
+                         "(tie_word_embeddings is false), so it cannot be read off the classifier's backbone")
+    texts = [with_eos(p + a, tokenizer.eos_token) for p, a in zip(prompts, answers, strict=True)]
+    starts = {p: len(tokenizer(p)["input_ids"]) for p in dict.fromkeys(prompts)}
+    keys = list(dict.fromkeys(zip(texts, (starts[p] for p in prompts), strict=True)))
+    embedding = model.get_input_embeddings().weight
+    backbone = model.base_model
+    device = embedding.device
+    done: dict[tuple[str, int], tuple[Any, list[float]]] = {}
+    order = sorted(keys, key=lambda k: -len(k[0]))
+    with torch.inference_mode():
+        for begin in range(0, len(order), batch_size):
+            chunk = order[begin:begin + batch_size]
+            ids = [tokenizer(t)["input_ids"][:max_length] for t, _ in chunk]
+            width = max(len(i) for i in ids)
+            input_ids = torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i in ids], device=device)
+            mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids], device=device)
+            hidden = backbone(input_ids=input_ids, attention_mask=mask).last_hidden_state.float()
+            for row, ((text, start), row_ids) in enumerate(zip(chunk, ids, strict=True)):
+                first = min(start, len(row_ids) - 1)
+                states = hidden[row, first:len(row_ids)]
+                # the answer's tokens are predicted from the state before each: positions first-1 .. len-2
+                before = hidden[row, max(first - 1, 0):len(row_ids) - 1]
+                targets = input_ids[row, max(first - 1, 0) + 1:len(row_ids)]
+                log_probs = (before @ embedding.float().T).log_softmax(dim=-1)
+                per_token = log_probs.gather(-1, targets[:, None])[:, 0].tolist()
+                pooled = _mean_states(states, row_ids[first:], tokenizer) if features else None
+                done[(text, start)] = (pooled, per_token)
+    rows = [done[(t, starts[p])] for t, p in zip(texts, prompts, strict=True)]
+    matrix = torch.stack([r[0] for r in rows]) if features and rows else None
+    return matrix, [r[1] for r in rows]
+
+
+def _mean_states(states: Any, answer_ids: list[int], tokenizer: Any) -> Any:
+    """The answer's states averaged as :func:`alpacafarm.rewards.answer_mean_features` averages them: up to its
+    last token that is not the pad token (EOS counted where it is not the pad), an empty answer at its EOS."""
+    pad = tokenizer.pad_token_id
+    real = [k for k, token in enumerate(answer_ids) if token != pad]
+    end = (real[-1] + 1) if real else 1
+    return states[:end].mean(dim=0).clone()
+
+
+def relevance(log_probs: Sequence[Sequence[float]], neutral_log_probs: Sequence[Sequence[float]],
+              window: int = WINDOW) -> list[float]:
+    """The pointwise mutual information of each answer and its instruction over the answer's first ``window``
+    tokens (its EOS included when it falls inside), divided by ``window`` (see the module)."""
+    # the two readings of one answer differ in length only where max_length cut the one after the longer prompt:
+    # its tokens past the cut are not compared
+    return [sum(a - b for a, b in zip(own[:window], neutral[:window], strict=False)) / window
+            for own, neutral in zip(log_probs, neutral_log_probs, strict=True)]
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+def echo_share(record: dict[str, Any], answer: str) -> float:
+    """The share of the answer's word trigrams (words, for answers under three words) that occur in its
+    instruction and input, 0 to 1: an echo of the instruction is 1, a real answer quoting a phrase of it ~0.05."""
+    asked = _words(f"{record.get('instruction', '')} {record.get('input') or ''}")
+    said = _words(answer)
+    n = 3 if len(said) >= 3 else 1
+    grams = [tuple(said[k:k + n]) for k in range(len(said) - n + 1)]
+    if not grams:
+        return 0.0
+    known = {tuple(asked[k:k + n]) for k in range(len(asked) - n + 1)}
+    return sum(g in known for g in grams) / len(grams)
