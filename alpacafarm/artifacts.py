@@ -17,7 +17,10 @@ file or folder later stages read) and, as declared types, whatever a later stage
 
 Every path is a path on this machine, as ``path`` is (absolute, or relative to the working directory). A
 manifest stores those inside the run directory relative to it (``${run_dir}/stages/x/file``), so a copied or
-moved run directory still resolves them.
+moved run directory still resolves them. Every hand-off path lies inside the run directory (:func:`inside_run`:
+``..`` and symbolic links resolved), where the manifest records and checks its content: one outside it is
+refused when the stage ends and when a manifest is read (:func:`alpacafarm.manifest.outside_run_path`). Only
+``path`` may name something elsewhere (a model folder or hub ID given in a config).
 
 A method that always fills some of these declares them (``Method.produces = ("systems",)``). When its stage
 ends, the pipeline checks the artifact (:func:`handoff_problem`): every declared hand-off present, every file and
@@ -32,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,10 +200,11 @@ class Artifact:
         return artifact
 
 
-def handoff_problem(artifact: Artifact, produces: tuple[str, ...] = ()) -> str | None:
+def handoff_problem(artifact: Artifact, produces: tuple[str, ...] = (), run_dir: Path | None = None) -> str | None:
     """Why an artifact's hand-offs cannot be read by the stages after it, or None: one of ``produces`` (what its
     method declares) missing, a retired metadata key, a field of the wrong type, a named file or folder that does
-    not exist, a duplicate system name or snapshot step, a number that is not finite."""
+    not exist or (given ``run_dir``) lies outside the run directory, a duplicate system name or snapshot step, a
+    number that is not finite."""
     for name in produces:
         if not getattr(artifact, name, None):
             return f"{name} is empty, though its method declares it (Method.produces = {produces!r})"
@@ -229,6 +234,10 @@ def handoff_problem(artifact: Artifact, produces: tuple[str, ...] = ()) -> str |
         twice = [v for v in values if values.count(v) > 1]
         if twice:
             return f"{label} {twice[0]!r} appears twice"
+    for where, value in handoff_paths(artifact) if run_dir is not None else ():
+        if not inside_run(value, run_dir):
+            return (f"{where} names {value}, outside the run folder {run_dir} (a stage hands on files it wrote in "
+                    "its run folder, whose manifest records and checks them)")
     if artifact.table is not None:
         table = artifact.table
         if not isinstance(table, Table):
@@ -264,6 +273,33 @@ def _item_problem(item: Any) -> str | None:
         elif not Path(value).is_file():
             return f"({label}): its {name} file {value} does not exist"
     return None
+
+
+def handoff_paths(artifact: Artifact) -> Iterator[tuple[str, str]]:
+    """``(field, path)`` for every path a later stage reads through the artifact's typed hand-offs
+    (``files['eval']``, ``systems[0].outputs``, ``snapshots[1].path``, ``judged[0].annotations``); values that are
+    not paths are :func:`handoff_problem`'s to name."""
+    if isinstance(artifact.files, dict):
+        for key, value in artifact.files.items():
+            if isinstance(value, str | os.PathLike):
+                yield f"files[{key!r}]", str(value)
+    for name, item_cls in _LISTS.items():
+        items = getattr(artifact, name)
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            for path_field in _PATH_FIELDS[item_cls] if isinstance(item, item_cls) else ():
+                value = getattr(item, path_field)
+                if isinstance(value, str | os.PathLike):
+                    yield f"{name}[{i}].{path_field}", str(value)
+
+
+def inside_run(path: str | os.PathLike, run_dir: Path) -> bool:
+    """Whether ``path`` lies inside ``run_dir`` (or is it) once ``..`` and symbolic links are resolved: a
+    hand-off or a manifest's path may not leave its run folder (issue 61)."""
+    try:
+        Path(path).resolve().relative_to(Path(run_dir).resolve())
+    except (ValueError, OSError, RuntimeError):  # outside; unresolvable (a link loop: RuntimeError before 3.13)
+        return False
+    return True
 
 
 def run_relative(path: str, run_dir: Path) -> str | None:

@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from alpacafarm.prompts import PromptFormat
+from alpacafarm.sampling import MAX_NEW_TOKENS, MAX_SAMPLES_PER_PROMPT, generation_size_problem
 
 if TYPE_CHECKING:
     from alpacafarm.recipe import ModelSpec
@@ -28,16 +29,28 @@ GenerationProgress = Callable[[int], None]
 
 
 class SamplingConfig(BaseModel):
-    """How to sample. ``temperature: 0`` means greedy decoding."""
+    """How to sample. ``temperature: 0`` means greedy decoding. ``n`` and ``max_new_tokens`` are bounded
+    (:data:`~alpacafarm.sampling.MAX_SAMPLES_PER_PROMPT`, :data:`~alpacafarm.sampling.MAX_NEW_TOKENS`: past every
+    real answer), so a typo is refused by ``recipe check`` and ``--plan`` in one line naming its YAML path."""
 
     model_config = ConfigDict(extra="forbid")
 
-    n: int = Field(1, ge=1, description="completions per prompt")
+    n: int = Field(1, ge=1, le=MAX_SAMPLES_PER_PROMPT, description="completions per prompt")
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_new_tokens: int = Field(256, ge=1)
+    max_new_tokens: int = Field(256, ge=1, le=MAX_NEW_TOKENS, description="answer length cap, in tokens")
     batch_size: int = Field(8, ge=1, description="prompts per forward pass (each with n samples)")
     seed: int = 0
+
+    @field_validator("n", "max_new_tokens", mode="before")
+    @classmethod
+    def _bounded(cls, value: Any, info: ValidationInfo) -> Any:
+        """The bound in words (pydantic's 'less than or equal to 32768' does not say why)."""
+        if isinstance(value, int) and not isinstance(value, bool) and value > (
+                MAX_SAMPLES_PER_PROMPT if info.field_name == "n" else MAX_NEW_TOKENS):
+            sizes = {"n": 1, "max_new_tokens": 1, info.field_name: value}
+            raise ValueError(generation_size_problem(sizes["n"], sizes["max_new_tokens"]))
+        return value
 
 
 class Generator:
@@ -110,6 +123,11 @@ def generate_records(generator: Generator, records: Sequence[dict[str, Any]], sa
 
     Prompts are written by the generator's :class:`~alpacafarm.prompts.PromptFormat` (conditioning included).
     """
+    problem = generation_size_problem(sampling.n, sampling.max_new_tokens)
+    if problem is not None:  # a config copied with model_copy(update=...) is not validated again: bound it here
+        from alpacafarm.errors import UserError
+
+        raise UserError(f"sampling: {problem}")
     outputs = generator.generate(generator.prompt_format.records(records), sampling, progress)
     return [{**{k: v for k, v in record.items() if k != "output"}, "output": text, "sample_index": j}
             for record, samples in zip(records, outputs, strict=True) for j, text in enumerate(samples)]

@@ -12,6 +12,11 @@ mtime moved (a copy that did not keep times, a touch) is hashed again and counts
 the same — the pipeline then stores the new mtime, so the next check is fast again. A missing file, another
 size or another hash means the stage re-runs. Trainer checkpoints (``checkpoint-N/``) and the manifest itself
 are never part of the outputs: deleting checkpoints of a finished stage re-runs nothing.
+
+Every path a manifest names for its run stays inside the run directory (:func:`outside_run_path`, applied to
+every manifest the pipeline reads): an outputs entry, a run-relative artifact path, a ``${run_dir}/...`` token
+and every hand-off. One outside it (``${run_dir}/../evil/eval.jsonl``, a link out of the folder) would be read
+by the next stage without ever being checked: such a manifest is refused in one line, never called intact.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from alpacafarm.artifacts import Artifact, run_relative
+from alpacafarm.artifacts import RUN_DIR_TOKEN, Artifact, handoff_paths, inside_run, run_relative
 from alpacafarm.data import file_sha256
 
 #: 1: no ``outputs`` record (alpacafarm before issue 13); 2: ``outputs``, run-relative paths, ``fingerprint_parts``;
@@ -126,3 +131,47 @@ def check_outputs(record: dict[str, dict[str, Any]], run_dir: Path) -> tuple[lis
             more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
             problems.append(f"{label}: {', '.join(names[:3])}{more}")
     return problems, refreshed
+
+
+def _token_strings(value: Any, where: str) -> list[tuple[str, str]]:
+    """``(field, text)`` of every ``${run_dir}/...`` string in a manifest's artifact, with its dotted field."""
+    if isinstance(value, str):
+        return [(where, value)] if value.startswith(RUN_DIR_TOKEN + "/") else []
+    if isinstance(value, dict):
+        return [found for k, v in value.items() for found in _token_strings(v, f"{where}.{k}")]
+    if isinstance(value, list):
+        return [found for i, v in enumerate(value) for found in _token_strings(v, f"{where}[{i}]")]
+    return []
+
+
+def outside_run_path(manifest: Any, run_dir: Path) -> tuple[str, str] | None:
+    """``(field, path)`` of the first path a stage manifest names outside ``run_dir`` (``..`` and symbolic links
+    resolved: :func:`~alpacafarm.artifacts.inside_run`), or None when all stay inside. Checked: the ``outputs``
+    record's names, a run-relative ``artifact.path``, every ``${run_dir}/...`` string of the artifact, and every
+    hand-off path of the artifact as it reads (older manifests' included). An absolute ``artifact.path`` may
+    name a model elsewhere (a folder or hub ID given in a config): it is the artifact's only field that may."""
+    if not isinstance(manifest, dict):
+        return None
+    outputs = manifest.get("outputs")
+    for name in outputs if isinstance(outputs, dict) else ():
+        if not isinstance(name, str) or os.path.isabs(name) or not inside_run(run_dir / name, run_dir):
+            return f"outputs[{name!r}]", str(name)
+    data = manifest.get("artifact")
+    if not isinstance(data, dict):
+        return None
+    path = data.get("path")
+    run_relative_path = isinstance(path, str) and not os.path.isabs(path) and (
+        data.get("path_base") == "run_dir" or (run_dir / path).exists())  # as Artifact.from_json reads it
+    if run_relative_path and not inside_run(run_dir / path, run_dir):
+        return "artifact.path", path
+    for where, text in _token_strings(data, "artifact"):
+        if not inside_run(run_dir / text[len(RUN_DIR_TOKEN) + 1:], run_dir):
+            return where, text
+    try:
+        artifact = Artifact.from_json(data, run_dir)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None  # an artifact that does not read: the pipeline names that when it reads it
+    for where, value in handoff_paths(artifact):
+        if not inside_run(value, run_dir):
+            return f"artifact.{where}", value
+    return None

@@ -3,14 +3,18 @@
 Also the one translation of the file system's refusals (permission denied, read-only, disk full, a file where a
 folder should be, ...) into a :class:`~alpacafarm.errors.UserError` naming the path: :func:`user_path` wraps the
 place where a path the user chose is read or written, so the message names that path and what was being done.
+:func:`check_write_place` is the rule for a file written at the end of long work (``bench``'s report and
+baseline), checked before the work starts; :func:`write_text_replacing` writes such a file without following a
+link.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from alpacafarm.errors import UserError
@@ -130,3 +134,74 @@ def check_output_file(path: str | Path, what: str = "output file") -> Path:
     if not os.access(target, os.W_OK) or not os.access(folder, os.X_OK):
         raise UserError(f"cannot write {what} {path}: permission denied ({target} is not writable)")
     return path
+
+
+def symlink_on(path: str | Path) -> Path | None:
+    """The symbolic link a write to ``path`` would pass through, or None: ``path`` itself, or, for a relative path,
+    a folder it names on the way (those lie in the working tree, where a pull request can commit a link; the
+    folders above an absolute path are the machine's, e.g. ``/tmp`` on macOS, and are not checked)."""
+    path = Path(path)
+    candidates = [path] if path.is_absolute() else [path, *(p for p in path.parents if p != Path("."))]
+    return next((p for p in candidates if p.is_symlink()), None)
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether ``a`` and ``b`` name one file: the same place once links are resolved, or one file under two names
+    (a hard link)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): not the same file
+        return False
+
+
+def check_write_place(path: str | Path, what: str, *, not_same_as: dict[str, str | Path | None] | None = None) -> Path:
+    """Refuse, before any work starts, a file that a command would write only at the end of it (``bench``'s
+    report and baseline: a refusal after a 7-minute run loses its verdict). The rule: ``path`` is not a symbolic
+    link (nor, for a relative path, a folder on the way: :func:`symlink_on`), not a folder, not the same file as
+    any of ``not_same_as`` (label → path), and its folder exists (it is made here otherwise) and takes a new file
+    (probed by creating and removing one: permissions, a read-only disk). Each refusal is one
+    :class:`UserError` naming ``what`` and ``path``; the caller checks what an existing file may be."""
+    path = Path(path)
+    shown = f"{what} {path}"
+    link = symlink_on(path)
+    if link is not None:
+        through = "is a symbolic link" if link == path else f"goes through a symbolic link ({link})"
+        raise UserError(f"{shown} {through}: a link could send the write anywhere (a link committed in a pull "
+                        "request, into CI's files); give a path without links")
+    if path.is_dir():
+        raise UserError(f"{shown} is a directory; give a file name")
+    for label, other in (not_same_as or {}).items():
+        if other is not None and same_file(path, other):
+            raise UserError(f"{shown} is the same file as {label} {other}; writing it would destroy that one: "
+                            "give another file name")
+    blocker = _file_in_the_way(path.parent)
+    if blocker is not None:
+        raise UserError(f"cannot write {shown}: {blocker} is a file, not a directory")
+    folder = make_dir(path.parent, f"{what} folder")
+    with user_path(shown, "write"):  # the real test: root passes os.access, a read-only disk may not say so
+        handle, probe = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".write-check")
+        os.close(handle)
+        os.unlink(probe)
+    return path
+
+
+def write_text_replacing(path: str | Path, text: str, what: str = "file") -> None:
+    """Write ``text`` to ``path`` through a new temporary file renamed over it: a link put at ``path`` meanwhile is
+    replaced, never followed, and a reader never sees half a file. Refusals are one line naming ``what`` and
+    ``path`` (:func:`user_path`)."""
+    path = Path(path)
+    with user_path(f"{what} {path}", "write"):
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(handle, 0o666 & ~umask)  # as an ordinary new file (mkstemp makes it private)
+            with os.fdopen(handle, "w", encoding="utf-8") as fh:
+                fh.write(text)
+            os.replace(temporary, path)
+        except BaseException:
+            with suppress(OSError):
+                os.unlink(temporary)
+            raise

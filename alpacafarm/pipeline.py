@@ -31,7 +31,13 @@ from alpacafarm.artifacts import Artifact, handoff_problem
 from alpacafarm.code_identity import stage_code_identity
 from alpacafarm.data import source_fingerprint, write_json
 from alpacafarm.errors import UserError, did_you_mean, naming_stage
-from alpacafarm.manifest import MANIFEST_FORMAT, check_outputs, record_outputs, recorded_output_id
+from alpacafarm.manifest import (
+    MANIFEST_FORMAT,
+    check_outputs,
+    outside_run_path,
+    record_outputs,
+    recorded_output_id,
+)
 from alpacafarm.method import Ranks, StageContext
 from alpacafarm.paths import make_dir
 from alpacafarm.recipe import LoadedRecipe
@@ -147,6 +153,12 @@ class Pipeline:
         if problem is not None:
             logger.warning("stage %s: manifest %s %s: the stage runs again", stage.name, path, problem)
             return None
+        outside = outside_run_path(manifest, self.run_dir)
+        if outside is not None:  # never "intact", never re-run over: the next stage would read a file no one checks
+            where, value = outside
+            raise UserError(f"{path}: {where} names {value[:200]!r}, outside the run folder {self.run_dir}; a "
+                            "manifest's paths stay inside its run folder (an edited or copied-in manifest?): restore "
+                            f"it, or delete {path.parent} to run the stage again")
         return manifest
 
     def _decide(self, stage: PlannedStage, parts: dict[str, Any], previous: dict[str, Any] | None,
@@ -377,7 +389,8 @@ class Pipeline:
                       seconds: float) -> Artifact:
         """On the main process: check the stage's declared outputs, record them and mark its manifest complete."""
         # never "complete" with outputs or hand-offs the next stage cannot read: refused here, in the stage's name
-        problem = artifact_problem(artifact, self.run_dir) or handoff_problem(artifact, stage.method_cls.produces)
+        problem = artifact_problem(artifact, self.run_dir) or handoff_problem(artifact, stage.method_cls.produces,
+                                                                             self.run_dir)
         if problem is not None:
             raise UserError(f"stage {stage.name!r}: method {stage.method!r} of plugin {stage.plugin!r} returned "
                             f"a {artifact.kind} artifact whose {problem}; the stage is not recorded complete")

@@ -25,6 +25,26 @@ from typing import Any
 
 from alpacafarm.seeding import stable_seed
 
+#: The longest answer any sampler here is asked for, in new tokens. Why this number: the paper's answers stay
+#: under 300 tokens (its PPO, Quark and expert iteration sample 300), the models a recipe samples from read
+#: 2k-8k tokens of context (SmolLM2 8,192, Llama-2 4,096) and long-answer models' answers reach ~32k; a bound
+#: past every real answer, so that a typo (``1e23``, an extra zero run) is refused before the run instead of a
+#: stage that samples until it is killed. A model whose context is shorter stops on its own limit.
+MAX_NEW_TOKENS = 32_768
+#: The most samples per prompt: 4x the paper's largest best-of-n (best-of-1024); more is a typo, not a sweep.
+MAX_SAMPLES_PER_PROMPT = 4_096
+
+
+def generation_size_problem(n: int, max_new_tokens: int) -> str | None:
+    """What is out of bounds in a request for ``n`` samples of ``max_new_tokens`` tokens per prompt, or None:
+    each at least 1, at most :data:`MAX_SAMPLES_PER_PROMPT` and :data:`MAX_NEW_TOKENS`."""
+    for name, value, cap in (("n", n, MAX_SAMPLES_PER_PROMPT), ("max_new_tokens", max_new_tokens, MAX_NEW_TOKENS)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= cap:
+            why = (" (alpacafarm.sampling: the bound is past every real answer; a larger value samples until the "
+                   "stage is killed)" if isinstance(value, int | float) and value > cap else "")
+            return f"{name} must be a whole number in [1, {cap:,}], got {value!r}{why}"
+    return None
+
 
 @dataclass
 class Sample:
@@ -101,6 +121,11 @@ def sample(model: Any, tokenizer: Any, queries: Sequence[Sequence[int]], *, n: i
     import torch
     from transformers import GenerationConfig
 
+    problem = generation_size_problem(n, max_new_tokens)
+    if problem is not None:  # a caller's own config (PPO's, Quark's) that skipped the bound: refused, never run
+        from alpacafarm.errors import UserError
+
+        raise UserError(f"sampling: {problem}")
     if not queries:
         return []
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -1,11 +1,15 @@
 """The faults of issue 41 as fault-injection scenarios (``python benchmarks/fault_injection.py --scenarios issue41``),
 each through the real CLI in its own process: a key the server echoes transformed, run names that leave ``runs/``,
 a gate turned off by one edit, includes that fan out, alias bombs in ``--set`` and in a template file, a locked
-cache, tampered baselines, absurd trainer values, and ``plugin new`` names already in use.
+cache, tampered baselines, absurd trainer values and generation sizes, ``plugin new`` names already in use, and
+(issue 61) ``bench`` writes onto a file it did not write (a README, the recipe, the baseline as ``--report``, a
+symbolic link, a folder under a file) and manifests whose hand-offs leave the run folder.
 
 Printed, each should be 0: key leaks (any form of the key on the console or in an output file), run folders
-created outside ``runs/``, gates turned off (a tampered protocol that did not exit 2), hangs (a command past its
-time limit), tracebacks, and wrong exit statuses (a refused input must exit 2: :mod:`alpacafarm.exit_status`).
+created outside ``runs/``, gates turned off (a tampered protocol that did not exit 2), files written outside their
+place (a file ``bench`` should have left alone that changed, a link's target written; a manifest naming a file
+outside its run folder that ``--plan`` called intact or a run accepted), hangs (a command past its time limit),
+tracebacks, and wrong exit statuses (a refused input must exit 2: :mod:`alpacafarm.exit_status`).
 
 Raising a budget (a resumed online_dpo or GRPO stage) and metrics after a resume need real training stages: they are
 tested in ``tests/test_budget_resume.py`` (marked slow), not here.
@@ -40,6 +44,7 @@ class Tally:
     key_leaks: int = 0
     escapes: int = 0
     gates_off: int = 0
+    misplaced: int = 0
     hangs: int = 0
     tracebacks: int = 0
     wrong_status: int = 0
@@ -181,11 +186,86 @@ def refused_values(root: Path, tally: Tally) -> None:
                           f"data:\n  preferences: {{path: {prefs}}}\n"
                           f"stages:\n  - {{name: dpo, method: dpo, config: {config}}}\n")
         _run(tally, f"recipe check, dpo {config}", ["recipe", "check", str(recipe)])
+    recipe = root / "long.yaml"  # 1e23 as an integer: it passed --plan, and the stage sampled until killed
+    recipe.write_text(SPLIT_RECIPE.replace("stages:", "model: {name: smollm2-135m-instruct}\nstages:")
+                      + "  - {name: gen, method: generate_outputs, config: {sampling: {max_new_tokens: "
+                      + str(10**23) + "}}}\n")
+    _run(tally, "run --plan, sampling.max_new_tokens 10^23", ["run", str(recipe), "--plan", "--output-dir",
+                                                             str(root / "long-run")])
     recipe = root / "flip.yaml"
     recipe.write_text(RECIPE + "annotator: {name: offline_ann, config: {p_label_flip: 1.5}}\n")
     _run(tally, "recipe check, p_label_flip 1.5", ["recipe", "check", str(recipe)])
     for name in ("alpacafarm-methods", "os", "json", "torch", "trl"):
         _run(tally, f"plugin new {name}", ["plugin", "new", name, "--dir", str(root)])
+
+
+SPLIT_RECIPE = ("name: r\ndata:\n  instructions: {builtin: alpaca_eval_sample, limit: 8}\nstages:\n"
+                "  - {name: split, method: split_instructions, config: {eval_size: 2}}\n")
+
+
+def bench_writes(root: Path, tally: Tally) -> None:
+    """``bench`` onto files it must leave alone: each refused before the benchmark runs (exit 2), the file intact."""
+    work = root / "bench-writes"
+    work.mkdir()
+    recipe = work / "bench.yaml"  # a copy: the refusal comes before the recipe is read, and the repository's stays safe
+    recipe.write_text((REPO / "recipes/bench/best_of_n.yaml").read_text())
+    baseline = work / "baseline.json"
+    baseline.write_text((REPO / "benchmarks/baselines/best_of_n.json").read_text())
+    readme = work / "README.md"
+    readme.write_text("# My plugin\n\nHand-written notes.\n")
+    elsewhere = work / "elsewhere.md"
+    elsewhere.write_text("not the report's\n")
+    (work / "gate.md").symlink_to(elsewhere)
+    (work / "taken").write_text("a file, not a folder\n")
+    guarded = [recipe, baseline, readme, elsewhere]
+    before = {p: p.read_bytes() for p in guarded}
+    run_dir = ["--output-dir", str(work / "run")]  # were one to run, its files stay here
+    for what, args in (
+            ("bench --update-baseline onto a README", ["--baseline", "README.md", "--update-baseline"]),
+            ("bench --update-baseline onto the recipe", ["--baseline", "bench.yaml", "--update-baseline"]),
+            ("bench --report equal to --baseline", ["--baseline", "baseline.json", "--report", "baseline.json"]),
+            ("bench --report through a symbolic link", ["--baseline", "baseline.json", "--report", "gate.md"]),
+            ("bench --report in a folder under a file", ["--baseline", "baseline.json", "--report", "taken/g.md"])):
+        _run(tally, what, ["bench", "bench.yaml", *args, *run_dir], cwd=work)
+    changed = [p.name for p in guarded if p.read_bytes() != before[p]]
+    tally.misplaced += len(changed) + (work / "run").exists()
+    tally.notes += [f"bench changed {name}" for name in changed]
+
+
+def manifest_paths(root: Path, tally: Tally) -> None:
+    """A finished split whose manifest (or a link in its folder) points its hand-off outside the run folder."""
+    work = root / "manifests"
+    work.mkdir()
+    (work / "r.yaml").write_text(SPLIT_RECIPE)
+    evil = work / "evil" / "eval.jsonl"
+    evil.parent.mkdir()
+    evil.write_text(json.dumps({"instruction": "INJECTED"}) + "\n")
+
+    def tampered(what: str, change: Callable[[Path], None]) -> None:
+        out = work / f"run-{len(list(work.glob('run-*')))}"
+        _run(tally, f"run (before: {what})", ["run", "r.yaml", "--output-dir", str(out)], cwd=work, expect=0)
+        change(out)
+        plan = _run(tally, f"run --plan, {what}", ["run", "r.yaml", "--output-dir", str(out), "--plan"], cwd=work)
+        again = _run(tally, f"run, {what}", ["run", "r.yaml", "--output-dir", str(out)], cwd=work)
+        trusted = (plan is not None and "intact" in plan.stdout) or (again is not None and again.returncode == 0)
+        tally.misplaced += trusted
+        if trusted:
+            tally.notes.append(f"manifest {what}: trusted")
+
+    def token(out: Path) -> None:
+        manifest = out / "stages/split/manifest.json"
+        data = json.loads(manifest.read_text())
+        data["artifact"]["files"]["eval"] = "${run_dir}/../evil/eval.jsonl"
+        manifest.write_text(json.dumps(data))
+
+    def link(out: Path) -> None:  # to a copy with the same bytes: sizes and hashes match, "intact" before issue 61
+        copy = evil.parent / f"{out.name}.jsonl"
+        copy.write_bytes((out / "stages/split/eval.jsonl").read_bytes())
+        (out / "stages/split/eval.jsonl").unlink()
+        (out / "stages/split/eval.jsonl").symlink_to(copy)
+
+    tampered("files.eval = ${run_dir}/../evil/eval.jsonl", token)
+    tampered("eval.jsonl a link out of the run folder", link)
 
 
 def issue41_scenarios() -> Tally:
@@ -194,11 +274,13 @@ def issue41_scenarios() -> Tally:
     print("issue 41 faults, each through the real CLI:")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        for scenario in (echoed_key, run_names, tampered_baselines, yaml_bombs, locked_cache, refused_values):
+        for scenario in (echoed_key, run_names, tampered_baselines, yaml_bombs, locked_cache, refused_values,
+                         bench_writes, manifest_paths):
             scenario(root, tally)
     print(f"key leaks:                     {tally.key_leaks}")
     print(f"run folders outside runs/:     {tally.escapes}")
     print(f"gates turned off:              {tally.gates_off}")
+    print(f"files written outside their place: {tally.misplaced}")
     print(f"hangs:                         {tally.hangs}")
     print(f"tracebacks:                    {tally.tracebacks}")
     print(f"wrong exit statuses:           {tally.wrong_status}")

@@ -360,3 +360,51 @@ def test_cli_set_error_and_quickstart_check(cli):
     assert "ok:" in out and "'quickstart', 7 stage(s)" in out and "split: split_instructions" in out
     code, _, err = cli("recipe", "check", quickstart, "--set", "stages.split.config.eval_fraction=2")
     assert code == 2 and err.startswith("error: --set: stages[0].config.eval_fraction:") and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------------------- generation sizes
+GENERATE = ("name: t\nmodel: {name: smollm2-135m-instruct}\ndata:\n  instructions: {builtin: alpaca_eval_sample}\n"
+            + SPLIT_STAGE + "  - name: gen\n    method: generate_outputs\n    config:\n      sampling:\n")
+
+
+@pytest.mark.parametrize(("setting", "shown"), [("max_new_tokens: 100000000000000000000000", "max_new_tokens"),
+                                                ("max_new_tokens: 32769", "max_new_tokens"),
+                                                ("n: 4097", "n")])
+def test_generation_sizes_are_bounded_where_the_recipe_is_checked(tmp_path, cli, setting, shown):
+    """``max_new_tokens: 1e23`` passed ``recipe check`` and ``--plan``; the stage then sampled until killed."""
+    recipe = write(tmp_path / "r.yaml", GENERATE + f"        {setting}\n")
+    bound = "32,768" if shown == "max_new_tokens" else "4,096"
+    message = error_of(recipe)
+    assert message.startswith(f"{recipe}:11: stages[1].config.sampling.{shown}: ") and f"[1, {bound}]" in message
+    assert "samples until the stage is killed" in message, message
+    code, out, err = cli("run", str(recipe), "--plan", "--output-dir", str(tmp_path / "run"))
+    assert code == 2 and out == "" and err.count("\n") == 1 and f"sampling.{shown}" in err, err
+    write(tmp_path / "ok.yaml", GENERATE + "        max_new_tokens: 32768\n        n: 4096\n")
+    load_recipe(tmp_path / "ok.yaml")  # the bound itself is allowed
+
+
+def test_generation_sizes_are_bounded_where_sampling_runs():
+    """A config copied with ``model_copy(update=...)`` (best-of-n's own ``n``) and a trainer's own
+    ``max_new_tokens`` (PPO, Quark) never pass through SamplingConfig's check: the sampler refuses them itself."""
+    from alpacafarm.generation import Generator, SamplingConfig, generate_records
+    from alpacafarm.sampling import sample
+
+    copied = SamplingConfig().model_copy(update={"n": 10**9})
+    with pytest.raises(UserError, match=r"^sampling: n must be a whole number in \[1, 4,096\], got 1000000000"):
+        generate_records(Generator(), [{"instruction": "hi"}], copied)
+    with pytest.raises(UserError, match=r"^sampling: max_new_tokens must be a whole number in \[1, 32,768\]"):
+        sample(None, None, [[1, 2]], max_new_tokens=10**23)
+
+
+def test_evaluate_max_new_tokens_is_bounded_in_one_line():
+    """Before the bound this loaded the model and sampled until killed: a short time limit says so quickly."""
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "alpacafarm", "evaluate", "--model", "smollm2-135m-instruct",
+                             "--annotator", "offline", "--max-new-tokens", "100000000"], capture_output=True,
+                            text=True, env=os.environ, cwd=REPO_ROOT, timeout=120)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        "error: --max-new-tokens must be a whole number in [1, 32,768], got 100000000 (alpacafarm.sampling: the "
+        "bound is past every real answer; a larger value samples until the stage is killed)"], result.stderr

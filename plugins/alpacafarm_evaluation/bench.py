@@ -13,6 +13,9 @@ What a baseline holds and how the benchmark is fingerprinted (judge, data, recip
 A changed fingerprint is its own verdict, STALE: the comparison would not mean anything; ``--update-baseline``
 writes a new baseline (the pull request then shows its diff). Exit status: 0 PASS, 1 FAIL, 3 INCONCLUSIVE,
 4 STALE, 2 a user error (as for every command), 5 the run crashed (traceback printed; no verdict).
+
+Where bench writes (the ``--report`` file, the ``--baseline`` file it updates) is checked before the benchmark runs
+(:func:`check_writes`): a refusal after the run would lose its verdict.
 """
 
 from __future__ import annotations
@@ -262,7 +265,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("recipe", help="benchmark recipe, e.g. recipes/bench/best_of_n.yaml")
     parser.add_argument("--baseline", required=True, metavar="FILE", help="the committed baseline JSON")
     parser.add_argument("--update-baseline", action="store_true",
-                        help="write FILE from this run (after showing the comparison, if FILE exists); exit 0")
+                        help="write FILE from this run (after showing the comparison, if FILE exists; an existing "
+                             "FILE must be a baseline bench wrote); exit 0")
     parser.add_argument("--allow-underpowered", action="store_true",
                         help="with --update-baseline: write the baseline even when its estimated minimum detectable "
                              "effect exceeds the margin (the gate will then answer INCONCLUSIVE to real regressions)")
@@ -290,31 +294,40 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def check_writes(args: argparse.Namespace) -> None:
+    """Where bench may write, checked before the benchmark runs (a refusal after the run would lose its verdict):
+    the ``--report`` file and, with ``--update-baseline``, the ``--baseline`` file each pass
+    :func:`alpacafarm.paths.check_write_place` (no symbolic link, not a folder, a writable folder, made when
+    missing); neither is the other or the recipe; and an existing baseline is replaced only when it is a baseline
+    bench wrote (a README or a recipe given by mistake is refused, never overwritten). One line, exit 2."""
+    from alpacafarm.paths import check_write_place
+
+    recipe, baseline = Path(args.recipe), Path(args.baseline)
+    if args.update_baseline:
+        check_write_place(baseline, "--baseline", not_same_as={"the recipe": recipe})
+        if baseline.exists():
+            try:
+                read_baseline(baseline)
+            except UserError as exc:
+                raise UserError(f"{exc}; --update-baseline replaces only a baseline bench wrote, and leaves this "
+                                "file as it is: delete it, or give another --baseline") from None
+    if args.report:
+        check_write_place(Path(args.report), "--report", not_same_as={"--baseline": baseline, "the recipe": recipe})
+
+
 def main(argv: list[str]) -> int:
     """``alpacafarm bench``: returns the exit status of the verdict."""
     args = parse_args(argv)
+    check_writes(args)
     baseline_path = Path(args.baseline)
-    baseline = None
-    if not args.update_baseline:
-        baseline = read_baseline(baseline_path)
-    elif baseline_path.is_dir():
-        raise UserError(f"--baseline {baseline_path} is a directory; give the baseline JSON file")
-    elif baseline_path.exists():
-        try:  # shown for comparison before it is replaced; a damaged one is simply replaced
-            baseline = read_baseline(baseline_path)
-        except UserError as exc:
-            from alpacafarm.console import console
-
-            console().print(f"[yellow]{exc}: it is replaced[/yellow]", highlight=False, soft_wrap=True)
+    # without --update-baseline the baseline must be there; with it, an existing one (checked above) is shown for
+    # comparison before it is replaced
+    baseline = read_baseline(baseline_path) if not args.update_baseline or baseline_path.exists() else None
     gate = {"margin": DEFAULT_MARGIN, "alpha": DEFAULT_ALPHA, "power": DEFAULT_POWER, **(baseline or {}).get(
         "gate", {})}  # read_baseline checked its values
     margin = args.margin if args.margin is not None else gate["margin"]
     alpha = args.alpha if args.alpha is not None else gate["alpha"]
     power = args.power if args.power is not None else gate["power"]
-    if args.report:
-        report_path = Path(args.report)
-        if report_path.is_dir():
-            raise UserError(f"--report {report_path} is a directory; give a .md file")
     from alpacafarm.library_logs import route_library_output
 
     route_library_output(verbose=args.verbose)
@@ -337,19 +350,19 @@ def main(argv: list[str]) -> int:
     estimates: list[BaselinePower] = []
     if args.update_baseline:
         from alpacafarm.data import write_json
-        from alpacafarm.paths import make_dir
 
         estimates = baseline_power({n: s.scores for n, s in run.systems.items()}, margin, alpha, power)
         show_power(estimates)
         check_power(estimates, args.allow_underpowered)
         if baseline is not None:
             run.reprobe()  # the new baseline's probe comes from its own judged pairs
-        make_dir(baseline_path.parent, "baseline folder")
         write_json(baseline_path, {**baseline_json(run, margin, alpha, power),
                                    "power_estimate": [e.to_json() for e in estimates]})
     if report is not None:
         if args.report:
-            Path(args.report).write_text(markdown(report), encoding="utf-8")
+            from alpacafarm.paths import write_text_replacing
+
+            write_text_replacing(args.report, markdown(report), "--report")
         if args.json:
             print(json.dumps(json_ready({**report, "baseline_updated": args.update_baseline}), sort_keys=True,
                              allow_nan=False))

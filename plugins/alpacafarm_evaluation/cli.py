@@ -48,6 +48,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.max_instructions is not None and args.max_instructions < 1:
         parser.error("--max-instructions must be at least 1")
+    from alpacafarm.sampling import generation_size_problem
+
+    problem = generation_size_problem(1, args.max_new_tokens)  # the recipes' bound (SamplingConfig's)
+    if problem is not None:
+        raise UserError(f"--{problem.replace('_', '-', 2)}")
     return args
 
 
