@@ -141,7 +141,7 @@ def test_a_file_that_is_not_a_ledger_is_one_line_naming_it(tmp_path: Path):
 
     path = tmp_path / "looks.sqlite"
     path.write_text("not a database at all, just some text that is long enough " * 20, encoding="utf-8")
-    with pytest.raises(UserError, match="looks ledger .*looks.sqlite") as caught:
+    with pytest.raises(UserError, match=r"looks ledger .*looks\.sqlite") as caught:
         LooksLedger(path).record("w", "held_out", tmp_path, "evaluate", [("a", "a", "x")])
     assert "\n" not in str(caught.value)
 

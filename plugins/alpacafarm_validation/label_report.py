@@ -93,7 +93,7 @@ def light_kappa(humans: dict[PairKey, list[tuple[str, float]]]) -> dict[str, Any
             "labeller_pairs_undefined": undefined}
 
 
-def _records(labels: dict[PairKey, list[float]]) -> list[dict[str, Any]]:
+def label_records(labels: dict[PairKey, list[float]]) -> list[dict[str, Any]]:
     return [{"instruction": k[0], "output_1": k[1], "output_2": k[2], "preference": 0 if v == TIE else v}
             for k, values in labels.items() for v in values]
 
@@ -120,7 +120,7 @@ def simulator_row(humans: dict[PairKey, list[tuple[str, float]]], labels: dict[P
     overlap = {k: [label for _, label in v] for k, v in humans.items() if len(v) >= 2}
     held_out = None
     if any(k in matched for k in overlap):
-        result = measure(_records(overlap), AgreementConfig(seed=seed), _records(matched))
+        result = measure(label_records(overlap), AgreementConfig(seed=seed), label_records(matched))
         held_out = result.annotator["agreement"] if result.annotator else None
     return {"agreement": sum(scores) / len(scores), "n_human_labels": len(scores), "pairs": len(matched),
             "agreement_overlap_majority": held_out, "kappa": cohen_kappa(human_side, sim_side),
@@ -189,7 +189,7 @@ def build_report(rows: list[dict[str, Any]], sims: dict[str, dict[PairKey, list[
     overlap = {k: v for k, v in all_labels.items() if len(v) >= 2}
     human_human: dict[str, Any] | None = None
     if overlap:
-        result = measure(_records(overlap), AgreementConfig(seed=seed))
+        result = measure(label_records(overlap), AgreementConfig(seed=seed))
         human_human = {"agreement": result.humans["agreement"], "pairs": len(overlap),
                        "labels": result.humans["n_labels"], **light_kappa(humans),
                        **human_intervals(humans, seed, n_bootstrap),

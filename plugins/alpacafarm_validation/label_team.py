@@ -21,7 +21,7 @@ def team_summary(store: LabelStore, n_bootstrap: int = 500) -> dict[str, Any]:
     """Per labeller: labels, skips, "both bad" and the time of the last; the overlap's progress; human-human
     agreement and Light's kappa so far, with bootstrap intervals, and the minimum-shared-pairs warning."""
     from alpacafarm_validation.agreement import AgreementConfig, measure
-    from alpacafarm_validation.label_report import _records, human_by_pair, light_kappa
+    from alpacafarm_validation.label_report import human_by_pair, label_records, light_kappa
     from alpacafarm_validation.label_stats import human_intervals
 
     rows = store.labels()
@@ -38,7 +38,7 @@ def team_summary(store: LabelStore, n_bootstrap: int = 500) -> dict[str, Any]:
     shared = {k: v for k, v in humans.items() if len(v) >= 2}
     agreement: dict[str, Any] | None = None
     if shared:
-        result = measure(_records({k: [label for _, label in v] for k, v in shared.items()}), AgreementConfig())
+        result = measure(label_records({k: [label for _, label in v] for k, v in shared.items()}), AgreementConfig())
         agreement = {"agreement": result.humans["agreement"], "pairs": len(shared),
                      **light_kappa(humans), **human_intervals(humans, 0, n_bootstrap)}
     overlap_done = sum(1 for r in {r["pair_id"]: r for r in rows if r["overlap"]}.values()
