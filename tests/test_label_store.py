@@ -311,3 +311,23 @@ def test_a_store_from_before_issue_62_is_served_with_its_labels(tmp_path: Path) 
     seen = label_all(store, "cyd", lambda s: "first")
     assert sorted(seen) == sorted(p.id for p in pairs[2:])  # the two labelled pairs are not served again
     assert store.next_pair("Ann")["progress"]["labelled"] == 1
+
+
+def test_the_spearman_interval_resamples_pairs_not_systems() -> None:
+    """Four systems ranked alike by the humans and a simulator, who disagree on single pairs, on 3 pairs each: rho
+    is 1, but an interval from resampling the 4 systems was [1, 1] however few pairs the ranks rest on; resampling
+    the pairs is wide."""
+    from alpacafarm_validation.label_report import correlation
+
+    humans, systems, sim = {}, {}, {}
+    wins = {"s1": 0, "s2": 1, "s3": 2, "s4": 3}  # pairs of 3 each system wins against the reference
+    for system, won in wins.items():
+        for i in range(3):
+            key = (f"instruction {system} {i}", "", "ref", system)
+            systems[key] = ("ref", system)
+            humans[key] = [("ann", 2.0 if i < won else 1.0)]
+            sim[key] = [2.0 if i >= 3 - won else 1.0]  # as many wins, on other pairs: the same ranks
+    result = correlation(humans, systems, {"sim": sim}, n_bootstrap=400, seed=0)["simulators"]["sim"]
+    assert result["spearman"] == pytest.approx(1.0)
+    low, high = result["spearman_interval"]
+    assert high == pytest.approx(1.0) and low < 0.9
