@@ -118,8 +118,12 @@ class BenchRun:
 def protocol_of(recipe: Any) -> dict[str, Any]:
     """The parts of a recipe that define the benchmark (not the candidate): see the module docstring."""
     data = recipe.model_dump(mode="json")
+    evaluation = data["evaluation"]
+    if isinstance(evaluation, dict) and not evaluation.get("inputs"):
+        # no explicit wiring is the protocol of before evaluation.inputs existed: a baseline made then still holds
+        evaluation = {k: v for k, v in evaluation.items() if k != "inputs"}
     return {"name": data["name"], "seed": data["seed"], "model": data["model"], "data": data["data"],
-            "annotator": data["annotator"], "evaluation": data["evaluation"],
+            "annotator": data["annotator"], "evaluation": evaluation,
             "stages": [[s["name"], s["enabled"]] for s in data["stages"]]}
 
 
