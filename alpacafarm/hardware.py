@@ -37,3 +37,19 @@ def native_bfloat16(device: str) -> bool:
         if device != "auto":
             return False
     return bool(BFLOAT16_CPU_FLAGS & cpu_flags())
+
+
+def precision_line(dtype: str, inference_dtype: str | None, device: str) -> str:
+    """The one line ``alpacafarm run`` prints at its start: the precision sampling and scoring use, and why
+    (the recipe's choice, or what ``bfloat16_if_native`` found on this machine and the CPU flags that decided it).
+    Training always keeps float32 master weights (:meth:`alpacafarm.recipe.ModelSpec.for_training`)."""
+    if inference_dtype is None:
+        return f"precision: sampling and scoring in {dtype} (the model block's dtype; no inference_dtype set)"
+    if inference_dtype != "bfloat16_if_native":
+        return f"precision: sampling and scoring in {inference_dtype} (the model block's inference_dtype)"
+    if native_bfloat16(device):
+        found = sorted(BFLOAT16_CPU_FLAGS & cpu_flags()) if not device.startswith("cuda") else []
+        why = f"this CPU has {', '.join(found)}" if found else "this device computes bfloat16 in hardware"
+        return f"precision: sampling and scoring in bfloat16 (inference_dtype: bfloat16_if_native; {why})"
+    return ("precision: sampling and scoring in float32 (inference_dtype: bfloat16_if_native; this CPU has none of "
+            f"{', '.join(sorted(BFLOAT16_CPU_FLAGS))}, so bfloat16 would be emulated, tens of times slower)")

@@ -218,6 +218,7 @@ class Pipeline:
         :mod:`alpacafarm.distributed`: a failure on one rank stops every rank, naming it)."""
         from alpacafarm import distributed
         from alpacafarm.console import console
+        from alpacafarm.hardware import precision_line
 
         distributed.init()
         self._check_force(force)
@@ -242,6 +243,11 @@ class Pipeline:
                         if distributed.world_size() > 1:
                             logger.info("running on %d processes (world size %d); rank 0 writes the run directory",
                                         distributed.world_size(), distributed.world_size())
+                        model = self.recipe.model
+                        if model is not None:
+                            line = precision_line(model.dtype, model.inference_dtype, model.device)
+                            logger.info(line)
+                            console().print(line, highlight=False, markup=False, soft_wrap=True)
                         for line in input_warnings(self.stages):
                             logger.warning(line)
                             console().print(f"warning: {line}", style="yellow", highlight=False, markup=False,

@@ -47,7 +47,20 @@ def score_batches(reward: RewardFunction, rows: Sequence[dict[str, Any]], batch_
     The same batches whatever the number of processes, so that a batch's scores do not depend on it (the reward
     model pads a batch to its longest text). With a :class:`~alpacafarm.rewards.RewardScorer` the order is the one
     it sorts by itself (:meth:`~alpacafarm.rewards.RewardScorer.full_text`), so one process scores exactly as it
-    would all rows at once; any other reward function is ordered by the length of instruction, input and output."""
+    would all rows at once; any other reward function is ordered by the length of instruction, input and output.
+    A mean-pooled scorer's batches keep the answers to one prompt together (consecutive, longest first), so that
+    it reads each prompt once per batch of them."""
+    if isinstance(reward, RewardScorer) and reward.pooling == "mean":
+        # A mean-pooled scorer reads a prompt once for the answers to it in one batch: keep each instruction's
+        # samples together (instructions in order of their longest text), not sorted among every other
+        # instruction's by length, where best-of-8's samples of one prompt rarely met in a batch (issue 65).
+        groups: dict[str, list[int]] = {}
+        for i, row in enumerate(rows):
+            groups.setdefault(reward.prompt_of(row), []).append(i)
+        lengths = [len(reward.full_text(row, row["output"])) for row in rows]
+        ordered = sorted(groups.values(), key=lambda group: (-max(lengths[i] for i in group), group[0]))
+        order = [i for group in ordered for i in sorted(group, key=lambda i: -lengths[i])]
+        return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
     if isinstance(reward, RewardScorer):
         lengths = [len(reward.full_text(row, row["output"])) for row in rows]
     else:

@@ -10,7 +10,11 @@ answers each (Davinci003's reference and ``results/*/model_outputs.json`` under 
 - ``whole``: every text in one pass, batches longest first (each text alone, as before the prompt was shared);
 - ``shared``: each prompt once, its keys and values reused by its k answers;
 
-and prints the largest difference between the ``whole`` and ``shared`` rows (float rounding only).
+and prints the largest difference between the ``whole`` and ``shared`` rows (float rounding only). Then the same for
+the helpful gold's two readings (``gold_relevance.read_answers``: the answer after its own instruction, for the
+features and log-probabilities, and after the neutral instruction, for the log-probabilities): ``before``, each
+text read whole and the neutral reading to the answer's end (the code before issue 65); ``after``, prompts shared
+and the neutral reading stopped at the relevance window. Throughput is printed in answers per second.
 
     python benchmarks/feature_sharing.py --data ../shared/data --instructions 24 --k 8
 """
@@ -81,7 +85,34 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:>7}: {seconds / len(answers):.4f} s per answer ({seconds:.1f} s)")
     gap = float((whole - shared).abs().max())
     print(f"shared / whole: {shared_s / whole_s:.2f}; largest |whole - shared| {gap:.2e} (feature scale "
-          f"{float(whole.abs().mean()):.2f})")
+          f"{float(whole.abs().mean()):.2f}); {len(answers) / whole_s:.1f} -> {len(answers) / shared_s:.1f} "
+          "answers/s")
+    gold_readings(model, tokenizer, prompt, prompts, answers, args.batch_size, int(head["max_length"]))
+
+
+def gold_readings(model: Any, tokenizer: Any, prompt: Any, prompts: list[str], answers: list[str], batch_size: int,
+                  max_length: int) -> None:
+    """The helpful gold's two readings of every answer, before and after issue 65, timed on the same texts."""
+    from alpacafarm_annotators.gold_relevance import NEUTRAL, WINDOW, read_answers, relevance
+
+    neutral_prompts = [prompt(*NEUTRAL)] * len(answers)
+
+    def timed(after: bool) -> tuple[float, Any, list[float]]:
+        window = WINDOW if after else None
+        start = time.perf_counter()
+        features, own = read_answers(model, tokenizer, prompts, answers, batch_size=batch_size,
+                                     max_length=max_length, share_prompts=after, window=window)
+        _, neutral = read_answers(model, tokenizer, neutral_prompts, answers, batch_size=batch_size,
+                                  max_length=max_length, features=False, share_prompts=after, window=window)
+        return time.perf_counter() - start, features, relevance(own, neutral, WINDOW)
+
+    before_s, before_features, before_relevance = timed(False)
+    after_s, after_features, after_relevance = timed(True)
+    for name, seconds in (("before", before_s), ("after", after_s)):
+        print(f"gold {name:>6}: {len(answers) / seconds:.1f} answers/s ({seconds:.1f} s)")
+    gap = max(abs(a - b) for a, b in zip(before_relevance, after_relevance, strict=True))
+    print(f"gold after / before: {after_s / before_s:.2f}; largest |before - after| features "
+          f"{float((before_features - after_features).abs().max()):.2e}, relevance {gap:.2e} nats")
 
 
 if __name__ == "__main__":

@@ -27,8 +27,10 @@ def tied_model(tiny_model_dir: str, tmp_path: Path):
     return classifier, lm, tokenizer
 
 
+@pytest.mark.parametrize("share_prompts", [True, False])
 @pytest.mark.parametrize("pad_is_eos", [False, True])
-def test_one_pass_gives_the_proxy_s_features_and_the_lm_s_log_probabilities(tied_model, pad_is_eos: bool):
+def test_one_pass_gives_the_proxy_s_features_and_the_lm_s_log_probabilities(tied_model, pad_is_eos: bool,
+                                                                            share_prompts: bool):
     import torch
 
     from alpacafarm.rewards import answer_mean_features
@@ -39,7 +41,8 @@ def test_one_pass_gives_the_proxy_s_features_and_the_lm_s_log_probabilities(tied
         tokenizer.pad_token = tokenizer.eos_token
     prompts = ["Question: name a colour.\nAnswer:", "Say hi.\n", "Say hi.\n"]
     answers = [" Blue, like the sky.", "", " Hello there, friend!"]
-    features, log_probs = read_answers(classifier, tokenizer, prompts, answers, batch_size=2, max_length=64)
+    features, log_probs = read_answers(classifier, tokenizer, prompts, answers, batch_size=2, max_length=64,
+                                       share_prompts=share_prompts)
     expected = answer_mean_features(classifier, tokenizer, prompts, answers, batch_size=2, max_length=64)
     assert torch.allclose(features, expected, atol=1e-5)
     with torch.inference_mode():
@@ -49,6 +52,54 @@ def test_one_pass_gives_the_proxy_s_features_and_the_lm_s_log_probabilities(tied
             logits = lm(input_ids=ids).logits[0].log_softmax(-1)
             want = [float(logits[t - 1, ids[0, t]]) for t in range(start, ids.shape[1])]
             assert got == pytest.approx(want, abs=1e-4)  # the answer's tokens and its EOS (the empty answer: EOS)
+
+
+def test_answers_to_one_prompt_read_it_once(tied_model):
+    """Issue 65: the gold read the prompt again for every answer (8 best-of-n samples, 8 prompt passes; the gold's
+    neutral reading, a pass over the same neutral prompt for every answer). Now a prompt is read once per batch of
+    its answers, and a text cut inside its prompt (max_length) is still read whole."""
+    from alpacafarm_annotators.gold_relevance import read_answers
+
+    classifier, _, tokenizer = tied_model
+    prompt = "Say hi to the whole team.\n"
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    rows: list[list[int]] = []
+    hook = classifier.base_model.register_forward_hook(
+        lambda module, args, kwargs, out: rows.extend(kwargs["input_ids"].tolist()), with_kwargs=True)
+    try:
+        answers = [" Hello!", " Hi, all.", " Good morning, team.", ""]
+        for share, reads in ((True, 1), (False, 4)):
+            rows.clear()
+            read_answers(classifier, tokenizer, [prompt] * 4, answers, batch_size=4, max_length=64,
+                         share_prompts=share)
+            assert sum(r[:len(prompt_ids)] == prompt_ids for r in rows) == reads
+        rows.clear()
+        _, cut = read_answers(classifier, tokenizer, [prompt] * 2, answers[:2], batch_size=4, max_length=3)
+        assert [len(c) for c in cut] == [1, 1] and all(len(r) == 3 for r in rows)
+    finally:
+        hook.remove()
+
+
+def test_the_neutral_reading_stops_at_the_relevance_window(tied_model):
+    """Relevance reads an answer's first 32 log-probabilities; the neutral reading used to read every answer whole
+    (64 tokens and its EOS) for them. With ``window`` it reads no further, and the numbers are the same."""
+    from alpacafarm_annotators.gold_relevance import read_answers
+
+    classifier, _, tokenizer = tied_model
+    prompts, answers = ["Name a colour.\n"] * 2, [" Blue, like the sky on a clear day.", " Red."]
+    _, whole = read_answers(classifier, tokenizer, prompts, answers, batch_size=2, max_length=64, features=False)
+    rows: list[list[int]] = []
+    hook = classifier.base_model.register_forward_hook(
+        lambda module, args, kwargs, out: rows.extend(kwargs["input_ids"].tolist()), with_kwargs=True)
+    try:
+        _, cut = read_answers(classifier, tokenizer, prompts, answers, batch_size=2, max_length=64, features=False,
+                              window=3)
+    finally:
+        hook.remove()
+    assert [len(c) for c in cut] == [3, 3]
+    for got, want in zip(cut, whole, strict=True):
+        assert got == pytest.approx(want[:3], abs=1e-5)
+    assert max(len(r) for r in rows[1:]) == 3  # the prompt once, then three tokens of each answer
 
 
 def test_a_model_without_tied_embeddings_is_refused(tiny_model_dir: str):

@@ -35,3 +35,26 @@ def test_bfloat16_if_native_resolves_on_the_machine(monkeypatch: pytest.MonkeyPa
         assert explicit.for_inference().dtype == "bfloat16"
     finally:
         native_bfloat16.cache_clear()
+
+
+@pytest.mark.parametrize(("native", "expected"), [
+    (False, "float32 (inference_dtype: bfloat16_if_native; this CPU has none of amx_bf16, avx512_bf16"),
+    (True, "bfloat16 (inference_dtype: bfloat16_if_native; this CPU has amx_bf16, avx512_bf16)"),
+])
+def test_the_precision_line_names_the_choice_and_the_flags_that_decided_it(monkeypatch: pytest.MonkeyPatch,
+                                                                          native: bool, expected: str):
+    """A user whose quickstart ran four times slower than the README said could not tell why: nothing printed the
+    precision ``bfloat16_if_native`` chose. ``alpacafarm run`` prints this line at its start."""
+    import alpacafarm.hardware as hardware
+    from alpacafarm.hardware import precision_line
+
+    native_bfloat16.cache_clear()
+    monkeypatch.setattr(hardware, "cpu_flags", lambda cpuinfo=None: cpu_flags(SAPPHIRE_RAPIDS if native
+                                                                              else AVX2_ONLY))
+    try:
+        assert precision_line("float32", "bfloat16_if_native", "cpu").startswith(
+            f"precision: sampling and scoring in {expected}")
+        assert precision_line("float32", "bfloat16", "cpu").endswith("in bfloat16 (the model block's inference_dtype)")
+        assert "in float32 (the model block's dtype; no inference_dtype set)" in precision_line("float32", None, "cpu")
+    finally:
+        native_bfloat16.cache_clear()

@@ -71,6 +71,12 @@ def parts(items: list[tuple[str, str]], cache: Path | None, name: str) -> list[t
             zip(items, heads, relevance(own, neutral, WINDOW), strict=True)]
 
 
+def correlation(x: list[float], y: list[float]) -> float:
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    cov = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True))
+    return cov / math.sqrt(sum((a - mx) ** 2 for a in x) * sum((b - my) ** 2 for b in y))
+
+
 def raw(part: tuple[float, float, float], beta: float, gamma: float) -> float:
     head, related, echo = part
     return head + beta * min(max(related, RELEVANCE_CLIP[0]), RELEVANCE_CLIP[1]) * (1 - echo) - gamma * echo
@@ -117,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--held-out", type=int, default=80, help="instructions after the first 200, to measure on")
     parser.add_argument("--contrast-weight", type=float, default=0.5,
                         help="the contrasts' total weight against the GPT-4 pairs' (1: equal)")
+    parser.add_argument("--max-relevance-correlation", type=float, default=0.6,
+                        help="raise the relevance weight until an answer's score under its own instruction "
+                             "correlates at most this much with its score under another (on the fit instructions)")
     parser.add_argument("--cache", type=Path)
     args = parser.parse_args(argv)
     if not args.sft_samples.is_file():
@@ -161,11 +170,36 @@ def main(argv: list[str] | None = None) -> int:
     beta, gamma = fit(gpt4 + [(won, lost, weight) for won, lost in contrast])
     print(f"fitted on {len(gpt4)} GPT-4 pairs and {len(contrast)} contrasts ({len(fit_on)} instructions): "
           f"beta {beta:.4f}, gamma {gamma:.4f}")
+    others = families["other instruction's answer"]  # item k: instruction k+1's answer under instruction k
+
+    def own_other(b: float) -> float:
+        """On the fit instructions: the correlation of an answer's score under its own instruction with its score
+        under another's (the relevance rule's statistic)."""
+        own = [raw(computed[real_items[(k + 1) % len(fit_on)]], b, gamma) for k in range(len(fit_on))]
+        return correlation(own, [raw(computed[item], b, gamma) for item in others])
+
+    logistic_beta, fitted_correlation = beta, own_other(beta)
+    if fitted_correlation > args.max_relevance_correlation:
+        # the logistic fit weighs relevance by how GPT-4 and the contrasts vary it, not by whether a score moves
+        # with the instruction at all: raise beta (on the fit instructions only) until it does
+        low, high = beta, beta
+        while own_other(high) > args.max_relevance_correlation:
+            low, high = high, high * 2
+            if high > 100:
+                sys.exit("fit_gold_relevance: no relevance weight below 100 meets --max-relevance-correlation")
+        for _ in range(40):
+            middle = (low + high) / 2
+            low, high = (middle, high) if own_other(middle) > args.max_relevance_correlation else (low, middle)
+        beta = high
+    print(f"own/other-instruction correlation on the fit instructions: {fitted_correlation:.3f} at the logistic "
+          f"beta {logistic_beta:.4f}; {own_other(beta):.3f} at beta {beta:.4f} "
+          f"(--max-relevance-correlation {args.max_relevance_correlation})")
 
     values = [raw(p, beta, gamma) for p in sft]
     mean = sum(values) / len(values)
     scale = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
-    for label, b, g in (("the head alone", 0.0, 0.0), ("the helpful gold", beta, gamma)):
+    for label, b, g in (("the head alone", 0.0, 0.0), ("the logistic fit", logistic_beta, gamma),
+                        ("the helpful gold", beta, gamma)):
         agree = sum(raw(w, b, g) > raw(lo, b, g) for w, lo in (winner_loser(r) for r in test))
         print(f"agreement with GPT-4 on {len(test)} pairs of {len(measure_on)} held-out instructions, "
               f"{label}: {agree / len(test):.3f}")
@@ -179,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         "scale": round(scale, 6),
         "fitted": {"judgments": "alpaca_eval_gpt4 (results/*/alpaca_eval_gpt4/annotations.json)",
                    "instructions": len(fit_on), "gpt4_pairs": len(gpt4), "contrast_weight": args.contrast_weight,
+                   "logistic_relevance_weight": round(logistic_beta, 6),
+                   "max_relevance_correlation": args.max_relevance_correlation,
                    "contrasts": {k: len(v) for k, v in
                                                                                     families.items()},
                    "standardised_on": f"{len(samples)} SFT samples", "tool": "tools/fit_gold_relevance.py"},

@@ -167,11 +167,13 @@ def helpful_head(records: Sequence[dict[str, Any]], answers: Sequence[str]) -> l
         own_prompts = [prompt(r["instruction"], r.get("input") or "") for r, _ in pending]
         texts = [a for _, a in pending]
         size = int(head["max_length"])
-        features, own = read_answers(model, tokenizer, own_prompts, texts, batch_size=16, max_length=size)
+        window = document["relevance_window"]
+        features, own = read_answers(model, tokenizer, own_prompts, texts, batch_size=16, max_length=size,
+                                     window=window)
         _, neutral = read_answers(model, tokenizer, [prompt(*NEUTRAL)] * len(texts), texts, batch_size=16,
-                                  max_length=size, features=False)
+                                  max_length=size, features=False, window=window)
         low, high = document["relevance_clip"]
-        related_all = relevance(own, neutral, document["relevance_window"])
+        related_all = relevance(own, neutral, window)
         for key, (record, answer), head_score, related in zip(
                 todo, pending, (features @ weight + bias).tolist(), related_all, strict=True):
             echo = echo_share(record, answer)

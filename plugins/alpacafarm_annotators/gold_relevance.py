@@ -22,6 +22,7 @@ padding and formatting past it buy nothing, and cutting into it costs.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -33,10 +34,19 @@ WINDOW = 32
 
 
 def read_answers(model: Any, tokenizer: Any, prompts: Sequence[str], answers: Sequence[str], *, batch_size: int,
-                 max_length: int, features: bool = True) -> tuple[Any, list[list[float]]]:
+                 max_length: int, features: bool = True, share_prompts: bool = True,
+                 window: int | None = None) -> tuple[Any, list[list[float]]]:
     """``(mean features [n, hidden] or None, the log-probability of each of an answer's tokens and its EOS)`` of
     ``prompt + answer + EOS`` (truncated to ``max_length`` tokens; a text cut inside its prompt counts the last
-    token as its answer). One pass per batch; each distinct text once."""
+    token as its answer). Each distinct text once.
+
+    Answers to one prompt share one pass over it (``share_prompts``): the prompt's keys and values and its last
+    state (which predicts the answer's first token) are computed once per batch of its answers, and the answers
+    are read after them; the same numbers as reading each text whole (``share_prompts=False``), to float rounding.
+    The neutral reading (:data:`NEUTRAL`) is one prompt for every answer, so its pass is nearly all answer.
+    ``window``: only the first ``window`` of an answer's log-probabilities are returned (what :func:`relevance`
+    reads), and with ``features=False`` the answer is read no further (a causal model's earlier states do not
+    depend on later tokens, so the numbers are the same)."""
     import torch
 
     from alpacafarm.rewards import with_eos
@@ -48,31 +58,93 @@ def read_answers(model: Any, tokenizer: Any, prompts: Sequence[str], answers: Se
     starts = {p: len(tokenizer(p)["input_ids"]) for p in dict.fromkeys(prompts)}
     keys = list(dict.fromkeys(zip(texts, (starts[p] for p in prompts), strict=True)))
     embedding = model.get_input_embeddings().weight
-    backbone = model.base_model
     device = embedding.device
+    reading = _Reading(model.base_model, embedding.float(), tokenizer.pad_token_id, device, features, tokenizer)
+    ids = {key: tokenizer(key[0])["input_ids"][:max_length] for key in keys}
+    if window is not None and not features:
+        ids = {key: value[:key[1] + window] for key, value in ids.items()}
+    reading.window = window
+    by_prompt: dict[tuple[int, ...], list[tuple[str, int]]] = {}
+    alone = []
+    for key in keys:
+        start = key[1]
+        if share_prompts and 0 < start < len(ids[key]):  # an answer token fits after the whole prompt
+            by_prompt.setdefault(tuple(ids[key][:start]), []).append(key)
+        else:
+            alone.append(key)
     done: dict[tuple[str, int], tuple[Any, list[float]]] = {}
-    order = sorted(keys, key=lambda k: -len(k[0]))
     with torch.inference_mode():
+        for prompt_ids, group in by_prompt.items():
+            for begin in range(0, len(group), batch_size):
+                chunk = group[begin:begin + batch_size]
+                done.update(zip(chunk, reading.after_prompt(list(prompt_ids), [ids[k] for k in chunk]), strict=True))
+        order = sorted(alone, key=lambda k: -len(ids[k]))
         for begin in range(0, len(order), batch_size):
             chunk = order[begin:begin + batch_size]
-            ids = [tokenizer(t)["input_ids"][:max_length] for t, _ in chunk]
-            width = max(len(i) for i in ids)
-            input_ids = torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i in ids], device=device)
-            mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids], device=device)
-            hidden = backbone(input_ids=input_ids, attention_mask=mask).last_hidden_state.float()
-            for row, ((text, start), row_ids) in enumerate(zip(chunk, ids, strict=True)):
-                first = min(start, len(row_ids) - 1)
-                states = hidden[row, first:len(row_ids)]
-                # the answer's tokens are predicted from the state before each: positions first-1 .. len-2
-                before = hidden[row, max(first - 1, 0):len(row_ids) - 1]
-                targets = input_ids[row, max(first - 1, 0) + 1:len(row_ids)]
-                log_probs = (before @ embedding.float().T).log_softmax(dim=-1)
-                per_token = log_probs.gather(-1, targets[:, None])[:, 0].tolist()
-                pooled = _mean_states(states, row_ids[first:], tokenizer) if features else None
-                done[(text, start)] = (pooled, per_token)
+            done.update(zip(chunk, reading.whole([ids[k] for k in chunk], [k[1] for k in chunk]), strict=True))
     rows = [done[(t, starts[p])] for t, p in zip(texts, prompts, strict=True)]
     matrix = torch.stack([r[0] for r in rows]) if features and rows else None
     return matrix, [r[1] for r in rows]
+
+
+class _Reading:
+    """One frozen model's passes for :func:`read_answers`: texts read whole, or answers read after their prompt."""
+
+    def __init__(self, backbone: Any, embedding: Any, pad_id: int, device: Any, features: bool,
+                 tokenizer: Any) -> None:
+        self.backbone, self.embedding, self.pad_id, self.device = backbone, embedding, pad_id, device
+        self.features, self.tokenizer = features, tokenizer
+        self.window: int | None = None
+
+    def _row(self, before: Any, states: Any, answer_ids: list[int]) -> tuple[Any, list[float]]:
+        """An answer's pooled states and per-token log-probabilities: ``before[j]`` predicts ``answer_ids[j]``."""
+        import torch
+
+        scored = len(answer_ids) if self.window is None else min(self.window, len(answer_ids))
+        targets = torch.tensor(answer_ids[:scored], device=self.device)
+        log_probs = (before[:scored] @ self.embedding.T).log_softmax(dim=-1)
+        per_token = log_probs.gather(-1, targets[:, None])[:, 0].tolist()
+        pooled = _mean_states(states, answer_ids, self.tokenizer) if self.features else None
+        return pooled, per_token
+
+    def whole(self, rows: list[list[int]], starts: list[int]) -> list[tuple[Any, list[float]]]:
+        import torch
+
+        width = max(len(i) for i in rows)
+        input_ids = torch.tensor([i + [self.pad_id] * (width - len(i)) for i in rows], device=self.device)
+        mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in rows], device=self.device)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=mask).last_hidden_state.float()
+        out = []
+        for row, (row_ids, start) in enumerate(zip(rows, starts, strict=True)):
+            first = min(start, len(row_ids) - 1)
+            # the answer's tokens are predicted from the state before each: positions first-1 .. len-2
+            before = hidden[row, max(first - 1, 0):len(row_ids) - 1]
+            out.append(self._row(before, hidden[row, first:len(row_ids)], row_ids[max(first - 1, 0) + 1:]))
+        return out
+
+    def after_prompt(self, prompt_ids: list[int], rows: list[list[int]]) -> list[tuple[Any, list[float]]]:
+        import torch
+
+        start = len(prompt_ids)
+        # transformers renamed past_key_values to cache (argument and output) within 5.x: take the name this one has
+        name = "cache" if "cache" in inspect.signature(type(self.backbone).forward).parameters else "past_key_values"
+        prompt = self.backbone(input_ids=torch.tensor([prompt_ids], device=self.device), use_cache=True)
+        last = prompt.last_hidden_state[0, -1:].float()
+        cache = getattr(prompt, name)
+        cache.batch_repeat_interleave(len(rows))
+        answers = [i[start:] for i in rows]
+        width = max(len(a) for a in answers)
+        input_ids = torch.tensor([a + [self.pad_id] * (width - len(a)) for a in answers], device=self.device)
+        mask = torch.tensor([[1] * len(a) + [0] * (width - len(a)) for a in answers], device=self.device)
+        attention = torch.cat([torch.ones(len(rows), start, dtype=mask.dtype, device=self.device), mask], dim=1)
+        positions = torch.arange(start, start + width, device=self.device).expand(len(rows), width)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                               use_cache=True, **{name: cache}).last_hidden_state.float()
+        out = []
+        for row, answer in enumerate(answers):
+            before = torch.cat([last, hidden[row, :len(answer) - 1]])
+            out.append(self._row(before, hidden[row, :len(answer)], answer))
+        return out
 
 
 def _mean_states(states: Any, answer_ids: list[int], tokenizer: Any) -> Any:
