@@ -224,6 +224,11 @@ class ScoringAnnotator(Annotator):
         """One finite score per answer to its record's instruction (``instruction``, ``input``); higher is better."""
         raise NotImplementedError
 
+    def prefetch(self, records: Sequence[dict[str, Any]], answers: Sequence[str]) -> None:
+        """Score these answers ahead, in one call, so that later :meth:`score` calls find them ready (the
+        evaluation hands every system's answers at once: a scorer that reads an instruction once for all its
+        answers gains). The default does nothing; an annotator that keeps its scores overrides it."""
+
 
 # ---------------------------------------------------------------------------------------- command-line options
 # ``alpacafarm annotate`` and ``alpacafarm evaluate`` (in different plugins) take the same annotator options and

@@ -25,6 +25,15 @@ def distinct_words_gold(records: list[dict[str, Any]], answers: list[str]) -> li
     return [0.1 * len(set(answer.split())) for answer in answers]
 
 
+GOLD_CALLS: list[list[str]] = []
+
+
+def recording_gold(records: list[dict[str, Any]], answers: list[str]) -> list[float]:
+    """:func:`count_gold`, recording the answers of each call."""
+    GOLD_CALLS.append(list(answers))
+    return count_gold(records, answers)
+
+
 def wrong_length_gold(records: list[dict[str, Any]], answers: list[str]) -> list[float]:
     return [1.0]
 
@@ -82,7 +91,7 @@ def test_label_noise_flips_as_the_pools_do():
 
 
 @pytest.mark.parametrize(("target", "message"), [
-    ("test_gold:wrong_length_gold", "returned 1 scores for 4 answers"),
+    ("test_gold:wrong_length_gold", "returned 1 scores for 2 answers"),
     ("test_gold:nan_gold", "not a finite number"),
     ("no_such_module_xyz:gold", "cannot import 'no_such_module_xyz'"),
     ("test_gold:no_such_function", "has no attribute"),
@@ -272,3 +281,28 @@ stages:
     meta = artifacts["kto"].metadata
     desirable = sum(v for v, _ in verdicts)
     assert (meta["n_desirable"], meta["n_undesirable"]) == (desirable, len(verdicts) - desirable)
+
+
+def test_each_answer_is_scored_once_and_the_evaluation_hands_every_system_at_once():
+    """Issue 65: the evaluation judged system after system, so an instruction's prompt was read once per system
+    (and again for the mean-gold column). The gold annotator keeps each (instruction, input, answer)'s score, and
+    the evaluation first hands it every system's answers and the references in one call."""
+    from alpacafarm_evaluation.evaluator import prefetch
+
+    GOLD_CALLS.clear()
+    judge = gold(gold="test_gold:recording_gold")
+    systems = [[{"instruction": f"i{k}", "input": "", "output_1": f"ref {k}", "output_2": f"{name} {k} x"}
+                for k in range(3)] for name in ("a", "b")]
+    systems[1][0]["output_2"] = systems[0][0]["output_2"]  # two systems, one answer: scored once
+    prefetch(judge, systems)
+    assert len(GOLD_CALLS) == 1 and sorted(GOLD_CALLS[0]) == sorted(
+        {p[side] for pairs in systems for p in pairs for side in ("output_1", "output_2")})
+    assert len(GOLD_CALLS[0]) == 3 + 3 + 2
+    annotations = judge.annotate([Pair(p["instruction"], p["output_1"], p["output_2"]) for p in systems[0]])
+    assert len(GOLD_CALLS) == 1  # judging found every score ready
+    assert [a.metadata["gold_2"] for a in annotations] == [pytest.approx(0.1)] * 3
+    assert judge.score([{"instruction": "i0", "input": ""}] * 2, ["new x", "new x"]) == [pytest.approx(0.1)] * 2
+    assert GOLD_CALLS[-1] == ["new x"]  # a new answer, once, even when asked twice
+    # the same answer to another instruction is another score (a gold reads the instruction too)
+    judge.score([{"instruction": "i9", "input": ""}], ["new x"])
+    assert GOLD_CALLS[-1] == ["new x"] and len(GOLD_CALLS) == 3

@@ -83,20 +83,31 @@ class GoldAnnotator(ScoringAnnotator):
         self.config = config
         self.name = "gold"
         self.gold = load_gold(config.gold)
+        #: (instruction, input, answer) -> gold score: a gold is a function of the answer and its instruction, so
+        #: each is scored once per annotator (the evaluation's judging, its mean-gold column and :meth:`prefetch`)
+        self._scores: dict[tuple[str, str, str], float] = {}
 
     def score(self, records: Sequence[dict[str, Any]], answers: Sequence[str]) -> list[float]:
         """The gold score of each answer to its record's instruction (checked: one finite float per answer)."""
         if len(records) != len(answers):
             raise ValueError(f"gold: {len(records)} records but {len(answers)} answers")
-        if not answers:
-            return []
-        values = list(self.gold(list(records), list(answers)))
-        if len(values) != len(answers):
-            raise UserError(f"gold {self.config.gold!r} returned {len(values)} scores for {len(answers)} answers")
-        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
-        if bad:
-            raise UserError(f"gold {self.config.gold!r} returned a score that is not a finite number: {bad[0]!r}")
-        return [float(v) for v in values]
+        keys = [(r["instruction"], r.get("input") or "", a) for r, a in zip(records, answers, strict=True)]
+        todo = list(dict.fromkeys(k for k in keys if k not in self._scores))
+        if todo:
+            values = list(self.gold([{"instruction": i, "input": x} for i, x, _ in todo], [a for _, _, a in todo]))
+            if len(values) != len(todo):
+                raise UserError(f"gold {self.config.gold!r} returned {len(values)} scores for {len(todo)} answers")
+            bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float))
+                   or not math.isfinite(v)]
+            if bad:
+                raise UserError(f"gold {self.config.gold!r} returned a score that is not a finite number: "
+                                f"{bad[0]!r}")
+            self._scores.update(zip(todo, (float(v) for v in values), strict=True))
+        return [self._scores[k] for k in keys]
+
+    def prefetch(self, records: Sequence[dict[str, Any]], answers: Sequence[str]) -> None:
+        """Score them now, in one call (see :meth:`ScoringAnnotator.prefetch`)."""
+        self.score(records, answers)
 
     def probability(self, gold_1: float, gold_2: float) -> float:
         """P(output_2 beats output_1) under the Bradley-Terry model at ``temperature``."""

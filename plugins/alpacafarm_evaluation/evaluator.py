@@ -132,9 +132,10 @@ class WinRateEvaluator(Method):
         judged: list[JudgedSystem] = []
         evaluated: list[tuple[Candidate, dict[str, Any], list[dict[str, Any]], dict[str, float]]] = []
         try:
-            for system in systems:
-                pairs, skipped = pair_outputs(system.outputs, references, config.max_instructions,
-                                              f"{system.name} outputs", generator=system.name)
+            paired = [pair_outputs(system.outputs, references, config.max_instructions, f"{system.name} outputs",
+                                   generator=system.name) for system in systems]
+            prefetch(annotator.inner, [pairs for pairs, _ in paired])
+            for system, (pairs, skipped) in zip(systems, paired, strict=True):
                 if skipped["n_unmatched"] or skipped["n_extra_samples"]:
                     context.logger.warning(
                         "%s: %s: skipped %d of %d outputs without a reference instruction and %d extra samples",
@@ -232,6 +233,19 @@ def count_look(context: StageContext, config: WinRateConfig,
                 "reference_field": config.reference_field, "max_instructions": config.max_instructions}
     judged = [(s.name, s.stage, stage_settings(context.run_dir, s.stage)) for s, _ in systems]
     return LooksLedger().record(world_of(splits, judge, settings), split, context.run_dir, context.stage, judged)
+
+
+def prefetch(judge: Annotator, systems_pairs: Sequence[Sequence[dict[str, Any]]]) -> None:
+    """Let a judge that scores answers one by one (the gold world's gold) score every system's answers and the
+    references in one call before the systems are judged one by one: an instruction's answers from every system
+    then share one reading of its prompt (issue 65), and each system's judging finds its scores ready."""
+    from alpacafarm.annotation import ScoringAnnotator
+
+    if not isinstance(judge, ScoringAnnotator):
+        return
+    items = dict.fromkeys((p["instruction"], p["input"], p[side]) for pairs in systems_pairs for p in pairs
+                          for side in ("output_1", "output_2"))
+    judge.prefetch([{"instruction": i, "input": x} for i, x, _ in items], [a for _, _, a in items])
 
 
 def gold_scores(judge: Annotator, pairs: Sequence[dict[str, Any]]) -> dict[str, float] | None:
