@@ -124,8 +124,6 @@ def correlation(x: list[float], y: list[float]) -> float:
     return cov / math.sqrt(sum((a - mx) ** 2 for a in x) * sum((b - my) ** 2 for b in y))
 
 
-@pytest.mark.xfail(strict=True, reason="measured 0.712 on this probe with the committed weights (2026-12-01), "
-                   "above the 0.7 rule: the relevance weight is not yet large enough; the gold is not the default")
 def test_relevance_an_answer_under_another_instruction_is_another_score():
     records, real = probe_set()
     gold = helpful()

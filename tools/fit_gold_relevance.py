@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--held-out", type=int, default=80, help="instructions after the first 200, to measure on")
     parser.add_argument("--contrast-weight", type=float, default=0.5,
                         help="the contrasts' total weight against the GPT-4 pairs' (1: equal)")
-    parser.add_argument("--max-relevance-correlation", type=float, default=0.6,
+    parser.add_argument("--max-relevance-correlation", type=float, default=0.7,
                         help="raise the relevance weight until an answer's score under its own instruction "
                              "correlates at most this much with its score under another (on the fit instructions)")
     parser.add_argument("--cache", type=Path)
