@@ -50,22 +50,19 @@ def score_batches(reward: RewardFunction, rows: Sequence[dict[str, Any]], batch_
     would all rows at once; any other reward function is ordered by the length of instruction, input and output.
     A mean-pooled scorer's batches keep the answers to one prompt together (consecutive, longest first), so that
     it reads each prompt once per batch of them."""
-    if isinstance(reward, RewardScorer) and reward.pooling == "mean":
-        # A mean-pooled scorer reads a prompt once for the answers to it in one batch: keep each instruction's
-        # samples together (instructions in order of their longest text), not sorted among every other
-        # instruction's by length, where best-of-8's samples of one prompt rarely met in a batch (issue 65).
-        groups: dict[str, list[int]] = {}
-        for i, row in enumerate(rows):
-            groups.setdefault(reward.prompt_of(row), []).append(i)
-        lengths = [len(reward.full_text(row, row["output"])) for row in rows]
-        ordered = sorted(groups.values(), key=lambda group: (-max(lengths[i] for i in group), group[0]))
-        order = [i for group in ordered for i in sorted(group, key=lambda i: -lengths[i])]
-        return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
     if isinstance(reward, RewardScorer):
         lengths = [len(reward.full_text(row, row["output"])) for row in rows]
     else:
         lengths = [len(row["instruction"]) + len(row.get("input") or "") + len(row["output"]) for row in rows]
     order = sorted(range(len(rows)), key=lambda i: -lengths[i])
+    if isinstance(reward, RewardScorer) and reward.pooling == "mean":
+        # A mean-pooled scorer reads a prompt once for the answers to it in one batch: keep each instruction's
+        # samples together (instructions in order of their longest text), not sorted among every other
+        # instruction's by length, where best-of-8's samples of one prompt rarely met in a batch (issue 65).
+        groups: dict[str, list[int]] = {}
+        for i in order:
+            groups.setdefault(reward.prompt_of(rows[i]), []).append(i)
+        order = [i for group in groups.values() for i in group]
     return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
 
 

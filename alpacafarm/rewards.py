@@ -313,25 +313,41 @@ def _whole_texts(backbone: Any, tokenizer: Any, keys: Sequence[tuple[Any, ...]],
     return [row.clone() for row in picked.cpu()]
 
 
+def states_after_prompt(backbone: Any, prompt_ids: Sequence[int], answers: Sequence[Sequence[int]], pad_id: int,
+                        device: Any) -> tuple[Any, Any]:
+    """One pass over a prompt, then its answers (right-padded with ``pad_id``) read after its keys and values:
+    ``(the prompt's last final state [1, hidden], the answers' final states [len(answers), width, hidden])``, the
+    same states as reading each text whole, to float rounding. The prompt's last state is what predicts an
+    answer's first token (the gold's relevance reads it)."""
+    import torch
+
+    start = len(prompt_ids)
+    # transformers renamed past_key_values to cache (argument and output) within 5.x: take the name this one has
+    name = "cache" if "cache" in inspect.signature(type(backbone).forward).parameters else "past_key_values"
+    prompt = backbone(input_ids=torch.tensor([list(prompt_ids)], device=device), use_cache=True)
+    cache = getattr(prompt, name)
+    cache.batch_repeat_interleave(len(answers))
+    width = max(len(a) for a in answers)
+    input_ids = torch.tensor([list(a) + [pad_id] * (width - len(a)) for a in answers], device=device)
+    mask = torch.tensor([[1] * len(a) + [0] * (width - len(a)) for a in answers], device=device)
+    attention = torch.cat([torch.ones(len(answers), start, dtype=mask.dtype, device=device), mask], dim=1)
+    positions = torch.arange(start, start + width, device=device).expand(len(answers), width)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                      **{name: cache}).last_hidden_state
+    return prompt.last_hidden_state[0, -1:], hidden
+
+
 def _answers_after_prompt(backbone: Any, keys: Sequence[tuple[Any, ...]], pad_id: int, device: Any) -> list:
-    """The averaged answer rows of texts sharing one prompt: the prompt's keys and values computed once, then the
-    answers (right-padded) attend to them; the same states as :func:`_whole_texts` reads, to float rounding."""
+    """The averaged answer rows of texts sharing one prompt (:func:`states_after_prompt`); the same states as
+    :func:`_whole_texts` reads, to float rounding."""
     import torch
 
     start = keys[0][1]
-    prompt = torch.tensor([list(keys[0][0][:start])], device=device)
-    # transformers renamed past_key_values to cache (argument and output) within 5.x: take the name this one has
-    name = "cache" if "cache" in inspect.signature(type(backbone).forward).parameters else "past_key_values"
-    cache = getattr(backbone(input_ids=prompt, use_cache=True), name)
-    cache.batch_repeat_interleave(len(keys))
     answers = [list(k[0][start:]) for k in keys]
-    width = max(len(a) for a in answers)
-    input_ids = torch.tensor([a + [pad_id] * (width - len(a)) for a in answers], device=device)
+    _, hidden = states_after_prompt(backbone, keys[0][0][:start], answers, pad_id, device)
+    width = hidden.shape[1]
     mask = torch.tensor([[1] * len(a) + [0] * (width - len(a)) for a in answers], device=device)
-    attention = torch.cat([torch.ones(len(keys), start, dtype=mask.dtype, device=device), mask], dim=1)
-    positions = torch.arange(start, start + width, device=device).expand(len(keys), width)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                      **{name: cache}).last_hidden_state
+    input_ids = torch.tensor([a + [pad_id] * (width - len(a)) for a in answers], device=device)
     local = torch.arange(width, device=device)
     last = (local * ((input_ids != pad_id).int() * mask)).argmax(dim=-1)
     span = (local <= last[:, None]).float()

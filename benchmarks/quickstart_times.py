@@ -41,6 +41,12 @@ def run(out: Path, overrides: list[str], env: dict[str, str], code: Path | None)
     if code is not None:  # the worktree's packages before this checkout's editable install
         paths = [str(code), *(str(code / d) for d in PLUGIN_DIRS)]
         environment["PYTHONPATH"] = os.pathsep.join([*paths, environment.get("PYTHONPATH", "")])
+    if code is not None:  # refuse to time a mix of both checkouts' code
+        probe = "import alpacafarm, alpacafarm_annotators; print(alpacafarm.__file__, alpacafarm_annotators.__file__)"
+        found = subprocess.run([sys.executable, "-c", probe], env=environment, cwd=code, capture_output=True,
+                               text=True).stdout.split()
+        if len(found) != 2 or not all(Path(f).resolve().is_relative_to(code.resolve()) for f in found):
+            raise SystemExit(f"quickstart_times: --code: the run would import {found or 'nothing'}, not {code}'s")
     started = time.perf_counter()
     done = subprocess.run(command, env=environment, cwd=code or ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - started

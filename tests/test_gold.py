@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+import alpacafarm
 from alpacafarm.errors import UserError
 from alpacafarm.plugins import get_registry
 from alpacafarm.types import Pair
@@ -306,3 +307,59 @@ def test_each_answer_is_scored_once_and_the_evaluation_hands_every_system_at_onc
     # the same answer to another instruction is another score (a gold reads the instruction too)
     judge.score([{"instruction": "i9", "input": ""}], ["new x"])
     assert GOLD_CALLS[-1] == ["new x"] and len(GOLD_CALLS) == 3
+
+
+class _FixedAnswers:
+    """Stand-in policy stages: each answers the first four instructions of the bundled sample (the evaluation's
+    default references) with ``x`` repeated by a per-stage factor."""
+
+    @staticmethod
+    def method(factor: int):
+        from alpacafarm.data import load_source
+        from alpacafarm.method import Artifact, Method
+        from alpacafarm.recipe import DataSource
+        from alpacafarm.testing import write_records
+
+        class Answers(Method):
+            requires = ()
+            provides = "policy"
+
+            def run(self, context):
+                records = load_source(DataSource(builtin="alpaca_eval_sample"))[:4]
+                path = context.stage_dir / "outputs.jsonl"
+                write_records(path, [{"instruction": r["instruction"], "input": r.get("input") or "",
+                                      "output": "x" * (factor * (k + 1)), "generator": f"s{factor}"}
+                                     for k, r in enumerate(records)])
+                return Artifact("dataset", str(path))
+
+        return Answers
+
+    @alpacafarm.hookimpl
+    def register_methods(self, register):
+        register("answers_one", self.method(1))
+        register("answers_three", self.method(3))
+
+
+def test_the_evaluation_reads_every_system_s_answers_in_one_call_to_the_gold(tmp_path: Path,
+                                                                              register_test_plugin):
+    """The evaluation's wiring of :func:`prefetch`: with two systems judged by the gold, the gold function is
+    called once with both systems' answers and the references, and never again (the judging of each system and its
+    mean-gold column find their scores kept)."""
+    from alpacafarm.pipeline import Pipeline
+    from alpacafarm.recipe import load_recipe
+
+    register_test_plugin(_FixedAnswers(), "gold-prefetch-test")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("name: prefetch\nstages:\n  - {name: one, method: answers_one}\n"
+                      "  - {name: three, method: answers_three}\n"
+                      "evaluation:\n  evaluator: win_rate\n  policy: [one, three]\n"
+                      "  annotator: {name: gold, config: {gold: 'test_gold:recording_gold', mode: continuous}}\n",
+                      encoding="utf-8")
+    GOLD_CALLS.clear()
+    outcomes = {o.name: o for o in Pipeline(load_recipe(recipe), get_registry(), tmp_path / "run").run()}
+    assert outcomes["evaluate"].status == "ran"
+    assert len(GOLD_CALLS) == 1, [len(c) for c in GOLD_CALLS]
+    answers = GOLD_CALLS[0]
+    assert {"x" * k for k in (1, 2, 3, 4)} <= set(answers) and {"x" * 3 * k for k in (1, 2, 3, 4)} <= set(answers)
+    # 4 + 4 answers and the 4 references; "xxx" answers another instruction in each system, so it counts twice
+    assert len(answers) == 12 and len(set(answers)) == 11

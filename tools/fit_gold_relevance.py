@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -69,12 +70,6 @@ def parts(items: list[tuple[str, str]], cache: Path | None, name: str) -> list[t
         path.write_text(json.dumps({"items": items, "head": heads, "own": own, "neutral": neutral}), encoding="utf-8")
     return [(float(h), float(r), echo_share({"instruction": i}, a)) for (i, a), h, r in
             zip(items, heads, relevance(own, neutral, WINDOW), strict=True)]
-
-
-def correlation(x: list[float], y: list[float]) -> float:
-    mx, my = sum(x) / len(x), sum(y) / len(y)
-    cov = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True))
-    return cov / math.sqrt(sum((a - mx) ** 2 for a in x) * sum((b - my) ** 2 for b in y))
 
 
 def raw(part: tuple[float, float, float], beta: float, gamma: float) -> float:
@@ -176,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         """On the fit instructions: the correlation of an answer's score under its own instruction with its score
         under another's (the relevance rule's statistic)."""
         own = [raw(computed[real_items[(k + 1) % len(fit_on)]], b, gamma) for k in range(len(fit_on))]
-        return correlation(own, [raw(computed[item], b, gamma) for item in others])
+        return statistics.correlation(own, [raw(computed[item], b, gamma) for item in others])
 
     logistic_beta, fitted_correlation = beta, own_other(beta)
     if fitted_correlation > args.max_relevance_correlation:

@@ -22,7 +22,6 @@ padding and formatting past it buy nothing, and cutting into it costs.
 
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -57,13 +56,10 @@ def read_answers(model: Any, tokenizer: Any, prompts: Sequence[str], answers: Se
     texts = [with_eos(p + a, tokenizer.eos_token) for p, a in zip(prompts, answers, strict=True)]
     starts = {p: len(tokenizer(p)["input_ids"]) for p in dict.fromkeys(prompts)}
     keys = list(dict.fromkeys(zip(texts, (starts[p] for p in prompts), strict=True)))
-    embedding = model.get_input_embeddings().weight
-    device = embedding.device
-    reading = _Reading(model.base_model, embedding.float(), tokenizer.pad_token_id, device, features, tokenizer)
+    reading = _Reading(model.base_model, model.get_input_embeddings().weight.float(), tokenizer, features, window)
     ids = {key: tokenizer(key[0])["input_ids"][:max_length] for key in keys}
     if window is not None and not features:
         ids = {key: value[:key[1] + window] for key, value in ids.items()}
-    reading.window = window
     by_prompt: dict[tuple[int, ...], list[tuple[str, int]]] = {}
     alone = []
     for key in keys:
@@ -90,11 +86,10 @@ def read_answers(model: Any, tokenizer: Any, prompts: Sequence[str], answers: Se
 class _Reading:
     """One frozen model's passes for :func:`read_answers`: texts read whole, or answers read after their prompt."""
 
-    def __init__(self, backbone: Any, embedding: Any, pad_id: int, device: Any, features: bool,
-                 tokenizer: Any) -> None:
-        self.backbone, self.embedding, self.pad_id, self.device = backbone, embedding, pad_id, device
-        self.features, self.tokenizer = features, tokenizer
-        self.window: int | None = None
+    def __init__(self, backbone: Any, embedding: Any, tokenizer: Any, features: bool, window: int | None) -> None:
+        self.backbone, self.embedding, self.tokenizer = backbone, embedding, tokenizer
+        self.pad_id, self.device = tokenizer.pad_token_id, embedding.device
+        self.features, self.window = features, window
 
     def _row(self, before: Any, states: Any, answer_ids: list[int]) -> tuple[Any, list[float]]:
         """An answer's pooled states and per-token log-probabilities: ``before[j]`` predicts ``answer_ids[j]``."""
@@ -125,21 +120,11 @@ class _Reading:
     def after_prompt(self, prompt_ids: list[int], rows: list[list[int]]) -> list[tuple[Any, list[float]]]:
         import torch
 
-        start = len(prompt_ids)
-        # transformers renamed past_key_values to cache (argument and output) within 5.x: take the name this one has
-        name = "cache" if "cache" in inspect.signature(type(self.backbone).forward).parameters else "past_key_values"
-        prompt = self.backbone(input_ids=torch.tensor([prompt_ids], device=self.device), use_cache=True)
-        last = prompt.last_hidden_state[0, -1:].float()
-        cache = getattr(prompt, name)
-        cache.batch_repeat_interleave(len(rows))
-        answers = [i[start:] for i in rows]
-        width = max(len(a) for a in answers)
-        input_ids = torch.tensor([a + [self.pad_id] * (width - len(a)) for a in answers], device=self.device)
-        mask = torch.tensor([[1] * len(a) + [0] * (width - len(a)) for a in answers], device=self.device)
-        attention = torch.cat([torch.ones(len(rows), start, dtype=mask.dtype, device=self.device), mask], dim=1)
-        positions = torch.arange(start, start + width, device=self.device).expand(len(rows), width)
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                               use_cache=True, **{name: cache}).last_hidden_state.float()
+        from alpacafarm.rewards import states_after_prompt
+
+        answers = [i[len(prompt_ids):] for i in rows]
+        last, hidden = states_after_prompt(self.backbone, prompt_ids, answers, self.pad_id, self.device)
+        last, hidden = last.float(), hidden.float()
         out = []
         for row, answer in enumerate(answers):
             before = torch.cat([last, hidden[row, :len(answer) - 1]])
