@@ -199,12 +199,14 @@ class StageContext:
                         ensemble_coefficient: float = 0.0) -> RewardScorer:
         """The reward model of input ``model_input`` as a :data:`~alpacafarm.rewards.RewardFunction` (any folder
         layout; sampled and scored in the model block's ``inference_dtype``); an ensemble's members combined by
-        ``ensemble`` (:func:`~alpacafarm.rewards.combine_members`)."""
+        ``ensemble`` (:func:`~alpacafarm.rewards.combine_members`). A mean-pooled reward model looks its features up
+        in the machine's readings store (:mod:`alpacafarm.readings`): an answer read before is not read again."""
+        from alpacafarm.readings import default_store
         from alpacafarm.rewards import RewardScorer
 
         return RewardScorer.from_path(self.input(model_input).path, self.recipe.model, max_length=max_length,
                                       batch_size=batch_size, ensemble=ensemble,
-                                      ensemble_coefficient=ensemble_coefficient)
+                                      ensemble_coefficient=ensemble_coefficient, readings=default_store())
 
     @contextmanager
     def progress(self, description: str, total: int | None) -> Iterator[Any]:

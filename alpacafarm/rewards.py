@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from alpacafarm.prompts import format_prompt
 
 if TYPE_CHECKING:
+    from alpacafarm.readings import ReadingStore
     from alpacafarm.recipe import ModelSpec
 
 #: ``reward(records, completions) -> scores``: one score per completion; ``records[i]`` carries the instruction
@@ -92,9 +93,13 @@ class RewardScorer:
     """Batched, gradient-free reward-model scores; calling it is a :data:`RewardFunction`."""
 
     def __init__(self, model: Any, tokenizer: Any, *, prompt_format: str = "alpaca", max_length: int | None = None,
-                 batch_size: int = 8, ensemble: str = "mean", ensemble_coefficient: float = 0.0) -> None:
+                 batch_size: int = 8, ensemble: str = "mean", ensemble_coefficient: float = 0.0,
+                 readings: ReadingStore | None = None) -> None:
         check_ensemble(ensemble, ensemble_coefficient)
         self.model = model.eval()
+        #: where a mean-pooled reward model's features are looked up and kept (:mod:`alpacafarm.readings`); None:
+        #: every answer is read
+        self.readings = readings
         self.ensemble = ensemble
         self.ensemble_coefficient = ensemble_coefficient
         self.tokenizer = tokenizer
@@ -124,15 +129,16 @@ class RewardScorer:
 
     @classmethod
     def from_path(cls, path: str, spec: ModelSpec, *, max_length: int | None = None, batch_size: int = 8,
-                  ensemble: str = "mean", ensemble_coefficient: float = 0.0) -> RewardScorer:
+                  ensemble: str = "mean", ensemble_coefficient: float = 0.0,
+                  readings: ReadingStore | None = None) -> RewardScorer:
         """Load a reward model folder (a ``reward_model`` stage's ``model/``) with the recipe's model block
-        (in its ``inference_dtype``, if it sets one)."""
+        (in its ``inference_dtype``, if it sets one); ``readings``: see :class:`RewardScorer`."""
         from alpacafarm.model_loading import load_classifier, load_tokenizer
 
         spec = spec.for_inference()
         return cls(load_classifier(spec, path), load_tokenizer(spec, path), prompt_format=spec.prompt_format,
                    max_length=max_length, batch_size=batch_size, ensemble=ensemble,
-                   ensemble_coefficient=ensemble_coefficient)
+                   ensemble_coefficient=ensemble_coefficient, readings=readings)
 
     @property
     def members(self) -> int:
@@ -164,7 +170,8 @@ class RewardScorer:
         if self.pooling == "last":
             return self.score_texts([p + a for p, a in zip(prompts, answers, strict=True)], batch_size=batch_size)
         features = answer_mean_features(self.model, self.tokenizer, prompts, answers,
-                                        batch_size=batch_size or self.batch_size, max_length=self.max_length)
+                                        batch_size=batch_size or self.batch_size, max_length=self.max_length,
+                                        store=self.readings)
         import torch
 
         with torch.inference_mode():
@@ -228,7 +235,7 @@ def last_token_features(model: Any, tokenizer: Any, texts: Sequence[str], *, bat
 
 def answer_mean_features(model: Any, tokenizer: Any, prompts: Sequence[str], answers: Sequence[str], *,
                          batch_size: int, max_length: int | None, progress: Any = None,
-                         share_prompts: bool = True) -> Any:
+                         share_prompts: bool = True, store: ReadingStore | None = None) -> Any:
     """The backbone's final hidden states averaged over each answer's tokens, as a float32 ``[len(answers), hidden]``.
 
     The text read is ``prompt + answer + EOS`` (as the reward model reads it); the average runs from the first token
@@ -238,23 +245,27 @@ def answer_mean_features(model: Any, tokenizer: Any, prompts: Sequence[str], ans
     An empty answer is read at its EOS token (the one after the prompt), never at the prompt's. Answers to one
     prompt (best-of-n's samples, a preference stage's k samples) share one pass over the prompt: its keys and
     values are computed once and reused (``share_prompts=False``: each text whole, what
-    ``benchmarks/feature_sharing.py`` compares it with).
+    ``benchmarks/feature_sharing.py`` compares it with). With a ``store`` (:mod:`alpacafarm.readings`), an answer
+    whose reading by these weights it holds is not read again (the gold's reading of the same text, another stage's).
     """
     if len(prompts) != len(answers):
         raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
     texts = [with_eos(p + a, tokenizer.eos_token) for p, a in zip(prompts, answers, strict=True)]
     prompt_ids = {p: tokenizer(p, add_special_tokens=True)["input_ids"] for p in dict.fromkeys(prompts)}
     return _final_states(model, tokenizer, texts, [prompt_ids[p] for p in prompts], batch_size=batch_size,
-                         max_length=max_length, progress=progress, share_prompts=share_prompts)
+                         max_length=max_length, progress=progress, share_prompts=share_prompts, store=store)
 
 
 def _final_states(model: Any, tokenizer: Any, texts: Sequence[str], prompt_ids: Sequence[list[int]] | None, *,
-                  batch_size: int, max_length: int | None, progress: Any, share_prompts: bool = True) -> Any:
+                  batch_size: int, max_length: int | None, progress: Any, share_prompts: bool = True,
+                  store: ReadingStore | None = None) -> Any:
     """Each text's final hidden state at its last non-pad token (``prompt_ids`` None), or averaged from the token
     after its prompt's (``prompt_ids[i]``) to that token. Texts that share a prompt with at least one other answer
     run as one pass over the prompt and then its answers (``share_prompts``); the rest batch longest first,
     right-padded. A text that occurs twice is computed once. The rows depend only on the texts given (not on any
-    earlier call), so a stage's scores are the same whether its run resumed or not."""
+    earlier call) and, with a ``store`` (mean features only), on what it holds: a text it has is not read again,
+    and what is read is stored (:mod:`alpacafarm.readings`), so a stage's scores are the same whether its run
+    resumed or not."""
     import torch
 
     tokenizer.padding_side = "right"
@@ -264,13 +275,25 @@ def _final_states(model: Any, tokenizer: Any, texts: Sequence[str], prompt_ids: 
     starts = [-1] * len(texts) if prompt_ids is None else [len(p) for p in prompt_ids]
     keys = [(tuple(i), s) for i, s in zip(ids, starts, strict=True)]
     todo = list(dict.fromkeys(keys))
+    computed: dict[tuple[tuple[int, ...], int], Any] = {}
+    stored_keys: dict[tuple[tuple[int, ...], int], str] = {}
+    if store is not None and prompt_ids is not None:  # mean features only: a last-token state is not a reading
+        from alpacafarm.readings import fingerprint, reading_key
+
+        model_print = fingerprint(backbone)
+        stored_keys = {k: reading_key(model_print, k[0], k[1]) for k in todo}
+        found = store.get(stored_keys.values())
+        for key in todo:
+            row = found.get(stored_keys[key])
+            if row is not None and row.features is not None:
+                computed[key] = row.features
+        todo = [k for k in todo if k not in computed]
     by_prompt: dict[tuple[int, ...], list[tuple[tuple[int, ...], int]]] = {}
     for text_ids, start in todo:
         if start >= 0 and any(t != pad_id for t in text_ids[start:]):  # read in the answer: the prompt's pass is shared
             by_prompt.setdefault(text_ids[:start], []).append((text_ids, start))
     shared = [group for group in by_prompt.values() if len(group) > 1 and share_prompts]
     alone = set(todo).difference(k for group in shared for k in group)
-    computed: dict[tuple[tuple[int, ...], int], Any] = {}
     device = next(model.parameters()).device
     with torch.inference_mode():
         for group in shared:
@@ -287,6 +310,10 @@ def _final_states(model: Any, tokenizer: Any, texts: Sequence[str], prompt_ids: 
                 progress(len(chunk))
     if progress is not None and len(keys) > len(todo):
         progress(len(keys) - len(todo))
+    if stored_keys:
+        from alpacafarm.readings import Reading
+
+        store.put({stored_keys[k]: Reading(features=computed[k]) for k in todo})
     return torch.stack([computed[k] for k in keys])
 
 

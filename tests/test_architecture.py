@@ -112,7 +112,7 @@ LAYERS: dict[str, set[str]] = {
                                      "alpacafarm.training_progress", "alpacafarm.model_sources",
                                      "alpacafarm.sampling", "alpacafarm.annotation_cache", "alpacafarm.yamlsource",
                                      "alpacafarm.scaffold", "alpacafarm.annotation_batches",
-                                     "alpacafarm.processes"},
+                                     "alpacafarm.processes", "alpacafarm.readings"},
     "plugins and recipes": {"alpacafarm.plugin_config", "alpacafarm.registry", "alpacafarm.plugins",
                             "alpacafarm.annotation", "alpacafarm.recipe", "alpacafarm.data",
                             "alpacafarm.model_loading"},

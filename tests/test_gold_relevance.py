@@ -132,3 +132,27 @@ def test_the_echo_share_counts_copied_trigrams():
     # 5 of its 9 trigrams quote the instruction ("the sky is blue during the day")
     assert echo_share(record, "The sky is blue during the day because of Rayleigh scattering.") == 5 / 9
     assert echo_share(record, "") == 0.0
+
+
+def test_answers_alone_under_their_prompt_are_read_whole_in_one_batch(tied_model):
+    """A prompt with a single answer (each reference answer) was read as its own pass and then its answer's: two
+    passes of one text each. Such texts are batched whole (128 Davinci003 answers in float32 on AVX2: 42 s -> 31 s),
+    and the numbers are those of reading them one by one."""
+    import torch
+
+    from alpacafarm_annotators.gold_relevance import read_answers
+
+    classifier, _, tokenizer = tied_model
+    lengths: list[int] = []
+    handle = classifier.base_model.register_forward_hook(
+        lambda _m, args, kwargs, _o: lengths.append(int(kwargs["input_ids"].shape[0])), with_kwargs=True)
+    prompts = ["Name a colour.\n", "Say hi.\n", "Count to three.\n"]
+    answers = [" Blue.", " Hello there!", " One, two, three."]
+    features, log_probs = read_answers(classifier, tokenizer, prompts, answers, batch_size=16, max_length=64)
+    handle.remove()
+    assert lengths == [3]  # one pass, three texts
+    for k in range(3):
+        alone, alone_log_probs = read_answers(classifier, tokenizer, prompts[k:k + 1], answers[k:k + 1],
+                                              batch_size=16, max_length=64)
+        assert torch.allclose(alone[0], features[k], atol=1e-5)
+        assert alone_log_probs[0] == pytest.approx(log_probs[k], abs=1e-4)

@@ -155,6 +155,7 @@ def helpful_head(records: Sequence[dict[str, Any]], answers: Sequence[str]) -> l
     the head, and those features carry part of the relevance (an answer's states differ under its own
     instruction); the exact likelihood ratio against the empty instruction is not among them, so a proxy fitted on
     SFT samples sees the gold only in part (the realistic case: over-optimisation shows where it cannot see)."""
+    from alpacafarm.readings import default_store
     from alpacafarm_annotators.gold_functions import looping
     from alpacafarm_annotators.gold_relevance import NEUTRAL, echo_share, read_answers, relevance
 
@@ -168,10 +169,11 @@ def helpful_head(records: Sequence[dict[str, Any]], answers: Sequence[str]) -> l
         texts = [a for _, a in pending]
         size = int(head["max_length"])
         window = document["relevance_window"]
+        store = default_store()  # what the reward model (same weights, float32) or an earlier run read is kept
         features, own = read_answers(model, tokenizer, own_prompts, texts, batch_size=16, max_length=size,
-                                     window=window)
+                                     window=window, store=store)
         _, neutral = read_answers(model, tokenizer, [prompt(*NEUTRAL)] * len(texts), texts, batch_size=16,
-                                  max_length=size, features=False, window=window)
+                                  max_length=size, features=False, window=window, store=store)
         low, high = document["relevance_clip"]
         related_all = relevance(own, neutral, window)
         for key, (record, answer), head_score, related in zip(

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from alpacafarm.readings import default_store
 from alpacafarm.rewards import POOLING_ATTRIBUTE, answer_mean_features, last_token_features, with_eos
 
 #: Full-batch optimiser steps per epoch (the head has one weight per hidden unit; 100 steps converge).
@@ -77,7 +78,7 @@ def train_head_only(config: Any, spec: Any, model_path: str, rows: list[dict[str
     if config.pooling == "mean":
         features = answer_mean_features(inference, tokenizer, [p for p, _ in texts], [a for _, a in texts],
                                         batch_size=config.score_batch_size, max_length=config.max_length,
-                                        progress=progress)
+                                        progress=progress, store=default_store())
     else:
         features = last_token_features(inference, tokenizer, [with_eos(p + a, eos) for p, a in texts],
                                        batch_size=config.score_batch_size, max_length=config.max_length,

@@ -17,6 +17,7 @@ from trl import RewardConfig
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.model_loading import load_classifier, save_model
+from alpacafarm.readings import default_store
 from alpacafarm.rewards import POOLINGS, RewardScorer
 from alpacafarm.training import (
     TrainingDefaults,
@@ -185,7 +186,8 @@ class RewardModel(Method):
             "n_dropped_no_preference": dropped,
         }
         if eval_rows:
-            scorer = RewardScorer.from_path(str(model_dir), spec, max_length=args.max_length)
+            scorer = RewardScorer.from_path(str(model_dir), spec, max_length=args.max_length,
+                                            readings=default_store())
             metrics.update({k: round(v, 6)
                             for k, v in pairwise_accuracy(scorer, eval_rows, args.score_batch_size).items()})
         write_json(Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": trainer.state.log_history})
@@ -216,7 +218,8 @@ class RewardModel(Method):
         metrics: dict[str, Any] = {**fitted, "head_only": True, "n_pairs": len(rows), "n_train": len(train_rows),
                                    "n_eval": len(eval_rows), "n_dropped_no_preference": dropped}
         if eval_rows:
-            scorer = RewardScorer.from_path(str(model_dir), spec, max_length=args.max_length)
+            scorer = RewardScorer.from_path(str(model_dir), spec, max_length=args.max_length,
+                                            readings=default_store())
             metrics.update({k: round(v, 6)
                             for k, v in pairwise_accuracy(scorer, eval_rows, args.score_batch_size).items()})
         write_json(Path(context.stage_dir) / "metrics.json", {**metrics, "log_history": history})
