@@ -261,11 +261,11 @@ def _final_states(model: Any, tokenizer: Any, texts: Sequence[str], prompt_ids: 
                   store: ReadingStore | None = None) -> Any:
     """Each text's final hidden state at its last non-pad token (``prompt_ids`` None), or averaged from the token
     after its prompt's (``prompt_ids[i]``) to that token. Texts that share a prompt with at least one other answer
-    run as one pass over the prompt and then its answers (``share_prompts``); the rest batch longest first,
-    right-padded. A text that occurs twice is computed once. The rows depend only on the texts given (not on any
-    earlier call) and, with a ``store`` (mean features only), on what it holds: a text it has is not read again,
-    and what is read is stored (:mod:`alpacafarm.readings`), so a stage's scores are the same whether its run
-    resumed or not."""
+    run as one pass over the prompt and then its answers (``share_prompts``; several prompts' answers packed in
+    one batch, :func:`pack_groups`); the rest batch longest first, right-padded. A text that occurs twice is
+    computed once. The rows depend only on the texts given (not on any earlier call) and, with a ``store`` (mean
+    features only), on what it holds: a text it has is not read again, and what is read is stored
+    (:mod:`alpacafarm.readings`), so a stage's scores are the same whether its run resumed or not."""
     import torch
 
     tokenizer.padding_side = "right"
@@ -296,12 +296,11 @@ def _final_states(model: Any, tokenizer: Any, texts: Sequence[str], prompt_ids: 
     alone = set(todo).difference(k for group in shared for k in group)
     device = next(model.parameters()).device
     with torch.inference_mode():
-        for group in shared:
-            for begin in range(0, len(group), batch_size):
-                chunk = group[begin:begin + batch_size]
-                computed.update(zip(chunk, _answers_after_prompt(backbone, chunk, pad_id, device), strict=True))
-                if progress is not None:
-                    progress(len(chunk))
+        for batch in pack_groups(shared, batch_size, lambda key: key[1]):
+            chunk = [key for group in batch for key in group]
+            computed.update(zip(chunk, _answers_after_prompts(backbone, batch, pad_id, device), strict=True))
+            if progress is not None:
+                progress(len(chunk))
         order = sorted(alone, key=lambda k: (-len(k[0]), k))
         for begin in range(0, len(order), batch_size):
             chunk = order[begin:begin + batch_size]
@@ -346,32 +345,69 @@ def states_after_prompt(backbone: Any, prompt_ids: Sequence[int], answers: Seque
     ``(the prompt's last final state [1, hidden], the answers' final states [len(answers), width, hidden])``, the
     same states as reading each text whole, to float rounding. The prompt's last state is what predicts an
     answer's first token (the gold's relevance reads it)."""
+    last, hidden = states_after_prompts(backbone, [prompt_ids], [0] * len(answers), answers, pad_id, device)
+    return last[:1], hidden
+
+
+def states_after_prompts(backbone: Any, prompts: Sequence[Sequence[int]], owners: Sequence[int],
+                         answers: Sequence[Sequence[int]], pad_id: int, device: Any) -> tuple[Any, Any]:
+    """:func:`states_after_prompt` for several prompts in one batch: one pass over the prompts (right-padded, the
+    padding masked out), then every answer read after the keys and values of its prompt ``prompts[owners[j]]``, at
+    the positions that follow that prompt's own length. Returns ``(each answer's prompt's last final state
+    [len(answers), hidden], the answers' final states [len(answers), width, hidden])``."""
     import torch
 
-    start = len(prompt_ids)
     # transformers renamed past_key_values to cache (argument and output) within 5.x: take the name this one has
     name = "cache" if "cache" in inspect.signature(type(backbone).forward).parameters else "past_key_values"
-    prompt = backbone(input_ids=torch.tensor([list(prompt_ids)], device=device), use_cache=True)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    span = int(lengths.max())
+    prompt_ids = torch.tensor([list(p) + [pad_id] * (span - len(p)) for p in prompts], device=device)
+    prompt_mask = (torch.arange(span, device=device)[None, :] < lengths[:, None]).long()
+    prompt = backbone(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True)
     cache = getattr(prompt, name)
-    cache.batch_repeat_interleave(len(answers))
+    index = torch.tensor(list(owners), device=device)
+    if len(prompts) == 1:
+        cache.batch_repeat_interleave(len(answers))
+    else:
+        cache.batch_select_indices(index)
     width = max(len(a) for a in answers)
     input_ids = torch.tensor([list(a) + [pad_id] * (width - len(a)) for a in answers], device=device)
     mask = torch.tensor([[1] * len(a) + [0] * (width - len(a)) for a in answers], device=device)
-    attention = torch.cat([torch.ones(len(answers), start, dtype=mask.dtype, device=device), mask], dim=1)
-    positions = torch.arange(start, start + width, device=device).expand(len(answers), width)
+    attention = torch.cat([prompt_mask[index].to(mask.dtype), mask], dim=1)
+    positions = lengths[index][:, None] + torch.arange(width, device=device)[None, :]
     hidden = backbone(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
                       **{name: cache}).last_hidden_state
-    return prompt.last_hidden_state[0, -1:], hidden
+    last = prompt.last_hidden_state[torch.arange(len(prompts), device=device), lengths - 1]
+    return last[index], hidden
 
 
-def _answers_after_prompt(backbone: Any, keys: Sequence[tuple[Any, ...]], pad_id: int, device: Any) -> list:
-    """The averaged answer rows of texts sharing one prompt (:func:`states_after_prompt`); the same states as
-    :func:`_whole_texts` reads, to float rounding."""
+def pack_groups(groups: Sequence[Sequence[Any]], batch_size: int, prompt_length: Callable[[Any], int]) -> list:
+    """Batches of at most ``batch_size`` answers, each a list of ``(prompt index in the batch, answers of that
+    prompt)``: groups (the answers of one prompt) sorted by their prompt's length (less padding), split where one
+    holds more than ``batch_size``, packed in that order. Depends only on the groups given."""
+    pieces = [group[k:k + batch_size] for group in sorted(groups, key=lambda g: (prompt_length(g[0]), g[0]))
+              for k in range(0, len(group), batch_size)]
+    batches: list[list[Any]] = []
+    filled = batch_size
+    for piece in pieces:
+        if filled + len(piece) > batch_size:
+            batches.append([])
+            filled = 0
+        batches[-1].append(list(piece))
+        filled += len(piece)
+    return batches
+
+
+def _answers_after_prompts(backbone: Any, groups: Sequence[Sequence[tuple[Any, ...]]], pad_id: int,
+                           device: Any) -> list:
+    """The averaged answer rows of texts grouped by their shared prompt, every group in one batch
+    (:func:`states_after_prompts`); the same states as :func:`_whole_texts` reads, to float rounding."""
     import torch
 
-    start = keys[0][1]
-    answers = [list(k[0][start:]) for k in keys]
-    _, hidden = states_after_prompt(backbone, keys[0][0][:start], answers, pad_id, device)
+    prompts = [group[0][0][:group[0][1]] for group in groups]
+    owners = [g for g, group in enumerate(groups) for _ in group]
+    answers = [list(k[0][k[1]:]) for group in groups for k in group]
+    _, hidden = states_after_prompts(backbone, prompts, owners, answers, pad_id, device)
     width = hidden.shape[1]
     mask = torch.tensor([[1] * len(a) + [0] * (width - len(a)) for a in answers], device=device)
     input_ids = torch.tensor([a + [pad_id] * (width - len(a)) for a in answers], device=device)

@@ -133,8 +133,9 @@ def test_the_gold_takes_the_reward_model_s_features_and_reads_only_its_window(ti
     assert torch.allclose(got_features, want_features, atol=1e-5)
     for got, want in zip(got_log_probs, want_log_probs, strict=True):
         assert got == pytest.approx(want, abs=1e-4)
-    answer_passes = passes.lengths[1::2]  # per prompt: its own pass, then its answers' pass after it
-    assert len(passes.lengths) == 4 and max(answer_passes) == window  # " Blue, like the sky ..." is longer
+    # the prompts' pass, then every answer's pass after its prompt: no wider than the window, though " Blue, like
+    # the sky on a clear day." is longer
+    assert len(passes.lengths) == 2 and passes.lengths[1] == window
     passes.lengths.clear()
     again = read_answers(gold, tokenizer, PROMPTS, ANSWERS, batch_size=4, max_length=64, window=window, store=store)
     assert passes.lengths == [] and torch.equal(again[0], got_features) and again[1] == got_log_probs
@@ -184,3 +185,45 @@ def test_smollm2_s_reward_model_reads_nothing_the_gold_read(tmp_path: Path, monk
     passes = Passes(model)
     scores = scorer.score_records(records, answers)
     assert passes.lengths == [] and len(scores) == 3
+
+
+@pytest.mark.parametrize("reader", ["reward model", "gold"])
+def test_several_prompts_answers_are_read_in_one_batch_as_if_whole(tied, reader: str):
+    """Answers grouped by prompt used one pass per prompt and one per group (the gold's preference stage: 96 prompts
+    of 4 answers, 192 small passes). Now several prompts of different lengths go in one padded pass and all their
+    answers in one more, each after its own prompt's keys and values at its own positions; the numbers are those
+    of reading each text whole."""
+    import torch
+
+    from alpacafarm.rewards import answer_mean_features
+    from alpacafarm_annotators.gold_relevance import read_answers
+
+    load, tokenizer = tied
+    model = load()
+    prompts = ["Question: name a colour you like.\nAnswer:"] * 2 + ["Hi.\n"] * 3 + ["Say something kind.\n"] * 2
+    answers = [" Blue.", " Green, like grass in spring.", " Hello!", " Hey there, friend.", " Hi.", " You matter.",
+               " Thank you for being here."]
+    passes = Passes(model)
+    if reader == "gold":
+        features, log_probs = read_answers(model, tokenizer, prompts, answers, batch_size=16, max_length=64)
+        shared_passes = list(passes.lengths)
+        whole, whole_log_probs = read_answers(model, tokenizer, prompts, answers, batch_size=16, max_length=64,
+                                              share_prompts=False)
+        for got, want in zip(log_probs, whole_log_probs, strict=True):
+            assert got == pytest.approx(want, abs=1e-4)
+    else:
+        features = answer_mean_features(model, tokenizer, prompts, answers, batch_size=16, max_length=64)
+        shared_passes = list(passes.lengths)
+        whole = answer_mean_features(model, tokenizer, prompts, answers, batch_size=16, max_length=64,
+                                     share_prompts=False)
+    longest_prompt = len(tokenizer("Question: name a colour you like.\nAnswer:")["input_ids"])
+    assert len(shared_passes) == 2 and shared_passes[0] == longest_prompt  # the prompts' pass, the answers' pass
+    assert torch.allclose(features, whole, atol=1e-5)
+
+
+def test_groups_pack_into_batches_by_prompt_length_and_split_when_too_big():
+    from alpacafarm.rewards import pack_groups
+
+    groups = [["long"] * 3, ["a"] * 5, ["mid"] * 2]
+    batches = pack_groups(groups, 4, len)
+    assert batches == [[["a"] * 4], [["a"], ["mid"] * 2], [["long"] * 3]]

@@ -119,6 +119,8 @@ def _read(reading: _Reading, keys: Sequence[tuple[str, int]], ids: dict[tuple[st
     each text read only to ``cut`` tokens past its prompt."""
     import torch
 
+    from alpacafarm.rewards import pack_groups
+
     if cut is not None:
         ids = {key: ids[key][:key[1] + cut] for key in keys}
     by_prompt: dict[tuple[int, ...], list[tuple[str, int]]] = {}
@@ -135,10 +137,11 @@ def _read(reading: _Reading, keys: Sequence[tuple[str, int]], ids: dict[tuple[st
         alone.extend(by_prompt.pop(prompt_ids))
     done: dict[tuple[str, int], tuple[Any, list[float]]] = {}
     with torch.inference_mode():
-        for prompt_ids, group in by_prompt.items():
-            for begin in range(0, len(group), batch_size):
-                chunk = group[begin:begin + batch_size]
-                done.update(zip(chunk, reading.after_prompt(list(prompt_ids), [ids[k] for k in chunk]), strict=True))
+        for batch in pack_groups(list(by_prompt.values()), batch_size, lambda key: key[1]):
+            chunk = [key for group in batch for key in group]
+            prompts = [ids[group[0]][:group[0][1]] for group in batch]
+            owners = [g for g, group in enumerate(batch) for _ in group]
+            done.update(zip(chunk, reading.after_prompts(prompts, owners, [ids[k] for k in chunk]), strict=True))
         order = sorted(alone, key=lambda k: -len(ids[k]))
         for begin in range(0, len(order), batch_size):
             chunk = order[begin:begin + batch_size]
@@ -180,17 +183,19 @@ class _Reading:
             out.append(self._row(before, hidden[row, first:len(row_ids)], row_ids[max(first - 1, 0) + 1:]))
         return out
 
-    def after_prompt(self, prompt_ids: list[int], rows: list[list[int]]) -> list[tuple[Any, list[float]]]:
+    def after_prompts(self, prompts: list[list[int]], owners: list[int],
+                      rows: list[list[int]]) -> list[tuple[Any, list[float]]]:
+        """Rows ``rows[j]`` (whole token lists) read after their prompt ``prompts[owners[j]]``, in one batch."""
         import torch
 
-        from alpacafarm.rewards import states_after_prompt
+        from alpacafarm.rewards import states_after_prompts
 
-        answers = [i[len(prompt_ids):] for i in rows]
-        last, hidden = states_after_prompt(self.backbone, prompt_ids, answers, self.pad_id, self.device)
+        answers = [i[len(prompts[o]):] for i, o in zip(rows, owners, strict=True)]
+        last, hidden = states_after_prompts(self.backbone, prompts, owners, answers, self.pad_id, self.device)
         last, hidden = last.float(), hidden.float()
         out = []
         for row, answer in enumerate(answers):
-            before = torch.cat([last, hidden[row, :len(answer) - 1]])
+            before = torch.cat([last[row:row + 1], hidden[row, :len(answer) - 1]])
             out.append(self._row(before, hidden[row, :len(answer)], answer))
         return out
 
