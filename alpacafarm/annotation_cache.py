@@ -178,13 +178,14 @@ class ClaimResult:
     batched: dict[str, str] = field(default_factory=dict)  # key -> the open batch that will answer it
 
 
-def _enter_wal(db: sqlite3.Connection, wait: float) -> None:
+def enter_wal(db: sqlite3.Connection, wait: float) -> None:
     """``PRAGMA journal_mode=WAL``, retried for up to ``wait`` seconds while another connection holds the lock.
 
-    A new cache file is in rollback mode until its first connection switches it. A second connection asking for
-    WAL while the first holds the write lock is refused at once: SQLite skips the busy handler where waiting could
-    deadlock, so ``busy_timeout`` does not cover it (two processes opening a fresh cache together failed 11 times in
-    400 opens). The holder finishes in milliseconds; after ``wait`` the refusal is the usual one-line error.
+    A new cache file (annotations, readings) is in rollback mode until its first connection switches it. A second
+    connection asking for WAL while the first holds the write lock is refused at once: SQLite skips the busy handler
+    where waiting could deadlock, so ``busy_timeout`` does not cover it (two processes opening a fresh cache
+    together failed 11 times in 400 opens). The holder finishes in milliseconds; after ``wait`` the refusal is the
+    usual one-line error.
     """
     deadline = time.monotonic() + wait
     while True:
@@ -225,7 +226,7 @@ class AnnotationCache:
             db = sqlite3.connect(self.path, timeout=wait, isolation_level=None)
             try:
                 db.execute(f"PRAGMA busy_timeout={int(wait * 1000)}")
-                _enter_wal(db, wait)
+                enter_wal(db, wait)
                 db.execute("PRAGMA synchronous=NORMAL")
             except BaseException:
                 db.close()

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from alpacafarm.annotation_cache import enter_wal
 from alpacafarm.errors import UserError
-from alpacafarm.paths import cache_dir
+from alpacafarm.paths import cache_dir, make_dir
 from alpacafarm.processes import lock_timeout_s
 
 #: Changes whenever what a reading means changes (the pooling rule, what the log-probabilities are of), so rows of
@@ -101,8 +102,6 @@ class ReadingStore:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._local = threading.local()
-        from alpacafarm.paths import make_dir
-
         make_dir(self.path.parent, "readings directory")
         with self._errors("open"):
             self._connect().executescript(SCHEMA)
@@ -118,9 +117,13 @@ class ReadingStore:
                                         "set $ALPACAFARM_CACHE_DIR")
             wait = lock_timeout_s()
             db = sqlite3.connect(self.path, timeout=wait, isolation_level=None)
-            db.execute(f"PRAGMA busy_timeout={int(wait * 1000)}")
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
+            try:
+                db.execute(f"PRAGMA busy_timeout={int(wait * 1000)}")
+                enter_wal(db, wait)  # two processes opening a new store together (ranks of one stage)
+                db.execute("PRAGMA synchronous=NORMAL")
+            except BaseException:
+                db.close()
+                raise
             self._local.db = db
         return db
 

@@ -339,22 +339,13 @@ def _whole_texts(backbone: Any, tokenizer: Any, keys: Sequence[tuple[Any, ...]],
     return [row.clone() for row in picked.cpu()]
 
 
-def states_after_prompt(backbone: Any, prompt_ids: Sequence[int], answers: Sequence[Sequence[int]], pad_id: int,
-                        device: Any) -> tuple[Any, Any]:
-    """One pass over a prompt, then its answers (right-padded with ``pad_id``) read after its keys and values:
-    ``(the prompt's last final state [1, hidden], the answers' final states [len(answers), width, hidden])``, the
-    same states as reading each text whole, to float rounding. The prompt's last state is what predicts an
-    answer's first token (the gold's relevance reads it)."""
-    last, hidden = states_after_prompts(backbone, [prompt_ids], [0] * len(answers), answers, pad_id, device)
-    return last[:1], hidden
-
-
 def states_after_prompts(backbone: Any, prompts: Sequence[Sequence[int]], owners: Sequence[int],
                          answers: Sequence[Sequence[int]], pad_id: int, device: Any) -> tuple[Any, Any]:
-    """:func:`states_after_prompt` for several prompts in one batch: one pass over the prompts (right-padded, the
-    padding masked out), then every answer read after the keys and values of its prompt ``prompts[owners[j]]``, at
-    the positions that follow that prompt's own length. Returns ``(each answer's prompt's last final state
-    [len(answers), hidden], the answers' final states [len(answers), width, hidden])``."""
+    """One pass over the prompts (right-padded, the padding masked out), then every answer (right-padded with
+    ``pad_id``) read after the keys and values of its prompt ``prompts[owners[j]]``, at the positions that follow
+    that prompt's own length: the same states as reading each text whole, to float rounding. Returns ``(each
+    answer's prompt's last final state [len(answers), hidden], the answers' final states [len(answers), width,
+    hidden])``; a prompt's last state is what predicts an answer's first token (the gold's relevance reads it)."""
     import torch
 
     # transformers renamed past_key_values to cache (argument and output) within 5.x: take the name this one has
@@ -366,10 +357,7 @@ def states_after_prompts(backbone: Any, prompts: Sequence[Sequence[int]], owners
     prompt = backbone(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True)
     cache = getattr(prompt, name)
     index = torch.tensor(list(owners), device=device)
-    if len(prompts) == 1:
-        cache.batch_repeat_interleave(len(answers))
-    else:
-        cache.batch_select_indices(index)
+    cache.batch_select_indices(index)  # each answer's row: its prompt's keys and values
     width = max(len(a) for a in answers)
     input_ids = torch.tensor([list(a) + [pad_id] * (width - len(a)) for a in answers], device=device)
     mask = torch.tensor([[1] * len(a) + [0] * (width - len(a)) for a in answers], device=device)
@@ -382,9 +370,9 @@ def states_after_prompts(backbone: Any, prompts: Sequence[Sequence[int]], owners
 
 
 def pack_groups(groups: Sequence[Sequence[Any]], batch_size: int, prompt_length: Callable[[Any], int]) -> list:
-    """Batches of at most ``batch_size`` answers, each a list of ``(prompt index in the batch, answers of that
-    prompt)``: groups (the answers of one prompt) sorted by their prompt's length (less padding), split where one
-    holds more than ``batch_size``, packed in that order. Depends only on the groups given."""
+    """Batches of at most ``batch_size`` answers, each a list of groups (the answers of one prompt; a batch's
+    ``g``-th group belongs to its ``g``-th prompt): groups sorted by their prompt's length (less padding), split
+    where one holds more than ``batch_size``, packed in that order. Depends only on the groups given."""
     pieces = [group[k:k + batch_size] for group in sorted(groups, key=lambda g: (prompt_length(g[0]), g[0]))
               for k in range(0, len(group), batch_size)]
     batches: list[list[Any]] = []

@@ -28,6 +28,29 @@ ROOT = Path(__file__).resolve().parents[1]
 PLUGIN_DIRS = ("plugins",)
 
 
+#: What ``--without-native-bf16`` sets (see the module).
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def held_back(without_native_bf16: bool, overrides: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The environment and ``--set`` overrides of a run: torch held to AVX2 in float32 when asked, else as is."""
+    if not without_native_bf16:
+        return {}, list(overrides)
+    return dict(AVX2_ENV), [*overrides, "model.inference_dtype=float32"]
+
+
+def fresh_cache(folder: Path) -> Path:
+    """A new, empty cache folder (no annotation, no stored reading, no looks) as on a fresh clone, linking the
+    machine's converted models and OpenVINO exports (README command 1 times those; these programs time a run)."""
+    from alpacafarm.paths import cache_dir
+
+    folder.mkdir(parents=True)
+    for reused in ("models", "openvino"):
+        if (cache_dir() / reused).is_dir():
+            (folder / reused).symlink_to(cache_dir() / reused)
+    return folder
+
+
 def run(out: Path, overrides: list[str], env: dict[str, str], code: Path | None) -> tuple[float, dict[str, float]]:
     """One run of the quickstart into ``out`` (which must not exist); its wall seconds and each stage's."""
     if out.exists():
@@ -37,16 +60,7 @@ def run(out: Path, overrides: list[str], env: dict[str, str], code: Path | None)
                "--output-dir", str(out)]
     for override in overrides:
         command += ["--set", override]
-    # every run from an empty cache (annotations, readings, looks) as on a fresh clone, but with the converted
-    # model and its OpenVINO export reused (README command 1 times those; this program times the run)
-    fresh = out.with_name(out.name + "-cache")
-    fresh.mkdir(parents=True)
-    from alpacafarm.paths import cache_dir
-
-    for reused in ("models", "openvino"):
-        if (cache_dir() / reused).is_dir():
-            (fresh / reused).symlink_to(cache_dir() / reused)
-    environment = dict(os.environ, **env, ALPACAFARM_CACHE_DIR=str(fresh))
+    environment = dict(os.environ, **env, ALPACAFARM_CACHE_DIR=str(fresh_cache(out.with_name(out.name + "-cache"))))
     if code is not None:  # the worktree's packages before this checkout's editable install
         paths = [str(code), *(str(code / d) for d in PLUGIN_DIRS)]
         environment["PYTHONPATH"] = os.pathsep.join([*paths, environment.get("PYTHONPATH", "")])
@@ -81,11 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
 
-    env: dict[str, str] = {}
-    overrides = list(args.overrides)
-    if args.without_native_bf16:
-        env = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-        overrides.append("model.inference_dtype=float32")
+    env, overrides = held_back(args.without_native_bf16, args.overrides)
     sides: list[tuple[str, Path | None]] = [("now", None)]
     if args.code:
         worktree = args.out / "code-before"

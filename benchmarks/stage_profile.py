@@ -33,6 +33,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from quickstart_times import fresh_cache, held_back
+
 ROOT = Path(__file__).resolve().parents[1]
 PEAK = """
 import time, torch
@@ -80,14 +82,7 @@ def profile(recipe: Path, out: Path, overrides: list[str], env: dict[str, str]) 
     """Run the recipe with the probe; the stages' manifests and the probe's samples."""
     if out.exists():
         raise SystemExit(f"stage_profile: {out} exists; give a new --out")
-    out.mkdir(parents=True)
-    cache = out / "cache"
-    cache.mkdir()
-    from alpacafarm.paths import cache_dir
-
-    for reused in ("models", "openvino"):
-        if (cache_dir() / reused).is_dir():
-            (cache / reused).symlink_to(cache_dir() / reused)
+    cache = fresh_cache(out / "cache")
     samples_file = out / "probe.json"
     argv = ["alpacafarm", "run", str(recipe), "--output-dir", str(out / "run")]
     for override in overrides:
@@ -137,11 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch held to AVX2 and float32 inference (see quickstart_times.py)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
-    env: dict[str, str] = {}
-    overrides = list(args.overrides)
-    if args.without_native_bf16:
-        env = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-        overrides.append("model.inference_dtype=float32")
+    env, overrides = held_back(args.without_native_bf16, args.overrides)
     peak, threads = matmul_peak(env)
     print(f"peak: {peak:.1f} GFLOP/s (torch float32 matrix products, {threads} threads"
           f"{', held to AVX2' if env else ''})", flush=True)

@@ -63,6 +63,29 @@ def test_the_store_keeps_each_field_as_first_written(tmp_path: Path):
     assert "c" not in again
 
 
+def test_a_new_store_opens_while_another_connection_holds_its_write_lock(tmp_path: Path):
+    """Two ranks opening a new readings file together: the second's switch to WAL met the first's write lock and
+    SQLite refused it at once (no busy wait), as it did the annotation cache; the store now waits as that does."""
+    import sqlite3
+    import threading
+
+    from alpacafarm.readings import Reading, ReadingStore
+
+    path = tmp_path / "r.sqlite"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("CREATE TABLE first_writer (x)")  # the file exists, still in rollback mode
+    holder.execute("BEGIN IMMEDIATE")  # the first opener, mid-write
+    release = threading.Timer(0.5, lambda: holder.execute("COMMIT"))
+    release.start()
+    try:
+        store = ReadingStore(path)
+    finally:
+        release.join()
+        holder.close()
+    store.put({"a": Reading(log_probs=[-1.0])})
+    assert store.get(["a"])["a"].log_probs == [-1.0]
+
+
 def test_a_folder_in_the_store_s_place_is_one_line_naming_it(tmp_path: Path):
     from alpacafarm.readings import ReadingStore, ReadingStoreError
 
