@@ -80,20 +80,31 @@ def check_training_values(config: object) -> None:
 def apply_device_defaults(config: object) -> None:
     """Resolve ``bf16`` and gradient checkpointing for this machine; runs before ``TrainingArguments.__post_init__``.
 
-    ``bf16: None`` (the default) means bfloat16 only on a GPU that supports it. An explicit ``bf16: true``
-    where no such GPU exists is turned off with a note (so a GPU recipe still loads and checks on a laptop).
+    ``bf16: None`` (the default) means bfloat16 autocast only on a GPU that supports it. An explicit ``bf16: true``
+    is honoured where the hardware computes bfloat16: such a GPU, or, with no GPU, a CPU with AVX512-BF16 or AMX
+    (:func:`alpacafarm.hardware.native_bfloat16`; autocast with float32 master weights, about twice as fast to
+    train as float32 on such a CPU, ``benchmarks/training_precision.py``); elsewhere it is turned off with a note
+    (so a GPU recipe still loads and checks on a laptop, and a CPU never trains in emulated bfloat16, tens of times
+    slower). A CPU is never chosen automatically: autocast changes a run's numbers, so a recipe opts in.
     Gradient checkpointing left unset is on with CUDA (memory is what matters there) and off elsewhere.
     """
     import torch
 
+    from alpacafarm.hardware import BFLOAT16_CPU_FLAGS, cpu_flags, native_bfloat16
+
     cuda = torch.cuda.is_available()
-    bf16_ok = cuda and torch.cuda.is_bf16_supported()
+    bf16_ok = torch.cuda.is_bf16_supported() if cuda else native_bfloat16("cpu")
     notes: list[str] = []
     if config.bf16 is None:
-        config.bf16 = bf16_ok and not config.fp16
+        config.bf16 = cuda and bf16_ok and not config.fp16
     elif config.bf16 and not bf16_ok:
-        notes.append("bf16: true needs a GPU with bfloat16 support; this machine has none, so training runs in float32")
+        notes.append("bf16: true needs bfloat16 arithmetic in hardware (a GPU from Ampere on, or a CPU with "
+                     f"{' or '.join(sorted(BFLOAT16_CPU_FLAGS))}); this machine has none, so training runs in float32")
         config.bf16 = False
+    elif config.bf16 and not cuda:
+        found = ", ".join(sorted(BFLOAT16_CPU_FLAGS & cpu_flags()))
+        notes.append(f"bf16: true: training with bfloat16 autocast on this CPU ({found}), float32 master weights")
+        config.use_cpu = True  # TrainingArguments refuses bf16 without a GPU unless told it trains on the CPU
     if config.gradient_checkpointing is None and config.activation_checkpointing is None:
         # Set the new name directly: setting the deprecated alias makes transformers warn on every config.
         config.activation_checkpointing = cuda

@@ -96,7 +96,8 @@ def test_sft_loss_covers_the_response_only(tiny_model_dir: str, tmp_path: Path):
     assert not trained[batch["attention_mask"] == 0].any()  # padding never trains
 
 
-def test_sft_config_fields_are_recipe_settable_with_clear_errors(tiny_model_dir: str, tmp_path: Path):
+def test_sft_config_fields_are_recipe_settable_with_clear_errors(tiny_model_dir: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch):
     recipe = sft_recipe(tmp_path, tiny_model_dir)
     loaded = load_recipe(recipe, ["stages.sft.config.weight_decay=0.1", "stages.sft.config.lr_scheduler_type=linear",
                                   "stages.sft.config.gradient_accumulation_steps=2"])
@@ -113,8 +114,15 @@ def test_sft_config_fields_are_recipe_settable_with_clear_errors(tiny_model_dir:
             and "did you mean 'learning_rate'" in message)
     with pytest.raises(RecipeError, match=r"num_train_epochs.*got 'three'"):
         load_recipe(recipe, ["stages.sft.config.num_train_epochs=three"])
-    # bf16 on a machine without a bfloat16 GPU: the recipe still loads, training runs in float32.
-    assert load_recipe(recipe, ["stages.sft.config.bf16=true"]).stage_configs["sft"].bf16 is False
+    # bf16 on a machine without bfloat16 hardware: the recipe still loads, training runs in float32.
+    import alpacafarm.hardware as hardware
+
+    hardware.native_bfloat16.cache_clear()
+    monkeypatch.setattr(hardware, "cpu_flags", lambda cpuinfo=None: frozenset({"avx2", "fma"}))
+    try:
+        assert load_recipe(recipe, ["stages.sft.config.bf16=true"]).stage_configs["sft"].bf16 is False
+    finally:
+        hardware.native_bfloat16.cache_clear()
 
 
 def test_sft_resumes_from_the_last_checkpoint(tiny_model_dir: str, tmp_path: Path):
