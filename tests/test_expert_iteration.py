@@ -157,3 +157,39 @@ def test_the_stage_can_drop_cut_winners(tiny_model_dir: str, tmp_path: Path, bui
     assert len(rows) == 2 and all(targets(row)[-1] == tokenizer.eos_token_id for row in rows)
     metrics = json.loads((tmp_path / "run/stages/expert_iteration/round_1/metrics.json").read_text())
     assert metrics["n_truncated_winners"] == 2 and metrics["n_trained"] == 2
+
+
+def test_random_selection_draws_each_sample_alike_and_is_seeded(tmp_path: Path):
+    """The control of expert iteration (issue 59): one of each instruction's n samples drawn at random, not the
+    reward model's best, so a gain from the fine-tuning alone shows as the same gain without the selection."""
+    from collections import Counter
+
+    from alpacafarm.reward_selection import select
+    from alpacafarm_methods.sampling.expert_iteration import ExpertIterationConfig, pick_random
+
+    samples = [[{"output": f"{i}-{j}", "reward": float(j)} for j in range(4)] for i in range(400)]
+    picked = pick_random(samples, 4, seed=3)
+    assert picked == pick_random(samples, 4, seed=3) and picked != pick_random(samples, 4, seed=4)
+    counts = Counter(int(p["output"].split("-")[1]) for p in picked)
+    assert set(counts) == {0, 1, 2, 3} and min(counts.values()) > 70  # ~100 each; best-of-4 would be all 3
+    assert {int(w["output"].split("-")[1]) for w in select(samples, 4)} == {3}
+    assert all(p["n"] == 4 for p in picked)
+    assert {int(p["output"].split("-")[1]) for p in pick_random(samples, 2, seed=3)} == {0, 1}  # the first n only
+    assert ExpertIterationConfig(output_dir=str(tmp_path)).selection == "best"
+    with pytest.raises(ValueError, match="selection must be one of best, random"):
+        ExpertIterationConfig(output_dir=str(tmp_path), selection="worst")
+
+
+def test_the_stage_fine_tunes_on_the_random_picks(tiny_model_dir: str, tmp_path: Path, built_trainers: list[Any],
+                                                  server: FakeOpenAIServer):
+    run_recipe(expert_iteration_recipe(tmp_path, tiny_model_dir, server, ", selection: random"),
+               tmp_path / "run")
+    round_dir = tmp_path / "run/stages/expert_iteration/round_1"
+    samples = read_records(round_dir / "samples.jsonl")
+    winners = read_records(round_dir / "winners.jsonl")
+    assert len(winners) == 4 and all(any(s["output"] == w["output"] and s["reward"] == w["reward"]
+                                         for s in samples) for w in winners)
+    metrics = json.loads((round_dir / "metrics.json").read_text())
+    assert metrics["selection"] == "random" and metrics["n"] == 2
+    (trainer,) = built_trainers
+    assert len(list(trainer.train_dataset)) == 4

@@ -13,10 +13,16 @@ implementation appends EOS to every target.) The backend says which samples were
 length`` from an OpenAI-compatible server or vLLM); a backend that cannot tell is an error. The rows are
 tokenized here, because TRL's ``SFTTrainer`` appends EOS to every text completion it is given.
 
+``selection: random`` is the control that tells selection from fine-tuning (ours, not the paper's): each
+instruction's fine-tuning target is one of its ``n`` samples drawn uniformly (seeded by the stage seed and the
+round), scored all the same, with every other setting unchanged. A policy that gains as much from it as from the
+best of ``n`` learns from the fine-tuning on its own samples, not from the reward model's choice.
+
 Files (in the stage folder), all kept as artifacts of the run::
 
     round_<r>/samples.jsonl    every sample with its reward and ``finished`` (False: cut at max_new_tokens)
-    round_<r>/winners.jsonl    the best sample per instruction (with ``finished``): the round's SFT data
+    round_<r>/winners.jsonl    the best (or, ``selection: random``, a random) sample per instruction (with
+                               ``finished``): the round's SFT data
     round_<r>/model/           the round's model (the last round's is the stage's output)
     round_<r>/metrics.json     the round's training log and reward figures
 
@@ -48,6 +54,8 @@ from alpacafarm_methods.supervised.sft import SFTMethodConfig
 
 ROUND_DONE = "round_complete.json"
 TRUNCATED_WINNERS = ("keep", "drop")
+#: What a round fine-tunes on: the reward model's best of n (expert iteration) or one drawn at random (its control).
+SELECTIONS = ("best", "random")
 
 
 @dataclass
@@ -66,6 +74,9 @@ class ExpertIterationConfig(SFTMethodConfig, EnsembleOptions, GenerationBackendO
     score_batch_size: int = 8
     init: str = field(default="previous", metadata={"help": "'previous': round r fine-tunes round r-1's model; "
                                                             "'sft': every round fine-tunes the SFT model"})
+    selection: str = field(default="best", metadata={
+        "help": "'best': each instruction's best of n by the reward model (expert iteration); 'random': one of its n "
+                "drawn at random (the control: the same fine-tuning without the reward model's choice)"})
     truncated_winners: str = field(default="keep", metadata={
         "help": "winners cut at max_new_tokens: 'keep' (trained on, without EOS) or 'drop' (not trained on)"})
 
@@ -74,6 +85,8 @@ class ExpertIterationConfig(SFTMethodConfig, EnsembleOptions, GenerationBackendO
             raise ValueError("rounds and n must be at least 1")
         if self.init not in ("previous", "sft"):
             raise ValueError("init must be 'previous' or 'sft'")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}")
         if self.truncated_winners not in TRUNCATED_WINNERS:
             raise ValueError(f"truncated_winners must be one of {', '.join(TRUNCATED_WINNERS)}")
         check_ensemble(self.ensemble, self.ensemble_coefficient)
@@ -82,6 +95,14 @@ class ExpertIterationConfig(SFTMethodConfig, EnsembleOptions, GenerationBackendO
     def sampling(self, seed: int) -> SamplingConfig:
         return SamplingConfig(n=self.n, temperature=self.temperature, top_p=self.top_p,
                               max_new_tokens=self.max_new_tokens, batch_size=self.generation_batch_size, seed=seed)
+
+
+def pick_random(samples: list[list[dict[str, Any]]], n: int, seed: int) -> list[dict[str, Any]]:
+    """One of the first ``n`` samples of every instruction, drawn uniformly with ``seed`` (a copy carrying ``n``)."""
+    import random
+
+    rng = random.Random(seed)
+    return [{**group[rng.randrange(min(n, len(group)))], "n": n} for group in samples]
 
 
 def winners_as_demonstrations(winners: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -156,7 +177,8 @@ class ExpertIteration(Method):
                                                                  sampling, r, shard=False), context.stage)
             samples = distributed.run_on_main(functools.partial(score_groups, reward, records, rows, config.n),
                                               context.stage)
-            winners = select(samples, config.n)
+            winners = (select(samples, config.n) if config.selection == "best"
+                       else pick_random(samples, config.n, context.seed + r))
             demonstrations = winners_as_demonstrations(winners)
             if context.is_main:
                 write_jsonl(round_dir / "samples.jsonl", [s for group in samples for s in group])
@@ -172,9 +194,9 @@ class ExpertIteration(Method):
                                        response_field="output", max_examples=None)
             rows = training_rows(demonstrations, tokenizer, spec.prompt_format)
             trainer = build_sft_trainer_on_rows(args, spec, start_from, rows)
-            context.logger.info("stage %s: round %d, SFT on %d best-of-%d outputs (%d cut at the token limit, "
+            context.logger.info("stage %s: round %d, SFT on %d %s-of-%d outputs (%d cut at the token limit, "
                                 "%s; mean reward %.4f vs %.4f per sample)",
-                                context.stage, r, len(demonstrations), config.n, truncated,
+                                context.stage, r, len(demonstrations), config.selection, config.n, truncated,
                                 "left out" if config.truncated_winners == "drop" else "trained without EOS",
                                 mean([w["reward"] for w in winners]), mean([s["reward"] for g in samples for s in g]))
             with training_progress(trainer, context, f"round {r}: SFT on the winners"):
@@ -184,7 +206,7 @@ class ExpertIteration(Method):
                        logger=context.logger)
             if context.is_main:
                 shutil.rmtree(round_dir / "trainer", ignore_errors=True)  # checkpoints of a finished round
-            summary = {"round": r, "n_instructions": len(records), "n": config.n,
+            summary = {"round": r, "n_instructions": len(records), "n": config.n, "selection": config.selection,
                        "mean_sample_reward": round(mean([s["reward"] for g in samples for s in g]), 6),
                        "mean_winner_reward": round(mean([w["reward"] for w in winners]), 6),
                        "winner_avg_length": round(mean([len(w["output"]) for w in winners]), 1),
