@@ -26,8 +26,7 @@ A method that always fills some of these declares them (``Method.produces = ("sy
 ends, the pipeline checks the artifact (:func:`handoff_problem`): every declared hand-off present, every file and
 folder named exists (a snapshot is a model folder, a system's outputs a file), system names and snapshot steps
 unique, numbers finite; a malformed hand-off fails the stage in one line naming it, and the stage is not
-recorded complete. The ``metadata`` keys that carried these before (``systems``, ``snapshots``,
-``snapshot_scores``, ``outputs``, ``table``) are refused in the same way, never silently ignored.
+recorded complete.
 """
 
 from __future__ import annotations
@@ -58,14 +57,6 @@ KINDS = {
     "report": "a summary file for people",
     "data_source": "a recipe's data source (the pipeline's own: ``source`` holds it)",
 }
-
-#: ``metadata`` keys that earlier versions read across stages, now typed fields: refused, never ignored.
-RETIRED_METADATA = {
-    "systems": "systems=[System(...)]", "snapshots": "snapshots=[Snapshot(...)]",
-    "snapshot_scores": "snapshots=[Snapshot(step, path, train_reward)]", "outputs": "path=<the outputs file>",
-    "table": "table=Table(title, columns, rows)",
-}
-
 
 @dataclass(frozen=True)
 class System:
@@ -174,15 +165,11 @@ class Artifact:
 
     @classmethod
     def from_json(cls, data: dict[str, Any], run_dir: Path) -> Artifact:
-        """The artifact of a manifest, its run-directory paths resolved under ``run_dir`` (where it is now).
-        Manifests of an earlier alpacafarm kept the hand-offs in ``metadata``: they are read into the fields."""
+        """The artifact of a manifest, its run-directory paths resolved under ``run_dir`` (where it is now)."""
         path = data.get("path")
-        if path is not None and not Path(path).is_absolute() and (
-                data.get("path_base") == "run_dir" or (run_dir / path).exists()):  # the latter: older manifests
+        if path is not None and not Path(path).is_absolute() and data.get("path_base") == "run_dir":
             path = str(run_dir / path)
         metadata = _map_strings(dict(data.get("metadata") or {}), lambda s: _from_token(s, run_dir))
-        if any(key in metadata for key in (*RETIRED_METADATA, "output_id")):
-            return _legacy(data["kind"], path, metadata)
         try:
             artifact = cls(data["kind"], path, metadata,
                            files={k: _from_token(v, run_dir) for k, v in (data.get("files") or {}).items()},
@@ -202,16 +189,12 @@ class Artifact:
 
 def handoff_problem(artifact: Artifact, produces: tuple[str, ...] = (), run_dir: Path | None = None) -> str | None:
     """Why an artifact's hand-offs cannot be read by the stages after it, or None: one of ``produces`` (what its
-    method declares) missing, a retired metadata key, a field of the wrong type, a named file or folder that does
+    method declares) missing, a field of the wrong type, a named file or folder that does
     not exist or (given ``run_dir``) lies outside the run directory, a duplicate system name or snapshot step, a
     number that is not finite."""
     for name in produces:
         if not getattr(artifact, name, None):
             return f"{name} is empty, though its method declares it (Method.produces = {produces!r})"
-    for key, instead in RETIRED_METADATA.items():
-        if key in artifact.metadata:
-            return (f"metadata key {key!r} is no longer read by any stage; return Artifact(..., {instead}) "
-                    "(alpacafarm.artifacts)")
     if not isinstance(artifact.files, dict) or not all(
             isinstance(k, str) and isinstance(v, str | os.PathLike) for k, v in artifact.files.items()):
         return "files must be a dict of names to paths"
@@ -339,31 +322,6 @@ def _item_from_json(item_cls: type, data: dict[str, Any], run_dir: Path) -> Any:
         if isinstance(values.get(name), str):
             values[name] = _from_token(values[name], run_dir)
     return item_cls(**values)
-
-
-def _legacy(kind: str, path: str | None, metadata: dict[str, Any]) -> Artifact:
-    """An artifact of a manifest written before the hand-offs were typed (they were ``metadata`` keys)."""
-    artifact = Artifact(kind, path, metadata, output_id=metadata.pop("output_id", None))
-    folder = Path(path) if path else None
-    listed, scores = metadata.pop("systems", None), metadata.pop("snapshot_scores", None) or {}
-    if isinstance(listed, dict) and folder is not None:  # best_of_n, generate_outputs: {name: {"outputs", ...}}
-        artifact.systems = [System(name, str(folder / info["outputs"]), n=info.get("n"), step=info.get("step"),
-                                   proxy_reward=info.get("proxy_reward"), train_reward=info.get("train_reward"))
-                            for name, info in listed.items()]
-    snapshots = metadata.pop("snapshots", None)
-    if isinstance(snapshots, dict) and folder is not None:  # PPO: {step: folder relative to the stage folder}
-        artifact.snapshots = [Snapshot(int(step), str(folder.parent / sub), scores.get(step))
-                              for step, sub in snapshots.items()]
-    outputs = metadata.pop("outputs", None)
-    if isinstance(outputs, str) and folder is not None and folder.is_dir():
-        artifact.path = str(folder / outputs)
-    table = metadata.pop("table", None)
-    if isinstance(table, dict) and "columns" in table:
-        artifact.table = Table(table.get("title", ""), list(table["columns"]), [list(r) for r in table["rows"]])
-    if kind == "dataset" and folder is not None and folder.is_dir():  # split_instructions: {"train": "train.jsonl"}
-        artifact.files = {k: str(folder / v) for k, v in metadata.items()
-                          if isinstance(v, str) and v.endswith(".jsonl") and (folder / v).is_file()}
-    return artifact
 
 
 def _run_token(value: str, run_dir: Path) -> str:

@@ -29,8 +29,8 @@ from typing import Any
 from alpacafarm.artifacts import RUN_DIR_TOKEN, Artifact, handoff_paths, inside_run, run_relative
 from alpacafarm.data import file_sha256
 
-#: 1: no ``outputs`` record (alpacafarm before issue 13); 2: ``outputs``, run-relative paths, ``fingerprint_parts``;
-#: 3: the artifact's typed hand-offs (:mod:`alpacafarm.artifacts`) and its ``output_id`` outside ``metadata``.
+#: The format of the stage manifests this alpacafarm writes, and the only one it reads: a manifest of another
+#: format is refused in one line naming it (:class:`alpacafarm.pipeline.Pipeline` reads them).
 MANIFEST_FORMAT = 3
 #: Folders inside an artifact folder that are not outputs (trainer checkpoints, half-written ones).
 _SKIPPED_DIRS = re.compile(r"^checkpoint-\d+($|\.)")
@@ -38,9 +38,8 @@ _SKIPPED_FILES = {"manifest.json", "manifest.json.tmp"}
 
 
 def recorded_output_id(manifest: dict[str, Any] | None) -> str | None:
-    """The ``output_id`` a complete stage's manifest recorded (manifests before typed hand-offs: in metadata)."""
-    artifact = (manifest or {}).get("artifact") or {}
-    return artifact.get("output_id") or (artifact.get("metadata") or {}).get("output_id")
+    """The ``output_id`` a complete stage's manifest recorded."""
+    return ((manifest or {}).get("artifact") or {}).get("output_id")
 
 
 def artifact_roots(artifact: Artifact, run_dir: Path) -> list[str]:
@@ -148,8 +147,9 @@ def outside_run_path(manifest: Any, run_dir: Path) -> tuple[str, str] | None:
     """``(field, path)`` of the first path a stage manifest names outside ``run_dir`` (``..`` and symbolic links
     resolved: :func:`~alpacafarm.artifacts.inside_run`), or None when all stay inside. Checked: the ``outputs``
     record's names, a run-relative ``artifact.path``, every ``${run_dir}/...`` string of the artifact, and every
-    hand-off path of the artifact as it reads (older manifests' included). An absolute ``artifact.path`` may
-    name a model elsewhere (a folder or hub ID given in a config): it is the artifact's only field that may."""
+    hand-off path of the artifact as it reads. An absolute ``artifact.path`` may name a model elsewhere (a folder
+    or hub ID given in a config): it is the artifact's only field that may; a relative one without
+    ``path_base: run_dir`` (a hub ID) may not hold a ``..`` part."""
     if not isinstance(manifest, dict):
         return None
     outputs = manifest.get("outputs")
@@ -160,10 +160,11 @@ def outside_run_path(manifest: Any, run_dir: Path) -> tuple[str, str] | None:
     if not isinstance(data, dict):
         return None
     path = data.get("path")
-    run_relative_path = isinstance(path, str) and not os.path.isabs(path) and (
-        data.get("path_base") == "run_dir" or (run_dir / path).exists())  # as Artifact.from_json reads it
-    if run_relative_path and not inside_run(run_dir / path, run_dir):
-        return "artifact.path", path
+    relative = isinstance(path, str) and not os.path.isabs(path)
+    if relative and data.get("path_base") == "run_dir" and not inside_run(run_dir / path, run_dir):
+        return "artifact.path", path  # run-relative, as Artifact.from_json reads it
+    if relative and data.get("path_base") != "run_dir" and ".." in Path(path).parts:
+        return "artifact.path", path  # no model or hub ID climbs out of a folder: only a hand edit writes this
     for where, text in _token_strings(data, "artifact"):
         if not inside_run(run_dir / text[len(RUN_DIR_TOKEN) + 1:], run_dir):
             return where, text

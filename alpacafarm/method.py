@@ -255,14 +255,9 @@ class Method:
     produces: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Refuse, when the class is defined, the attributes that ``ranks`` replaced and a ``ranks`` that is not a
+        """Refuse, when the class is defined, a ``produces`` naming an unknown hand-off and a ``ranks`` that is not a
         :class:`Ranks`: one line, never a silently ignored setting."""
         super().__init_subclass__(**kwargs)
-        for old, new in (("all_ranks", "ranks = Ranks.ALL (or Ranks.MAIN)"),
-                         ("single_process_only", "ranks = Ranks.SINGLE_PROCESS")):
-            if old in vars(cls):
-                raise TypeError(f"{cls.__module__}.{cls.__qualname__} sets {old}, which alpacafarm no longer reads: "
-                                f"set {new} instead (from alpacafarm.method import Ranks)")
         from alpacafarm.artifacts import HANDOFFS
 
         unknown = [p for p in cls.produces if p not in HANDOFFS] if isinstance(cls.produces, tuple) else [

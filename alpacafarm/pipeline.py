@@ -149,6 +149,11 @@ class Pipeline:
         except (OSError, ValueError, RecursionError) as exc:  # write_json is atomic: only a hand edit lands here
             logger.warning("stage %s: unreadable manifest %s (%s): the stage runs again", stage.name, path, exc)
             return None
+        if isinstance(manifest, dict) and manifest.get("format", MANIFEST_FORMAT) != MANIFEST_FORMAT:
+            # another version's manifest: never read as this one's, never run over (its stage folder is deleted)
+            raise UserError(f"{path} is of manifest format {json.dumps(manifest['format'])[:40]}, not "
+                            f"{MANIFEST_FORMAT} (another alpacafarm version wrote it): delete {path.parent} to run "
+                            "the stage again")
         problem = manifest_problem(manifest)
         if problem is not None:
             logger.warning("stage %s: manifest %s %s: the stage runs again", stage.name, path, problem)
@@ -183,11 +188,6 @@ class Pipeline:
             return decision("run", "forced (--force)")
         if previous.get("status") != "complete":
             return decision("run", f"status {previous.get('status')!r}")
-        if "outputs" not in previous:  # a manifest from before outputs were recorded: check the artifact's path
-            path = (previous.get("artifact") or {}).get("path")
-            if path and not Path(path).is_absolute() and not (self.run_dir / path).exists():
-                return decision("run", f"outputs missing: {path}")
-            return decision("skip", "unchanged (manifest of an older alpacafarm: its outputs get recorded)")
         problems, outputs = check_outputs(previous["outputs"], self.run_dir)
         if problems:
             return decision("run", "outputs " + "; ".join(problems))
@@ -354,9 +354,8 @@ class Pipeline:
             assert previous is not None
             artifact = Artifact.from_json(previous["artifact"], self.run_dir)
             outputs = decision.outputs if decision.outputs is not None else record_outputs(artifact, self.run_dir)
-            if outputs != previous.get("outputs"):  # new mtimes of intact files, or an older manifest's
-                write_json(manifest_path, {**previous, "format": MANIFEST_FORMAT, "outputs": outputs,
-                                           "artifact": artifact.to_json(self.run_dir)})
+            if outputs != previous.get("outputs"):  # new mtimes of intact files
+                write_json(manifest_path, {**previous, "outputs": outputs, "artifact": artifact.to_json(self.run_dir)})
             console().print(f"[dim]• {stage.name}: unchanged, skipped[/dim]")
             logger.info("stage %s skipped (fingerprint %s)", stage.name, fingerprint[:12])
             return {"action": "skip", "artifact": artifact}
@@ -409,17 +408,13 @@ class Pipeline:
 
 
 def _changed_parts(previous: dict[str, Any], parts: dict[str, Any], stage: PlannedStage) -> list[str]:
-    """Which parts of a fingerprint differ from those a manifest recorded (older manifests: what they kept)."""
+    """Which parts of a fingerprint differ from those a manifest recorded."""
     stored = previous.get("fingerprint_parts")
-    if stored is not None:
-        changed = [k for k in parts if k != "inputs" and stored.get(k) != _digest(parts[k])]
-    else:
-        kept = {"method": previous.get("method"), "plugin": previous.get("plugin"),
-                "config": previous.get("config"), "seed": previous.get("recipe_seed")}
-        changed = [k for k, v in kept.items() if v != parts[k]]
+    stored = stored if isinstance(stored, dict) else {}
+    changed = [k for k in parts if k != "inputs" and stored.get(k) != _digest(parts[k])]
     recorded = {r: (i or {}).get("id") for r, i in (previous.get("inputs") or {}).items()}
     for requirement in sorted(set(recorded) | set(parts["inputs"])):
         if recorded.get(requirement) != parts["inputs"].get(requirement):
             changed.append(f"input {requirement}" + (f" (from {stage.inputs[requirement]!r})"
                                                      if requirement in stage.inputs else " (no longer wired)"))
-    return changed or ["plugin version, model or annotator (recorded by an older alpacafarm)"]
+    return changed or ["the recorded fingerprint (every recorded part matches: an edited manifest?)"]

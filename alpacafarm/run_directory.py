@@ -66,6 +66,10 @@ def manifest_problem(manifest: Any) -> str | None:
         return f"is a JSON {type(manifest).__name__}, not an object"
     if manifest.get("status") == "complete" and not isinstance(manifest.get("artifact"), dict):
         return "says complete but records no artifact"
+    if manifest.get("status") == "complete" and not isinstance(manifest.get("outputs"), dict):
+        return "says complete but records no outputs"
+    if "format" not in manifest:
+        return "records no format"
     outputs = manifest.get("outputs")
     if outputs is not None and not (isinstance(outputs, dict) and all(isinstance(v, dict) for v in outputs.values())):
         return "has a malformed outputs record"

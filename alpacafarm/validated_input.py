@@ -87,19 +87,6 @@ def _bracket_depth(text: str) -> int:
     return deepest
 
 
-def check_depth(value: Any, shown: str, max_depth: int = MAX_DEPTH) -> None:
-    """Refuse plain data nested deeper than ``max_depth`` (iteratively: the check itself must not overflow)."""
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > max_depth:
-            raise InputError(f"{shown}: nested more than {max_depth} levels deep")
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, list | tuple):
-            stack.extend((v, depth + 1) for v in item)
-
-
 def _type_name(value: Any) -> str:
     return "null" if value is None else {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
                                          int: "a number", float: "a number"}.get(type(value), type(value).__name__)

@@ -96,8 +96,6 @@ class Malformed(Method):
             "not_finite": Artifact("outputs", str(context.stage_dir),
                                    systems=[System("a", str(outputs), proxy_reward=float("nan"))]),
             "dict": Artifact("outputs", str(context.stage_dir), systems={"a": {"outputs": "a.jsonl"}}),
-            "metadata_key": Artifact("outputs", str(context.stage_dir), {"systems": {"a": {"outputs": "a.jsonl"}}},
-                                     systems=[System("a", str(outputs))]),
         }
         return broken[self.config.case]
 
@@ -186,8 +184,6 @@ def test_a_plugin_hands_snapshots_and_systems_to_the_evaluation_and_the_gate(han
     ("snapshot_folder", r"whose snapshots\[0\] \(step 4\): .*/nowhere is not a model folder"),
     ("not_finite", r"whose systems\[0\] \('a'\) has proxy_reward nan: not a finite number"),
     ("dict", "whose systems must be a list of alpacafarm.artifacts.System, got dict"),
-    ("metadata_key", r"whose metadata key 'systems' is no longer read by any stage; return Artifact\(\.\.\., "
-                     r"systems=\[System\(\.\.\.\)\]\)"),
 ])
 def test_a_malformed_handoff_fails_its_stage_in_one_line(handoff_plugin: None, tmp_path: Path, case: str,
                                                          message: str, capsys: pytest.CaptureFixture):
@@ -208,25 +204,3 @@ def test_a_malformed_handoff_fails_its_stage_in_one_line(handoff_plugin: None, t
 def test_a_method_declaring_an_unknown_handoff_is_refused_when_defined():
     with pytest.raises(TypeError, match=r"\.produces = \('system',\): it must be a tuple of files, systems, "):
         type("Typo", (Method,), {"produces": ("system",)})
-
-
-def test_a_manifest_of_an_earlier_alpacafarm_reads_its_metadata_handoffs(tmp_path: Path):
-    """Format-2 manifests kept the hand-offs in metadata (systems relative to the stage folder, snapshots relative
-    to the model's stage folder, output_id): they read into the typed fields."""
-    run = tmp_path / "run"
-    for folder in ("stages/bon", "stages/ppo/model", "stages/ppo/snapshots/step-1", "stages/split"):
-        (run / folder).mkdir(parents=True)
-    (run / "stages/split/train.jsonl").write_text("{}\n")
-    bon = Artifact.from_json({"kind": "outputs", "path": "stages/bon", "path_base": "run_dir", "metadata": {
-        "systems": {"best_of_2": {"outputs": "best_of_2.jsonl", "n": 2, "proxy_reward": 0.5}},
-        "outputs": "best_of_2.jsonl", "n_samples": 8, "output_id": "abc"}}, run)
-    assert bon.systems == [System("best_of_2", str(run / "stages/bon/best_of_2.jsonl"), n=2, proxy_reward=0.5)]
-    assert (bon.output_id, bon.metadata, bon.path) == ("abc", {"n_samples": 8}, str(run / "stages/bon/best_of_2.jsonl"))
-    ppo = Artifact.from_json({"kind": "model", "path": "stages/ppo/model", "path_base": "run_dir", "metadata": {
-        "snapshots": {"1": "snapshots/step-1", "2": "model"}, "snapshot_scores": {"1": 0.1, "2": 0.2},
-        "output_id": "def"}}, run)
-    assert ppo.snapshots == [Snapshot(1, str(run / "stages/ppo/snapshots/step-1"), 0.1),
-                             Snapshot(2, str(run / "stages/ppo/model"), 0.2)]
-    split = Artifact.from_json({"kind": "dataset", "path": "stages/split", "path_base": "run_dir", "metadata": {
-        "train": "train.jsonl", "eval": "eval.jsonl", "n_train": 1, "output_id": "ghi"}}, run)
-    assert split.files == {"train": str(run / "stages/split/train.jsonl")}  # eval.jsonl is not there

@@ -200,15 +200,6 @@ def test_where_a_method_runs_is_one_attribute_and_its_stage_context_carries_it(r
     assert "config" not in {f.name for f in dataclasses.fields(StageContext)}
 
 
-@pytest.mark.parametrize(("attribute", "use"), [("all_ranks", "ranks = Ranks.ALL (or Ranks.MAIN)"),
-                                                ("single_process_only", "ranks = Ranks.SINGLE_PROCESS")])
-def test_the_replaced_rank_flags_are_a_one_line_error_naming_the_new_attribute(attribute: str, use: str):
-    with pytest.raises(TypeError) as info:
-        type("OldStyle", (Method,), {attribute: True, "__module__": "myplugin.methods"})
-    assert str(info.value) == (f"myplugin.methods.OldStyle sets {attribute}, which alpacafarm no longer reads: set "
-                               f"{use} instead (from alpacafarm.method import Ranks)")
-
-
 def test_ranks_must_be_a_ranks_member():
     with pytest.raises(TypeError, match=r"OddRanks\.ranks is 'all'; it must be Ranks\.MAIN, Ranks\.ALL or "
                                         r"Ranks\.SINGLE_PROCESS"):

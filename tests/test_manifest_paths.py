@@ -113,6 +113,8 @@ TAMPERS = {
         {"../evil/eval.jsonl": d["outputs"]["stages/split/eval.jsonl"]})), "outputs['../evil/eval.jsonl']"),
     "artifact path with ..": (lambda f: edit(f["manifest"], lambda d: d["artifact"].update(path="../evil")),
                               "artifact.path"),
+    "artifact path with .. and no path_base": (lambda f: edit(f["manifest"], lambda d: (
+        d["artifact"].update(path="../evil"), d["artifact"].pop("path_base", None))), "artifact.path"),
 }
 
 

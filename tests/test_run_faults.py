@@ -273,6 +273,21 @@ def test_a_damaged_manifest_reruns_its_stage_also_under_plan(tmp_path: Path, con
     assert json.loads((out / "stages" / "split" / "manifest.json").read_text())["status"] == "complete"
 
 
+@pytest.mark.parametrize("found", [2, 4, "3"])
+def test_a_manifest_of_another_format_is_refused_in_one_line_and_never_run_over(tmp_path: Path, found):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(SPLIT_RECIPE)
+    out = tmp_path / "run"
+    assert cli(tmp_path, "run", str(recipe), "--output-dir", str(out)).returncode == 0
+    manifest = out / "stages" / "split" / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format": found}))
+    for args in (("--plan",), ()):
+        line = one_error_line(cli(tmp_path, "run", str(recipe), "--output-dir", str(out), *args), str(manifest))
+        assert line == (f"error: {manifest} is of manifest format {json.dumps(found)}, not 3 (another alpacafarm "
+                        f"version wrote it): delete {manifest.parent} to run the stage again")
+    assert json.loads(manifest.read_text())["format"] == found and (out / "stages/split/train.jsonl").is_file()
+
+
 # ------------------------------------------------------------------------------------------------- secrets
 def test_a_key_in_the_base_url_never_reaches_the_run_directory(tmp_path: Path):
     recipe = tmp_path / "r.yaml"

@@ -28,8 +28,6 @@ from alpacafarm.errors import MissingPackageError, UserError, did_you_mean
 
 #: The packaged configs, by name.
 NAMES = ("ddp", "fsdp2", "zero2", "zero3")
-#: What a recipe's top-level ``launch:`` block may set.
-LAUNCH_KEYS = ("num_processes", "accelerate_config")
 
 
 def under_launcher() -> bool:

@@ -19,8 +19,6 @@ from alpacafarm.errors import MissingPackageError, UserError, did_you_mean
 
 PREFIX = "alpaca_eval:"
 INSTALL = "pip install 'alpacafarm[alpaca-eval]'"
-#: the release whose configs the tests check against (another version is used, and its version is reported)
-TESTED_VERSION = "0.6.6"
 
 MEMBER_FIELDS = {"prompt_template", "fn_completions", "completions_kwargs", "fn_completion_parser",
                  "completion_parser_kwargs", "batch_size", "completion_key", "is_randomize_output_order",

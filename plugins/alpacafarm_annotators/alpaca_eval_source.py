@@ -237,8 +237,3 @@ class AlpacaEvalSource(AnnotatorBuilder):
                           annotators=list(judges), p_label_flip=values.get("p_label_flip") or 0.0,
                           randomize_order=values.get("randomize_order", orders.pop()), seed=values.get("seed") or 0)
         return AnnotatorPool(pool, judges, self.name)
-
-
-def source_for(name: str) -> AlpacaEvalSource:
-    """The source registered as ``alpaca_eval:<config>``."""
-    return AlpacaEvalSource(name.removeprefix(PREFIX))

@@ -113,11 +113,6 @@ def load_entries(input_path: str | Path) -> list[dict[str, Any]]:
     return [_load(path) for path in _resolve(Path(input_path))]
 
 
-def load_entry(input_path: str | Path) -> dict[str, Any]:
-    """The first leaderboard row of an input path (see :func:`load_entries`)."""
-    return load_entries(input_path)[0]
-
-
 def build_leaderboard(inputs: list[str] | list[Path]) -> list[dict[str, Any]]:
     """Rows for every input, best win-rate first; names made unique so no row hides another: a name that several
     inputs share gets its input's folder name (``sft (quickstart-x2)``), else a number (``name (2)``)."""

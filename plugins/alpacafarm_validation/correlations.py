@@ -22,7 +22,6 @@ from alpacafarm.errors import UserError
 from alpacafarm.validation import Validator
 
 MISSING = {"", "-", "na", "n/a", "nan", "none", "null"}
-METRICS = ("spearman", "pearson", "kendall", "r2", "slope")
 
 
 class RankCorrelationConfig(BaseModel):

@@ -24,6 +24,7 @@ from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, StageContext
 from alpacafarm.rewards import EnsembleOptions, check_ensemble
 from alpacafarm.training import TrainingDefaults
+from alpacafarm_methods.online_rl.annotator_reward import ANNOTATOR_REFERENCES
 
 
 @dataclass
@@ -51,8 +52,9 @@ class OnlineRLOptions(TrainingDefaults, EnsembleOptions):
     def __post_init__(self) -> None:
         if self.max_instructions is not None and self.max_instructions < 1:
             raise ValueError("max_instructions must be at least 1")
-        if self.annotator_reference not in ("recorded", "sft"):
-            raise ValueError(f"annotator_reference must be 'recorded' or 'sft', got {self.annotator_reference!r}")
+        if self.annotator_reference not in ANNOTATOR_REFERENCES:
+            raise ValueError(f"annotator_reference must be {' or '.join(map(repr, ANNOTATOR_REFERENCES))}, "
+                             f"got {self.annotator_reference!r}")
         check_ensemble(self.ensemble, self.ensemble_coefficient)
         if not 0.0 <= self.max_unlabelled_fraction <= 1.0:
             raise ValueError("max_unlabelled_fraction must be in [0, 1]")

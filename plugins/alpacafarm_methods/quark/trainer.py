@@ -63,10 +63,6 @@ from alpacafarm_methods.quark.selection import draw_order, round_prompts, top_qu
 logger = logging.getLogger("alpacafarm")
 
 IGNORE_INDEX = -100
-#: Keys of a step's log entry (besides ``step``): the step batch's token-mean loss, NLL and KL (over every
-#: process), the gradient norm before clipping, the learning rate the step used, the mean reward of the pool it
-#: trained on, and its round.
-STEP_KEYS = ("loss", "nll", "kl", "grad_norm", "learning_rate", "reward", "round")
 #: Keys of a round's log entry (besides ``step``, the run's optimizer step at its end): its statistics, which
 #: :attr:`QuarkTrainer.round_stats` lists and a checkpoint's ``trainer_state.json`` carries.
 ROUND_KEYS = ("round", "n_prompts", "n_pool", "n_kept", "n_trained", "reward_mean", "reward_kept_mean", "threshold",
