@@ -82,8 +82,9 @@ def apply_device_defaults(config: object) -> None:
 
     ``bf16: None`` (the default) means bfloat16 autocast only on a GPU that supports it. An explicit ``bf16: true``
     is honoured where the hardware computes bfloat16: such a GPU, or, with no GPU, a CPU with AVX512-BF16 or AMX
-    (:func:`alpacafarm.hardware.native_bfloat16`; autocast with float32 master weights, about twice as fast to
-    train as float32 on such a CPU, ``benchmarks/training_precision.py``); elsewhere it is turned off with a note
+    (:func:`alpacafarm.hardware.native_bfloat16`; autocast with float32 master weights, 1.5-1.8x faster per step
+    than float32 on such a CPU, ``benchmarks/training_precision.py``, though a DPO run learned less under it:
+    ``docs/reports/2026-12-02-training-precision.md``); elsewhere it is turned off with a note
     (so a GPU recipe still loads and checks on a laptop, and a CPU never trains in emulated bfloat16, tens of times
     slower). A CPU is never chosen automatically: autocast changes a run's numbers, so a recipe opts in.
     Gradient checkpointing left unset is on with CUDA (memory is what matters there) and off elsewhere.
