@@ -109,6 +109,7 @@ def test_config_defaults_follow_the_paper_and_the_released_run_and_bad_values_ar
     assert (config.rounds, config.prompts_per_round) == (390, 512)
     # Released: the top of 4 reward bins (floor(512 / 4) = 128 kept), one optimizer step of 256 per round.
     assert (config.top_quantile, config.steps_per_round, config.step_batch_size) == (0.25, 1, 256)
+    assert config.quantile_scope == "pool"  # the released cut: across the round's whole pool
     assert kept_count(config.prompts_per_round * config.rollouts_per_prompt, config.top_quantile) == 128
     assert config.split == "train" and config.max_instructions is None
     assert config.bf16 is False and config.gradient_checkpointing is False  # automatic values on a CPU
@@ -757,3 +758,41 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_resumes_to_the_same_adapt
     assert [s["round"] for s in resumed.round_stats] == [1, 2]
     assert resumed.round_stats[1]["kl"] == pytest.approx(whole.round_stats[1]["kl"], rel=RESUME_RTOL)
     assert_same_weights(resumed.trained_tensors(), whole.trained_tensors())
+
+
+def test_the_per_instruction_cut_keeps_each_instructions_best_where_the_pool_cut_keeps_the_easy_prompts():
+    from alpacafarm_methods.quark.selection import top_quantile, top_quantile_per_group
+
+    # instruction "easy" scores high whatever is answered; "hard" low: the pool-wide cut keeps only "easy"'s
+    rewards = [5.0, 4.0, 4.5, 3.9, 0.2, -1.0, 0.1, -0.5]
+    groups = ["easy"] * 4 + ["hard"] * 4
+    assert top_quantile(rewards, 0.25) == [0, 2]
+    assert top_quantile_per_group(rewards, groups, 0.25) == [0, 4]
+    assert top_quantile_per_group(rewards, groups, 0.5) == [0, 2, 4, 6]
+    assert top_quantile_per_group([1.0, 1.0, 0.0], ["a", "a", "b"], 0.25) == [0, 2]  # at least one each, ties early
+
+
+def test_quantile_scope_instruction_keeps_each_prompts_best_rollout_in_the_pool_files(tmp_path: Path):
+    def score(records, completions):
+        return [len(c) + sum(map(ord, c)) % 97 / 100 for c in completions]
+
+    trainer = tiny_trainer(tmp_path, reward=score, quantile_scope="instruction", top_quantile=0.25)
+    trainer.train()
+    for stat in trainer.round_stats:
+        pool = read_pool(tmp_path / f"round_{stat['round']}" / "pool.jsonl")
+        by_prompt: dict[int, list[dict[str, Any]]] = {}
+        for row in pool:
+            by_prompt.setdefault(row["record_index"], []).append(row)
+        assert len(by_prompt) == 8 and stat["n_kept"] == 8
+        for rows in by_prompt.values():
+            kept = [row for row in rows if row["kept"]]
+            assert len(kept) == 1 and kept[0]["reward"] == max(row["reward"] for row in rows)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"quantile_scope": "batch"}, "quantile_scope must be one of pool, instruction, not 'batch'"),
+    ({"quantile_scope": "instruction", "rollouts_per_prompt": 1}, "quantile_scope: instruction needs"),
+])
+def test_a_bad_quantile_scope_is_a_one_line_error(tmp_path: Path, overrides: dict[str, Any], message: str):
+    with pytest.raises(ValueError, match=message):
+        quark_args(tmp_path, **overrides)

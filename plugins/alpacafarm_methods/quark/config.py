@@ -9,6 +9,9 @@ from transformers import TrainingArguments
 from alpacafarm.rewards import EnsembleOptions, check_ensemble
 from alpacafarm.training import TrainingDefaults
 
+#: Where a round's top quantile is cut: across the whole pool (released) or within each instruction's rollouts.
+QUANTILE_SCOPES = ("pool", "instruction")
+
 
 @dataclass
 class QuarkMethodConfig(TrainingDefaults, EnsembleOptions, TrainingArguments):
@@ -50,6 +53,10 @@ class QuarkMethodConfig(TrainingDefaults, EnsembleOptions, TrainingArguments):
         default=0.25,
         metadata={"help": "share of each round's pool kept (highest rewards), rounded down, at least one; "
                           "0.25 = the top of the released run's 4 reward bins"})
+    quantile_scope: str = field(
+        default="pool",
+        metadata={"help": "'pool': the top quantile of the whole round's pool (released); 'instruction': the top "
+                          "quantile of each instruction's rollouts (needs rollouts_per_prompt >= 2)"})
     steps_per_round: int = field(default=1, metadata={"help": "optimizer steps per round (released: 1)"})
     step_batch_size: int = field(
         default=256,
@@ -88,6 +95,10 @@ class QuarkMethodConfig(TrainingDefaults, EnsembleOptions, TrainingArguments):
              "prompts_per_round must be at least 1"),
             (self.rollouts_per_prompt >= 1, "rollouts_per_prompt must be at least 1"),
             (0.0 < self.top_quantile <= 1.0, "top_quantile must be in (0, 1]"),
+            (self.quantile_scope in QUANTILE_SCOPES,
+             f"quantile_scope must be one of {', '.join(QUANTILE_SCOPES)}, not {self.quantile_scope!r}"),
+            (self.quantile_scope != "instruction" or self.rollouts_per_prompt >= 2,
+             "quantile_scope: instruction needs rollouts_per_prompt >= 2 (one rollout per prompt keeps them all)"),
             (self.steps_per_round >= 1, "steps_per_round must be at least 1"),
             (self.step_batch_size >= 1, "step_batch_size must be at least 1"),
             (self.step_batch_size % max(self.per_device_train_batch_size, 1) == 0,

@@ -8,7 +8,9 @@ Each round (a "Quark step" in the paper):
 2. score every rollout with the surrogate reward model (``context.reward_function``, a
    :class:`alpacafarm.rewards.RewardScorer`);
 3. keep the top ``top_quantile`` of the pool by reward, rounded down (the best of the released run's 4 bins:
-   128 of 512; the other bins are not trained on);
+   128 of 512; the other bins are not trained on). ``quantile_scope: instruction`` (ours, not released) cuts
+   each instruction's rollouts instead: the pool-wide cut, under a reward whose variance lies mostly between
+   instructions (the gold world's: ~80%), keeps mostly answers to prompts that score high whatever is answered;
 4. take ``steps_per_round`` optimizer steps (released: 1) on the kept samples, each on ``step_batch_size``
    examples (released: 256) drawn by cycling through them in a seeded shuffled order, with
    ``NLL + kl_coef * KL(policy || reference)``, the reference being the SFT model and the KL the exact

@@ -28,6 +28,21 @@ def top_quantile(rewards: Sequence[float], quantile: float) -> list[int]:
     return sorted(ranked[:kept_count(len(rewards), quantile)])
 
 
+def top_quantile_per_group(rewards: Sequence[float], groups: Sequence[object], quantile: float) -> list[int]:
+    """Indices (ascending) of each group's own top ``quantile`` (``kept_count`` of the group's size, at least one):
+    the per-instruction cut (``quantile_scope: instruction``), where the released cut is over the whole pool.
+
+    With most of a reward's variance between instructions, the pool-wide cut keeps mostly answers to easy prompts;
+    this one keeps the best answers to every prompt, so what is learnt is "answer better", not "which prompts score".
+    """
+    members: dict[object, list[int]] = {}
+    for index, group in enumerate(groups):
+        members.setdefault(group, []).append(index)
+    kept = [indices[k] for indices in members.values()
+            for k in top_quantile([rewards[i] for i in indices], quantile)]
+    return sorted(kept)
+
+
 def draw_order(n_kept: int, n_draws: int, seed: int) -> list[int]:
     """``n_draws`` indices into the kept samples: passes over them, each a fresh seeded permutation, cut at
     ``n_draws`` (the released trainer's shuffled, cycling loader: 256 draws from 128 kept are two passes)."""

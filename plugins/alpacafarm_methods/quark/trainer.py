@@ -58,7 +58,7 @@ from alpacafarm.sampling import Sample, sample, tokenize_prompts
 from alpacafarm.seeding import stable_seed
 from alpacafarm.training import load_checkpoint, save_checkpoint
 from alpacafarm_methods.quark.config import QuarkMethodConfig
-from alpacafarm_methods.quark.selection import draw_order, round_prompts, top_quantile
+from alpacafarm_methods.quark.selection import draw_order, round_prompts, top_quantile, top_quantile_per_group
 
 logger = logging.getLogger("alpacafarm")
 
@@ -371,7 +371,8 @@ class QuarkTrainer:
         pool = [(i, j, s) for i, group in zip(indices, groups, strict=True) for j, s in enumerate(group)]
         generated = time.perf_counter()
         rewards = self.score(pool, round_)
-        kept = top_quantile(rewards, args.top_quantile)
+        kept = (top_quantile_per_group(rewards, [i for i, _, _ in pool], args.top_quantile)
+                if args.quantile_scope == "instruction" else top_quantile(rewards, args.top_quantile))
         kept_set = set(kept)
         scored = time.perf_counter()
         if self.accelerator.is_main_process:
