@@ -58,10 +58,13 @@ def build_parser(plugin_commands: dict[str, str]) -> argparse.ArgumentParser:
     plugin = commands.add_parser("plugin", help="write a new plugin repository")
     plugin_commands_parser = plugin.add_subparsers(dest="plugin_command", metavar="SUBCOMMAND", required=True)
     plugin_new = plugin_commands_parser.add_parser(
-        "new", help="scaffold a plugin: a method built from alpacafarm.reward_selection, its test, a benchmark "
+        "new", help="scaffold a plugin: a method built from the public method helpers, its test, a benchmark "
                     "recipe and the CI gate workflow")
     plugin_new.add_argument("name", help="the plugin's distribution name, e.g. my-rerank (package my_rerank)")
     plugin_new.add_argument("--dir", default=".", help="where to create the folder NAME (default: here)")
+    plugin_new.add_argument("--kind", default="rerank", choices=("rerank", "direct-alignment"),
+                            help="the method it starts from: rerank (best-of-n with the reward model) or "
+                                 "direct-alignment (a DPO variant on the preference pairs); default rerank")
 
     for name, description in sorted(plugin_commands.items()):
         # listed for --help only: main() hands a plugin command its arguments before argparse sees them
@@ -157,7 +160,7 @@ def cmd_recipe_check(args: argparse.Namespace) -> int:
 def cmd_plugin_new(args: argparse.Namespace) -> int:
     from alpacafarm.scaffold import new_plugin
 
-    root = new_plugin(args.name, args.dir)
+    root = new_plugin(args.name, args.dir, args.kind)
     print(f"plugin written: {root} (cd {root} && pip install -e '.[test]' && pytest; README.md says what is next)")
     return 0
 

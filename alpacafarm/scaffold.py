@@ -1,11 +1,12 @@
-"""``alpacafarm plugin new NAME``: a plugin repository that works at once.
+"""``alpacafarm plugin new NAME [--kind KIND]``: a plugin repository that works at once.
 
 It writes, from the templates in ``alpacafarm/plugin_template/`` (shipped in the package):
 
 * ``pyproject.toml`` — the distribution ``NAME`` and its entry point of group ``alpacafarm``;
-* ``<package>/__init__.py`` and ``<package>/method.py`` — the hooks and a method built from
-  :mod:`alpacafarm.reward_selection` (best-of-n reranking with the reward model, registered as ``<package>``), with
-  its config class;
+* ``<package>/__init__.py`` and ``<package>/method.py`` — the hooks and a method with its config class, registered
+  as ``<package>``: by :data:`KINDS`, ``rerank`` (best-of-n reranking with the reward model, built from
+  :mod:`alpacafarm.reward_selection`) or ``direct-alignment`` (a DPO variant, robust DPO for a known label-flip
+  rate, built from :mod:`alpacafarm.preference_training`; its templates are in ``plugin_template/direct_alignment/``);
 * ``tests/test_method.py`` — its test on tiny random-init models (:mod:`alpacafarm.testing`);
 * ``benchmarks/bench.yaml`` — a benchmark recipe for ``alpacafarm bench`` (``include: alpacafarm:offline``);
 * ``.github/workflows/benchmark.yml`` — the CI gate; ``README.md``; ``.gitignore``.
@@ -39,6 +40,17 @@ FILES = {
     "bench.yaml.tmpl": "benchmarks/bench.yaml",
     "benchmark-workflow.yml": ".github/workflows/benchmark.yml",
 }
+
+#: kind → (the template folder of its kind-specific files, what its method is, where to start changing it)
+KINDS = {
+    "rerank": ("", "best-of-n reranking with the reward model, built from `alpacafarm.reward_selection`",
+               "change `Rerank.run` to make it yours"),
+    "direct-alignment": ("direct_alignment", "a DPO variant (robust DPO for a known label-flip rate), built from "
+                         "`alpacafarm.preference_training`",
+                         "change `RobustDPOConfig` or `RobustDPO` to make it yours"),
+}
+#: the templates each kind has its own copy of (the others are shared)
+KIND_FILES = ("__init__.py.tmpl", "method.py.tmpl", "test_method.py.tmpl", "bench.yaml.tmpl")
 
 
 def package_name(name: str) -> str:
@@ -83,15 +95,20 @@ def name_in_use(name: str, package: str) -> str | None:
     return None
 
 
-def new_plugin(name: str, parent: str | Path = ".") -> Path:
-    """Write the plugin repository ``parent/name`` and return its folder."""
+def new_plugin(name: str, parent: str | Path = ".", kind: str = "rerank") -> Path:
+    """Write the plugin repository ``parent/name`` with a method of ``kind`` (:data:`KINDS`); return its folder."""
+    if kind not in KINDS:
+        raise UserError(f"plugin new: unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
+    folder, what, start = KINDS[kind]
     package = package_name(name)
     root = Path(parent) / name
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise UserError(f"plugin new: {root} already exists and is not an empty folder; nothing was written")
-    values = {"__PACKAGE__": package, "__DIST__": name, "__ALPACAFARM_VERSION__": __version__}
+    values = {"__PACKAGE__": package, "__DIST__": name, "__ALPACAFARM_VERSION__": __version__, "__WHAT__": what,
+              "__START__": start}
     for template, target in FILES.items():
-        text = (TEMPLATE_DIR / template).read_text(encoding="utf-8")
+        source = TEMPLATE_DIR / folder / template if template in KIND_FILES else TEMPLATE_DIR / template
+        text = source.read_text(encoding="utf-8")
         if template.endswith(".tmpl"):  # the workflow is copied as it is: its ${{ }} are GitHub's
             for key, value in values.items():
                 text = text.replace(key, value)

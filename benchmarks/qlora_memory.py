@@ -196,7 +196,7 @@ def run_dpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 "logging_steps": 1, "bf16": not args.cpu_smoke, "gradient_checkpointing": not args.cpu_smoke,
                 "beta": 0.1}
     try:
-        from alpacafarm_methods.preference.dpo import DPOMethodConfig, build_dpo_trainer
+        from alpacafarm.preference_training import DPOMethodConfig, build_dpo_trainer
     except ImportError:  # the dpo method is not there: TRL's trainer directly, configured the same way
         trainer = plain_dpo_trainer(spec, settings, rows, [Timer()])
         via = "trl.DPOTrainer"

@@ -50,10 +50,10 @@ def main() -> None:
 
     from alpacafarm.data import read_records
     from alpacafarm.model_loading import load_classifier, load_tokenizer
+    from alpacafarm.preference_rows import preference_rows, winner
     from alpacafarm.prompts import format_prompt
     from alpacafarm.recipe import load_recipe
     from alpacafarm.rewards import last_token_features, with_eos
-    from alpacafarm_methods.pairs import preference_rows, winner
     from alpacafarm_methods.reward_model.head import STEPS_PER_EPOCH, fit_head
 
     judged = Path(args.judged)

@@ -120,7 +120,7 @@ def model_and_tokenizer(path: str) -> tuple[Any, Any]:
 def test_a_few_steps_widen_the_margin_the_loss_optimises(run: dict, tiny_model_dir: str):
     """Pairwise methods: the chosen-minus-rejected margin on the training pairs grows over the SFT model's; KTO:
     desirable outputs gain log-probability over the SFT model (the reference) and undesirable ones lose it."""
-    from alpacafarm_methods.pairs import preference_rows
+    from alpacafarm.preference_rows import preference_rows
     from alpacafarm_methods.preference.kto import binary_feedback
 
     sft, tokenizer = model_and_tokenizer(tiny_model_dir)

@@ -69,7 +69,7 @@ def margins(model: Any, tokenizer: Any, rows: list[dict[str, str]]) -> list[floa
 
 def training_rows(model_dir: str, records: list[dict[str, Any]]) -> list[dict[str, str]]:
     from alpacafarm.model_loading import load_tokenizer
-    from alpacafarm_methods.pairs import preference_rows
+    from alpacafarm.preference_rows import preference_rows
 
     spec = ModelSpec(name=model_dir)
     return preference_rows(records, style=spec.prompt_format, tokenizer=load_tokenizer(spec, model_dir))[0]
@@ -137,7 +137,7 @@ def test_dpo_policy_margin_grows_against_the_reference(dpo_run, tiny_model_dir: 
 def test_full_fine_tuning_keeps_a_frozen_reference_copy(tiny_model_dir: str, tmp_path: Path):
     import torch
 
-    from alpacafarm_methods.preference.dpo import DPOMethodConfig, build_dpo_trainer
+    from alpacafarm.preference_training import DPOMethodConfig, build_dpo_trainer
 
     rows = training_rows(tiny_model_dir, preference_records(4))
     config = DPOMethodConfig(output_dir=str(tmp_path), max_steps=1, save_strategy="no", report_to=[])
@@ -192,7 +192,7 @@ def test_lora_dpo_has_no_reference_copy_and_its_reference_is_the_sft_model(
     from transformers import AutoModelForCausalLM
 
     from alpacafarm.model_loading import load_tokenizer
-    from alpacafarm_methods.preference.dpo import DPOMethodConfig, build_dpo_trainer
+    from alpacafarm.preference_training import DPOMethodConfig, build_dpo_trainer
 
     spec = ModelSpec(name=tiny_model_dir, lora={"r": 4, "alpha": 8})
     rows = training_rows(tiny_model_dir, preference_records(32))
@@ -265,7 +265,7 @@ def test_qlora_dpo(tiny_model_dir: str, tmp_path: Path):
 
 def test_dpo_config_defaults_and_recipe_errors(tiny_model_dir: str, tmp_path: Path):
     from alpacafarm.errors import RecipeError
-    from alpacafarm_methods.preference.dpo import DPOMethodConfig
+    from alpacafarm.preference_training import DPOMethodConfig
 
     defaults = DPOMethodConfig()
     assert (defaults.beta, defaults.learning_rate, defaults.num_train_epochs, defaults.max_length) == (

@@ -293,7 +293,9 @@ def test_the_example_plugin_and_the_scaffold_import_only_public_alpacafarm_names
     sources = {path: "alpacafarm_example" for path in (EXAMPLE_PLUGIN / "alpacafarm_example").glob("*.py")}
     scaffold = new_plugin("helper-user", tmp_path)
     sources.update({path: "helper_user" for path in scaffold.rglob("*.py")})
-    assert len(sources) >= 7
+    variant = new_plugin("variant-user", tmp_path, kind="direct-alignment")
+    sources.update({path: "variant_user" for path in variant.rglob("*.py")})
+    assert len(sources) >= 10
     offending = {str(path): private_imports(path.read_text(encoding="utf-8"), own)
                  for path, own in sources.items()}
     assert {path: bad for path, bad in offending.items() if bad} == {}
@@ -302,6 +304,12 @@ def test_the_example_plugin_and_the_scaffold_import_only_public_alpacafarm_names
     assert ("alpacafarm.reward_selection", "score_groups") in imported_names(method)
     builtin = (REPO_ROOT / "plugins" / "alpacafarm_methods" / "sampling" / "best_of_n.py").read_text(encoding="utf-8")
     assert ("alpacafarm.reward_selection", "score_groups") in imported_names(builtin)
+    # the DPO variant subclasses the public stage and config that the built-in dpo is built from
+    method = (variant / "variant_user" / "method.py").read_text(encoding="utf-8")
+    assert {("alpacafarm.preference_training", "DirectAlignment"),
+            ("alpacafarm.preference_training", "DPOMethodConfig")} <= set(imported_names(method))
+    builtin = (REPO_ROOT / "plugins" / "alpacafarm_methods" / "preference" / "dpo.py").read_text(encoding="utf-8")
+    assert ("alpacafarm.preference_training", "DirectAlignment") in imported_names(builtin)
     # the check itself sees what it must refuse
     assert private_imports("from alpacafarm_methods.sampling.best_of_n import BestOfN\nfrom alpacafarm.x import _y\n"
                            "import alpacafarm._z\n", "mine") == [

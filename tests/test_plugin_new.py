@@ -81,6 +81,74 @@ def test_plugin_new_writes_a_repository_whose_test_and_recipe_check_pass(tmp_pat
     assert bad.returncode == 2 and bad.stderr.startswith("error: plugin name 'My Plugin': use lower-case")
 
 
+def test_an_unknown_kind_is_one_line_and_each_kind_writes_its_own_method(tmp_path: Path):
+    bad = run_cli("plugin", "new", "my-thing", "--kind", "ppo", "--dir", str(tmp_path))
+    assert bad.returncode == 2 and "invalid choice: 'ppo'" in bad.stderr and not (tmp_path / "my-thing").exists()
+    from alpacafarm.scaffold import new_plugin
+
+    with pytest.raises(Exception, match="unknown kind 'ppo'; choose one of rerank, direct-alignment"):
+        new_plugin("my-thing", tmp_path, kind="ppo")
+    rerank = new_plugin("my-rerank", tmp_path)
+    direct = new_plugin("my-variant", tmp_path, kind="direct-alignment")
+    assert "class Rerank(Method)" in (rerank / "my_rerank" / "method.py").read_text(encoding="utf-8")
+    method = (direct / "my_variant" / "method.py").read_text(encoding="utf-8")
+    assert "class RobustDPO(DirectAlignment)" in method and len(method.splitlines()) <= 60
+    assert "my_variant.method:RobustDPO" in (direct / "my_variant" / "__init__.py").read_text(encoding="utf-8")
+    readme = (direct / "README.md").read_text(encoding="utf-8")
+    assert "a DPO variant (robust DPO" in readme and "__WHAT__" not in readme and "__START__" not in readme
+
+
+@pytest.mark.slow
+def test_a_scaffolded_dpo_variant_installs_passes_its_test_and_runs_through_a_recipe_and_the_gate(
+        tmp_path: Path, tiny_model_dir: str):
+    from alpacafarm.testing import learnable_preferences, write_records
+
+    result = run_cli("plugin", "new", "my-robust-dpo", "--kind", "direct-alignment", "--dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    root = tmp_path / "my-robust-dpo"
+    site = tmp_path / "site"
+    pip_install_target(root, site)
+    env = {"PYTHONPATH": str(site)}
+    tests = run_python("-m", "pytest", "-q", "-p", "no:cacheprovider", cwd=root, env=env)
+    assert tests.returncode == 0 and "1 passed" in tests.stdout, tests.stdout + tests.stderr
+    check = run_cli("recipe", "check", "benchmarks/bench.yaml", cwd=root, env=env)
+    assert check.returncode == 0, check.stderr
+    assert "my_robust_dpo: my_robust_dpo (my_robust_dpo); sft_model <- base_model, preferences <- preferences" \
+        in check.stdout
+    # the gate over a tiny world: the variant trains on recorded pairs, its policy answers, a tiny judge judges
+    prefs = write_records(root / "prefs.jsonl", learnable_preferences(16))
+    (root / "benchmarks" / "tiny.yaml").write_text(f"""name: tiny-gate
+seed: 5
+model: {{name: {tiny_model_dir}, dtype: float32, device: cpu, prompt_format: chat_template}}
+data:
+  instructions: {{builtin: alpaca_eval_sample, limit: 24}}
+  preferences: {{path: {prefs}}}
+stages:
+  - {{name: split, method: split_instructions, config: {{eval_size: 12}}}}
+  - name: variant
+    method: my_robust_dpo
+    config: {{flip_rate: 0.2, max_steps: 2, per_device_train_batch_size: 8, learning_rate: 1.0e-4, warmup_steps: 0,
+             logging_steps: 1, save_strategy: "no"}}
+  - name: variant_outputs
+    method: generate_outputs
+    inputs: {{sft_model: variant}}
+    config: {{split: eval, sampling: {{temperature: 1.0, max_new_tokens: 8, batch_size: 12}}}}
+evaluation:
+  evaluator: win_rate
+  annotator: {{name: local_judge, config: {{model: {tiny_model_dir}}}}}
+  policy: [variant_outputs]
+""", encoding="utf-8")
+    made = run_cli("bench", "benchmarks/tiny.yaml", "--baseline", "benchmarks/baseline.json", "--update-baseline",
+                   "--allow-underpowered", cwd=root, env=env)
+    assert made.returncode == 0, made.stderr
+    metrics = json.loads(next((root / "runs").rglob("variant/metrics.json")).read_text(encoding="utf-8"))
+    assert metrics["flip_rate"] == 0.2 and metrics["steps"] == 2 and metrics["n_pairs"] == 16
+    gated = run_cli("bench", "benchmarks/tiny.yaml", "--baseline", "benchmarks/baseline.json", "--report",
+                    "gate.md", cwd=root, env=env)
+    assert gated.returncode == 0, gated.stderr
+    assert (root / "gate.md").read_text(encoding="utf-8").startswith("## ✅ alpacafarm bench: PASS")
+
+
 # ------------------------------------------------------------------------------------------ workflows
 
 

@@ -88,7 +88,7 @@ def test_lora_reward_model_head_trains_in_float32_over_a_bf16_base(fp32_model_di
 
 
 def test_dpo_trains_a_float32_policy_against_a_frozen_bf16_reference(fp32_model_dir: str, tmp_path: Path):
-    from alpacafarm_methods.preference.dpo import DPOMethodConfig, build_dpo_trainer
+    from alpacafarm.preference_training import DPOMethodConfig, build_dpo_trainer
 
     spec = ModelSpec(name=fp32_model_dir, dtype="bfloat16")
     config = DPOMethodConfig(output_dir=str(tmp_path / "dpo"), max_steps=1, per_device_train_batch_size=4,
@@ -173,7 +173,7 @@ def test_bf16_true_autocasts_training_on_a_cpu_only_where_it_computes_bfloat16(
     and stays float32 where bfloat16 would be emulated."""
     import alpacafarm.hardware as hardware
     from alpacafarm.hardware import native_bfloat16
-    from alpacafarm_methods.preference.dpo import DPOMethodConfig, build_dpo_trainer
+    from alpacafarm.preference_training import DPOMethodConfig, build_dpo_trainer
 
     native_bfloat16.cache_clear()
     flags = "avx2 avx512f avx512_bf16" if native else "avx2 fma"

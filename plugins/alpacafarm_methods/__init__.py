@@ -6,13 +6,14 @@
 - ``preference/``: direct alignment on the preference data, one TRL trainer each: ``dpo`` and its online,
   iterative form ``online_dpo`` (``DPOTrainer``), ``ipo`` (``DPOTrainer``'s IPO loss), ``simpo`` (``CPOTrainer``,
   no reference model), ``orpo`` (``ORPOTrainer``, no reference model) and ``kto`` (``KTOTrainer``, on each output
-  labelled desirable or not); ``direct_alignment.py`` is the stage they share.
+  labelled desirable or not); the stage they share is the core's public
+  :mod:`alpacafarm.preference_training`, which a plugin's DPO variant subclasses too.
 - ``sampling/``: methods that sample and keep what the reward model prefers: ``best_of_n`` (at decoding time),
   ``expert_iteration`` (then SFT on the winners) and ``reward_pairs`` (the best against the worst sample: preference
   pairs for the direct-alignment methods).
 - ``ppo/`` and ``quark/``: the paper's RL methods as released (our own trainers on one accelerate Accelerator).
 - ``online_rl/``: TRL's ``GRPOTrainer`` and ``RLOOTrainer``, rewarded by the reward model, rules or the annotator.
-- ``pairs.py``: the preference pairs every pairwise method reads.
+- The preference pairs every pairwise method reads are the core's :mod:`alpacafarm.preference_rows`.
 
 Targets are lazy strings: TRL takes seconds to import, so it is loaded only when a recipe names one of these.
 """

@@ -18,7 +18,7 @@ only the averaged form, and another form would mean overriding the trainer's pri
 does not do; for answers of similar length L, a per-sequence target M corresponds to tau = L / (2 M).
 
 Everything else is ``dpo``'s: the reference (a frozen SFT copy, or the adapters-off policy with LoRA), the data and
-the stage (:class:`~alpacafarm_methods.preference.direct_alignment.DirectAlignment`).
+the stage (:class:`~alpacafarm.preference_training.DirectAlignment`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from alpacafarm_methods.preference.dpo import DPO, DPOMethodConfig
+from alpacafarm.preference_training import DPOMethodConfig
+from alpacafarm_methods.preference.dpo import DPO
 
 
 @dataclass

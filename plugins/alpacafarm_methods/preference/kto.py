@@ -32,10 +32,8 @@ from typing import Any
 from trl import KTOConfig, KTOTrainer
 
 from alpacafarm.errors import UserError
-from alpacafarm.prompts import format_prompt
-from alpacafarm.training import TrainingDefaults
-from alpacafarm_methods.pairs import check_pair_record, winner
-from alpacafarm_methods.preference.direct_alignment import (
+from alpacafarm.preference_rows import check_pair_record, winner
+from alpacafarm.preference_training import (
     DirectAlignment,
     PreferenceExamples,
     ReleasedDPOSchedule,
@@ -43,6 +41,8 @@ from alpacafarm_methods.preference.direct_alignment import (
     frozen_reference,
     reference_kind,
 )
+from alpacafarm.prompts import format_prompt
+from alpacafarm.training import TrainingDefaults
 
 #: The statistics TRL's KTOTrainer logs (no accuracy: the rows are not pairs) that go into the metrics.
 KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "kl")

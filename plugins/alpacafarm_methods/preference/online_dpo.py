@@ -352,11 +352,10 @@ class OnlineDPO(Method):
         from alpacafarm import distributed
         from alpacafarm.data import write_json
         from alpacafarm.model_loading import load_tokenizer, save_model
+        from alpacafarm.preference_rows import preference_rows
+        from alpacafarm.preference_training import REWARD_METRICS, build_dpo_trainer, last_logged
         from alpacafarm.training import stage_seed, stage_training_args, train_summary
         from alpacafarm.training_progress import training_progress
-        from alpacafarm_methods.pairs import preference_rows
-        from alpacafarm_methods.preference.direct_alignment import REWARD_METRICS, last_logged
-        from alpacafarm_methods.preference.dpo import build_dpo_trainer
 
         spec = context.recipe.model
         reference_path = sft_path if config.reference == "sft" else policy_path

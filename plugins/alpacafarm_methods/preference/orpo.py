@@ -10,10 +10,10 @@ The paper trains the *base* model this way, without a separate SFT stage; here `
 ``sft`` stage, or with ``inputs: {sft_model: base_model}``, runs it as the paper does.
 
 TRL keeps ``ORPOTrainer`` in ``trl.experimental``, an API it may change between releases (see
-:func:`~alpacafarm_methods.preference.direct_alignment.trl_experimental`).
+:func:`~alpacafarm.preference_training.trl_experimental`).
 TRL logs ``rewards/*`` (beta times the average log-probability), ``log_odds_ratio``, ``log_odds_chosen`` and
 ``nll_loss``; their last values are in ``metrics.json``. The stage is
-:class:`~alpacafarm_methods.preference.direct_alignment.DirectAlignment`'s.
+:class:`~alpacafarm.preference_training.DirectAlignment`'s.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from alpacafarm.training import TrainingDefaults
-from alpacafarm_methods.preference.direct_alignment import (
+from alpacafarm.preference_training import (
     REWARD_METRICS,
     DirectAlignment,
     PreferenceExamples,
@@ -30,6 +29,7 @@ from alpacafarm_methods.preference.direct_alignment import (
     build_preference_trainer,
     trl_experimental,
 )
+from alpacafarm.training import TrainingDefaults
 
 orpo = trl_experimental("orpo")
 

@@ -7,9 +7,9 @@ over the preference pairs: the length-normalised margin must exceed a target ``g
 ``gamma_beta_ratio * beta``). ``cpo_alpha > 0`` adds CPO's NLL term on the chosen outputs (CPO-SimPO; TRL's docs).
 
 TRL keeps ``CPOTrainer`` in ``trl.experimental``, an API it may change between releases (see
-:func:`~alpacafarm_methods.preference.direct_alignment.trl_experimental`). TRL logs ``rewards/*`` (beta times
+:func:`~alpacafarm.preference_training.trl_experimental`). TRL logs ``rewards/*`` (beta times
 the average log-probability) and ``nll_loss``; they are in ``metrics.json``. The stage is
-:class:`~alpacafarm_methods.preference.direct_alignment.DirectAlignment`'s.
+:class:`~alpacafarm.preference_training.DirectAlignment`'s.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from alpacafarm.training import TrainingDefaults
-from alpacafarm_methods.preference.direct_alignment import (
+from alpacafarm.preference_training import (
     DirectAlignment,
     PreferenceExamples,
     build_preference_trainer,
     trl_experimental,
 )
+from alpacafarm.training import TrainingDefaults
 
 cpo = trl_experimental("cpo")
 

@@ -17,6 +17,7 @@ from trl import RewardConfig
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.model_loading import load_classifier, save_model
+from alpacafarm.preference_rows import preference_rows, split_pairs
 from alpacafarm.readings import default_store
 from alpacafarm.rewards import POOLINGS, RewardScorer
 from alpacafarm.training import (
@@ -28,7 +29,6 @@ from alpacafarm.training import (
     train_summary,
 )
 from alpacafarm.training_progress import training_progress
-from alpacafarm_methods.pairs import preference_rows, split_pairs
 
 
 @dataclass

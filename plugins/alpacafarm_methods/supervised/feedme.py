@@ -15,9 +15,9 @@ from typing import Any
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.policy_training import build_sft_trainer_on_rows, train_and_save_policy
+from alpacafarm.preference_rows import preferred_demonstrations
 from alpacafarm.training import limit, stage_training_args
 from alpacafarm.training_rows import prompt_completion_rows
-from alpacafarm_methods.pairs import preferred_demonstrations
 from alpacafarm_methods.supervised.sft import SFTMethodConfig
 
 

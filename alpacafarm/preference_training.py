@@ -1,4 +1,9 @@
-"""What the offline direct-alignment methods share: one TRL trainer on the recorded preferences, from the SFT model.
+"""Training a policy on preference pairs with a TRL trainer: the stage the direct-alignment methods share.
+
+Part of the method helpers (with :mod:`alpacafarm.policy_training`, its counterpart for SFT-style methods, and
+:mod:`alpacafarm.preference_rows`): public, so that a plugin's DPO variant subclasses :class:`DirectAlignment` and
+:class:`DPOMethodConfig` here instead of copying a built-in (``alpacafarm plugin new NAME --kind direct-alignment``
+writes one).
 
 ``dpo``, ``ipo``, ``simpo``, ``orpo`` and ``kto`` differ in their loss (a TRL trainer and its config) and in the
 rows that trainer reads. The rest is :meth:`DirectAlignment.run`: read the preference records, turn them into rows
@@ -15,8 +20,12 @@ master weights, LoRA/QLoRA from the model block, the SFT model's tokenizer. The 
 reference log-probabilities (:func:`frozen_reference`): with LoRA the reference is the policy with its adapters
 disabled, which is the SFT model (see :mod:`alpacafarm.policy_training`). Their configs start with the mixins
 :class:`PreferenceExamples` (``max_examples``, ``eval_fraction``) and, where the method keeps ``dpo``'s
-optimisation settings, :class:`ReleasedDPOSchedule`; :func:`trl_experimental` imports the trainers TRL keeps in
+optimisation settings, :class:`ReleasedDPOSchedule`; :class:`DPOMethodConfig` is ``dpo``'s whole config and
+:func:`build_dpo_trainer` its trainer; :func:`trl_experimental` imports the trainers TRL keeps in
 ``trl.experimental``.
+
+Heavy imports (torch, transformers, datasets) happen inside functions; TRL's ``DPOConfig`` is imported here for
+:class:`DPOMethodConfig`, so a hook module names its method as a lazy ``"module:attr"`` target (as every plugin does).
 """
 
 from __future__ import annotations
@@ -27,10 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from trl import DPOConfig
+
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.model_loading import load_merged_causal_lm, save_model
+from alpacafarm.preference_rows import preference_rows, split_pairs
 from alpacafarm.training import (
+    TrainingDefaults,
     fp32_master_weights,
     limit,
     resume_checkpoint,
@@ -38,7 +51,6 @@ from alpacafarm.training import (
     train_summary,
 )
 from alpacafarm.training_progress import training_progress
-from alpacafarm_methods.pairs import preference_rows, split_pairs
 
 #: Implicit-reward statistics TRL's pairwise trainers log; their last logged values go into the stage's metrics.
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
@@ -135,6 +147,48 @@ def build_preference_trainer(
     )
     fp32_master_weights(trainer.model)
     return trainer
+
+
+@dataclass
+class DPOMethodConfig(PreferenceExamples, ReleasedDPOSchedule, TrainingDefaults, DPOConfig):
+    """Every ``trl.DPOConfig`` / ``TrainingArguments`` field, plus how many pairs to use and hold out.
+
+    Defaults are those of AlpacaFarm's released DPO script: ``beta`` 0.1, ``learning_rate`` 1e-6, 2 epochs,
+    cosine schedule with 3% warmup, sequences of at most 512 tokens. (Appendix B.3 reports a different run on
+    the noisy simulated preferences: 1 epoch, peak rate 1e-5, linear decay, batch 64; ``recipes/dpo.yaml``
+    uses those.) ``bf16`` and gradient checkpointing are automatic (see ``alpacafarm.training``);
+    ``output_dir`` is always the stage folder.
+    """
+
+    beta: float = 0.1
+
+
+def build_dpo_trainer(
+    config: DPOMethodConfig,
+    spec: Any,
+    model_path: str,
+    rows: list[dict[str, str]],
+    eval_rows: list[dict[str, str]] | None = None,
+    *,
+    callbacks: list[Any] | None = None,
+    reference_path: str | None = None,
+) -> Any:
+    """A ready ``DPOTrainer`` on prompt/chosen/rejected ``rows``, policy and reference from the SFT model.
+
+    The reference is passed explicitly (loaded like the policy, so dtype, device and quantization agree)
+    only for full fine-tuning without precomputed reference log-probabilities; otherwise ``ref_model`` is
+    None and TRL keeps no second model. ``reference_path`` (default: ``model_path``) names another model as the
+    reference (online DPO: the policy continues from a later round while the reference stays the SFT model); it
+    is then always loaded, as neither the adapters-off policy nor the policy's own log-probabilities are it.
+    """
+    from trl import DPOTrainer
+
+    if reference_path not in (None, model_path):
+        ref_model = load_merged_causal_lm(spec, reference_path)
+    else:
+        ref_model = frozen_reference(config, spec, model_path)
+    return build_preference_trainer(DPOTrainer, config, spec, model_path, rows, eval_rows, callbacks=callbacks,
+                                    ref_model=ref_model)
 
 
 def last_logged(log_history: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, float]:
