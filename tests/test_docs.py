@@ -205,3 +205,14 @@ def test_every_step_of_ci_run_can_fail_it(tmp_path: Path):
         path.write_text("\n".join(script) + "\n", encoding="utf-8")
         result = subprocess.run(["bash", str(path)], capture_output=True, text=True)
         assert result.returncode != 0, f".ci/run line {index + 1} can fail and CI still pass: {lines[index][:80]}"
+
+
+def test_every_recipe_is_in_the_recipes_table():
+    """docs/recipes.md's tables name every recipe under recipes/ by its path, and name no recipe that is gone."""
+    import re
+
+    text = (REPO_ROOT / "docs" / "recipes.md").read_text(encoding="utf-8")
+    tables = text[text.index("## The recipes"):text.index("## Command line")]
+    named = set(re.findall(r"`(recipes/[\w./-]+\.yaml)`", tables))
+    present = {str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "recipes").rglob("*.yaml")}
+    assert sorted(present - named) == [] and sorted(named - present) == []
