@@ -229,10 +229,11 @@ class Method:
 
     Subclasses set ``config_class`` (a pydantic model or dataclass, or ``None``), ``requires`` (names of the
     inputs the pipeline must wire: ``base_model``, ``sft_model``, ``preferences``, ``reward_model``, a data name,
-    ...), ``provides`` (what the output is, so later stages find it), ``produces`` (the typed hand-offs its
-    artifact always carries), ``annotator_role`` if they use an
-    annotator, ``ranks`` (where the stage runs under several processes), and implement :meth:`run`. The pipeline
-    builds the method as ``Method(config)``; ``self.config`` is the validated config object.
+    ...; the built-in names are :class:`alpacafarm.artifact_names.ArtifactName`), ``provides`` (what the output
+    is, so later stages find it), ``produces`` (the typed hand-offs its artifact always carries),
+    ``annotator_role`` if they use an annotator, ``ranks`` (where the stage runs under several processes), and
+    implement :meth:`run`. The pipeline builds the method as ``Method(config)``; ``self.config`` is the validated
+    config object.
     """
 
     config_class: ClassVar[Any] = None
@@ -265,6 +266,9 @@ class Method:
         if unknown:
             raise TypeError(f"{cls.__module__}.{cls.__qualname__}.produces = {cls.produces!r}: it must be a tuple "
                             f"of {', '.join(HANDOFFS)}")
+        # an ArtifactName is a str; kept as the plain string, so that messages, manifests and YAML see the name
+        cls.requires, cls.optional = tuple(map(str, cls.requires)), tuple(map(str, cls.optional))
+        cls.provides = str(cls.provides)
         if not isinstance(cls.ranks, Ranks):
             raise TypeError(f"{cls.__module__}.{cls.__qualname__}.ranks is {cls.ranks!r}; it must be Ranks.MAIN, "
                             f"Ranks.ALL or Ranks.SINGLE_PROCESS (from alpacafarm.method import Ranks)")

@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 
 from trl import DPOConfig
 
+from alpacafarm.artifact_names import ArtifactName
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.model_loading import load_merged_causal_lm, save_model
@@ -244,8 +245,8 @@ class DirectAlignment(Method):
     :meth:`build_trainer`; :meth:`examples` (pairs by default) and :meth:`describe` may be overridden.
     """
 
-    requires = ("sft_model", "preferences")
-    provides = "policy_model"
+    requires = (ArtifactName.SFT_MODEL, ArtifactName.PREFERENCES)
+    provides = ArtifactName.POLICY_MODEL
     ranks = Ranks.ALL  # TRL's trainers distribute through accelerate; the main process saves
 
     #: the method's name in the log and on the progress line

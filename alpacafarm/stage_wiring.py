@@ -11,15 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from alpacafarm.artifact_names import ArtifactName
 from alpacafarm.errors import did_you_mean
 from alpacafarm.method import Method
 from alpacafarm.recipe import LoadedRecipe
 from alpacafarm.registry import Registry
 
-BASE_MODEL = "base_model"
+BASE_MODEL = str(ArtifactName.BASE_MODEL)
 EVALUATION_STAGE = "evaluate"
 #: Requirements that fall back to another provider when no stage provides them.
-FALLBACKS = {"sft_model": BASE_MODEL}
+FALLBACKS = {str(ArtifactName.SFT_MODEL): BASE_MODEL}
 
 
 @dataclass

@@ -107,7 +107,7 @@ LAYERS: dict[str, set[str]] = {
     "foundation": {"alpacafarm", "alpacafarm.errors", "alpacafarm.types", "alpacafarm.console", "alpacafarm.seeding",
                    "alpacafarm.paths", "alpacafarm.hookspecs", "alpacafarm.code_identity", "alpacafarm.prompts",
                    "alpacafarm.library_logs", "alpacafarm.validation", "alpacafarm.exit_status",
-                   "alpacafarm.validated_input", "alpacafarm.hardware"},
+                   "alpacafarm.validated_input", "alpacafarm.hardware", "alpacafarm.artifact_names"},
     "processes, models and stores": {"alpacafarm.distributed", "alpacafarm.launch_configs",
                                      "alpacafarm.training_progress", "alpacafarm.model_sources",
                                      "alpacafarm.sampling", "alpacafarm.annotation_cache", "alpacafarm.yamlsource",

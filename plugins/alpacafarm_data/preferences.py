@@ -24,6 +24,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field
 
 from alpacafarm.annotation import check_unlabelled
+from alpacafarm.artifact_names import ArtifactName
 from alpacafarm.data import write_jsonl
 from alpacafarm.generation import SamplingConfig
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
@@ -54,8 +55,8 @@ def make_pairs(samples: list[str], pairing: str) -> list[tuple[str, str]]:
 
 class PreferenceData(Method):
     config_class = PreferenceDataConfig
-    requires = ("sft_model", "instruction_splits")
-    provides = "preferences"
+    requires = (ArtifactName.SFT_MODEL, ArtifactName.INSTRUCTION_SPLITS)
+    provides = ArtifactName.PREFERENCES
     annotator_role = "feedback"
     ranks = Ranks.ALL  # sampling is split across ranks; annotation and the file are the main process's
 

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from alpacafarm.artifact_names import ArtifactName
 from alpacafarm.data import write_jsonl
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, StageContext
@@ -46,8 +47,8 @@ class SplitInstructions(Method):
     on the seed and the sizes, not on ``evaluate_on``."""
 
     config_class = SplitInstructionsConfig
-    requires = ("instructions",)
-    provides = "instruction_splits"
+    requires = (ArtifactName.INSTRUCTIONS,)
+    provides = ArtifactName.INSTRUCTION_SPLITS
     produces = ("files",)  # train, eval (and validation, test): context.records("instruction_splits", "train")
 
     def run(self, context: StageContext) -> Artifact:

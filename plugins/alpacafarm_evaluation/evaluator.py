@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from alpacafarm.annotation import Annotator, ProgressCallback, aannotate_replicate, check_unlabelled
 from alpacafarm.annotation_cache import LedgerTotals
+from alpacafarm.artifact_names import ArtifactName
 from alpacafarm.method import Artifact, JudgedSystem, Method, StageContext, System, Table
 from alpacafarm.recipe import DataSource
 from alpacafarm.rewards import DEFAULT_ENSEMBLE_COEFFICIENT, EnsembleRule
@@ -89,10 +90,11 @@ class WinRateEvaluator(Method):
     """
 
     config_class = WinRateConfig
-    requires = ("policy",)
-    optional = ("reward_model", "instruction_splits")  # the splits: which split a look is at (``looks.py``)
+    requires = (ArtifactName.POLICY,)
+    # the splits: which split a look is at (``looks.py``)
+    optional = (ArtifactName.REWARD_MODEL, ArtifactName.INSTRUCTION_SPLITS)
     produces = ("judged", "table")
-    provides = "evaluation"
+    provides = ArtifactName.EVALUATION
     annotator_role = "evaluation"
 
     def systems(self, context: StageContext) -> list[Candidate]:

@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field
 
+from alpacafarm.artifact_names import ArtifactName
 from alpacafarm.generation import SamplingConfig, write_completions
 from alpacafarm.method import OUTPUTS_FILE, Artifact, Method, Ranks, StageContext, System
 from alpacafarm.recipe import GenerationBackendFields
@@ -44,12 +45,12 @@ class GenerateOutputs(Method):
     is ``outputs.jsonl``, the final model's samples, either way."""
 
     config_class = GenerateOutputsConfig
-    requires = ("sft_model", "instruction_splits")
+    requires = (ArtifactName.SFT_MODEL, ArtifactName.INSTRUCTION_SPLITS)
     #: ``kl_reference`` (e.g. ``inputs: {sft_model: ppo, kl_reference: base_model}``): each output also gets its
     #: ``logprob`` under the sampled model and ``reference_logprob`` under this one, at the sampling temperature,
     #: from which the evaluation estimates the policy's KL to the reference (:mod:`alpacafarm.divergence`)
-    optional = ("kl_reference",)
-    provides = "policy_outputs"
+    optional = (ArtifactName.KL_REFERENCE,)
+    provides = ArtifactName.POLICY_OUTPUTS
     ranks = Ranks.ALL  # the transformers backend's batches are split across ranks
 
     def run(self, context: StageContext) -> Artifact:

@@ -9,6 +9,7 @@ import time
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from alpacafarm.artifact_names import ArtifactName
 from alpacafarm.data import write_json
 from alpacafarm.method import Artifact, Method, StageContext, Table
 
@@ -26,8 +27,8 @@ class InspectModel(Method):
 
     config_class = InspectModelConfig
     produces = ("table",)
-    requires = ("sft_model", "instruction_splits")
-    provides = "model_report"
+    requires = (ArtifactName.SFT_MODEL, ArtifactName.INSTRUCTION_SPLITS)
+    provides = ArtifactName.MODEL_REPORT
 
     def run(self, context: StageContext) -> Artifact:
         import torch

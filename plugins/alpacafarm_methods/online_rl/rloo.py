@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from trl import RLOOConfig
 
+from alpacafarm.artifact_names import ArtifactName
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm_methods.online_rl.base import OnlineRLOptions, run_online_rl
 
@@ -39,9 +40,9 @@ class RLOO(Method):
     """RLOO from the SFT model against the reward model and/or rules; writes ``model/`` and ``metrics.json``."""
 
     config_class = RLOOMethodConfig
-    requires = ("sft_model", "instruction_splits")
-    optional = ("reward_model",)
-    provides = "policy_model"
+    requires = (ArtifactName.SFT_MODEL, ArtifactName.INSTRUCTION_SPLITS)
+    optional = (ArtifactName.REWARD_MODEL,)
+    provides = ArtifactName.POLICY_MODEL
     #: with ``use_annotator: true`` the recipe's feedback annotator is a reward: changing the judge re-runs the stage
     annotator_role = "feedback"
     #: TRL's trainer distributes through accelerate (each rank samples and scores its share of the completions,

@@ -20,6 +20,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from alpacafarm.artifact_names import ArtifactName
 from alpacafarm.method import Artifact, Method, Ranks, Snapshot, StageContext
 from alpacafarm.model_loading import load_classifier, load_tokenizer, loading_whole, save_model
 from alpacafarm.prompts import PromptFormat
@@ -38,8 +39,8 @@ class PPO(Method):
     """PPO of the SFT policy against the reward model on the unlabeled prompts; writes ``model/``, metrics."""
 
     config_class = PPOMethodConfig
-    requires = ("sft_model", "reward_model", "instruction_splits")
-    provides = "policy_model"
+    requires = (ArtifactName.SFT_MODEL, ArtifactName.REWARD_MODEL, ArtifactName.INSTRUCTION_SPLITS)
+    provides = ArtifactName.POLICY_MODEL
     description = ("PPO against the surrogate reward model with a per-token KL penalty to the SFT model "
                    "(our trainer)")
     #: Under several processes every rank rolls out its share of each rollout batch and the policy and critic train

@@ -54,6 +54,7 @@ from typing import Any
 
 from trl import DPOConfig
 
+from alpacafarm.artifact_names import ArtifactName
 from alpacafarm.errors import UserError
 from alpacafarm.generation import SamplingConfig
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
@@ -258,8 +259,8 @@ class OnlineDPO(Method):
     """Rounds of sampling from the current policy, annotation and DPO steps; writes each round's ``model/``."""
 
     config_class = OnlineDPOMethodConfig
-    requires = ("sft_model", "instruction_splits")
-    provides = "policy_model"
+    requires = (ArtifactName.SFT_MODEL, ArtifactName.INSTRUCTION_SPLITS)
+    provides = ArtifactName.POLICY_MODEL
     annotator_role = "feedback"
     ranks = Ranks.ALL  # sampling split across ranks, annotation on the main process, training on every rank
 

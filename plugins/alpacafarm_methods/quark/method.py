@@ -48,6 +48,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from alpacafarm.artifact_names import ArtifactName
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.prompts import PromptFormat
@@ -96,8 +97,8 @@ class Quark(Method):
     """Quark (best quantile, fresh pool per round) against the surrogate reward model; writes ``model/``."""
 
     config_class = QuarkMethodConfig
-    requires = ("sft_model", "reward_model", "instruction_splits")
-    provides = "policy_model"
+    requires = (ArtifactName.SFT_MODEL, ArtifactName.REWARD_MODEL, ArtifactName.INSTRUCTION_SPLITS)
+    provides = ArtifactName.POLICY_MODEL
     #: Under several processes every rank samples a share of the pool's batches (gathered), scores a share, and
     #: trains (the trainer through accelerate); the main process writes (see ``run_rounds``).
     ranks = Ranks.ALL

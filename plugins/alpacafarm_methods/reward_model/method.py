@@ -14,6 +14,7 @@ from typing import Any
 
 from trl import RewardConfig
 
+from alpacafarm.artifact_names import ArtifactName
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.model_loading import load_classifier, save_model
@@ -150,8 +151,8 @@ class RewardModel(Method):
     """Trains the surrogate reward model; writes ``model/`` and ``metrics.json`` (held-out accuracy)."""
 
     config_class = RewardModelConfig
-    requires = ("sft_model", "preferences")
-    provides = "reward_model"
+    requires = (ArtifactName.SFT_MODEL, ArtifactName.PREFERENCES)
+    provides = ArtifactName.REWARD_MODEL
     ranks = Ranks.ALL  # TRL's trainer distributes through accelerate; the main process saves and evaluates
 
     def run(self, context: StageContext) -> Artifact:

@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, model_validator
 
+from alpacafarm.artifact_names import ArtifactName
 from alpacafarm.data import write_jsonl
 from alpacafarm.divergence import best_of_n_kl
 from alpacafarm.generation import SamplingConfig
@@ -107,8 +108,8 @@ class BestOfN(Method):
     """Best-of-n outputs for every n in the sweep, from one set of samples: one system per n, with its proxy reward."""
 
     config_class = BestOfNConfig
-    requires = ("sft_model", "reward_model", "instruction_splits")
-    provides = "policy_outputs"
+    requires = (ArtifactName.SFT_MODEL, ArtifactName.REWARD_MODEL, ArtifactName.INSTRUCTION_SPLITS)
+    provides = ArtifactName.POLICY_OUTPUTS
     produces = ("systems",)
     ranks = Ranks.ALL  # sampling is split across ranks
 

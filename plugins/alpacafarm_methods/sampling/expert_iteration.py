@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from alpacafarm.artifact_names import ArtifactName
 from alpacafarm.errors import UserError
 from alpacafarm.generation import SamplingConfig
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
@@ -135,8 +136,8 @@ class ExpertIteration(Method):
     """Rounds of best-of-n sampling with the reward model and SFT on the winners; writes the final ``model/``."""
 
     config_class = ExpertIterationConfig
-    requires = ("sft_model", "reward_model", "instruction_splits")
-    provides = "policy_model"
+    requires = (ArtifactName.SFT_MODEL, ArtifactName.REWARD_MODEL, ArtifactName.INSTRUCTION_SPLITS)
+    provides = ArtifactName.POLICY_MODEL
     #: Under several processes: sampling is split across ranks (transformers backend; another backend samples on
     #: the main process), the main process scores and writes, every rank trains (TRL's trainer, accelerate).
     ranks = Ranks.ALL

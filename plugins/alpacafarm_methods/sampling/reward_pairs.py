@@ -39,6 +39,7 @@ from typing import Any
 
 from pydantic import Field
 
+from alpacafarm.artifact_names import ArtifactName
 from alpacafarm.data import write_jsonl
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
@@ -95,8 +96,8 @@ class RewardPairs(Method):
     """Best-against-worst of n samples per instruction, ranked by the reward model: a preference dataset."""
 
     config_class = RewardPairsConfig
-    requires = ("sft_model", "reward_model", "instruction_splits")
-    provides = "preferences"
+    requires = (ArtifactName.SFT_MODEL, ArtifactName.REWARD_MODEL, ArtifactName.INSTRUCTION_SPLITS)
+    provides = ArtifactName.PREFERENCES
     ranks = Ranks.ALL  # sampling and scoring are split across ranks
 
     def run(self, context: StageContext) -> Artifact:

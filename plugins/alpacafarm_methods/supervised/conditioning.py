@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from alpacafarm.artifact_names import ArtifactName
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.policy_training import build_sft_trainer_on_rows, train_and_save_policy
@@ -123,8 +124,8 @@ class BinaryRewardConditioning(Method):
     """SFT on good-token + chosen and bad-token + rejected; the saved model generates behind the good token."""
 
     config_class = RewardConditioningConfig
-    requires = ("sft_model", "preferences")
-    provides = "policy_model"
+    requires = (ArtifactName.SFT_MODEL, ArtifactName.PREFERENCES)
+    provides = ArtifactName.POLICY_MODEL
     ranks = Ranks.ALL  # TRL's trainer distributes through accelerate; the main process saves
 
     def run(self, context: StageContext) -> Artifact:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from alpacafarm.artifact_names import ArtifactName
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.policy_training import build_sft_trainer_on_rows, train_and_save_policy
@@ -62,8 +63,8 @@ class BinaryFeedME(Method):
     """Fine-tunes the SFT model on the chosen output of each pair; writes ``model/`` and ``metrics.json``."""
 
     config_class = FeedMEConfig
-    requires = ("sft_model", "preferences")
-    provides = "policy_model"
+    requires = (ArtifactName.SFT_MODEL, ArtifactName.PREFERENCES)
+    provides = ArtifactName.POLICY_MODEL
     ranks = Ranks.ALL  # TRL's trainer distributes through accelerate; the main process saves
 
     def run(self, context: StageContext) -> Artifact:

@@ -16,6 +16,7 @@ from typing import Any
 
 from trl import SFTConfig
 
+from alpacafarm.artifact_names import ArtifactName
 from alpacafarm.errors import UserError
 from alpacafarm.method import Artifact, Method, Ranks, StageContext
 from alpacafarm.model_loading import save_model
@@ -78,8 +79,8 @@ class SFT(Method):
     """Fine-tunes the recipe's base model on demonstrations; writes ``model/`` (weights or adapters + tokenizer)."""
 
     config_class = SFTMethodConfig
-    requires = ("base_model", "sft_data")
-    provides = "sft_model"
+    requires = (ArtifactName.BASE_MODEL, ArtifactName.SFT_DATA)
+    provides = ArtifactName.SFT_MODEL
     ranks = Ranks.ALL  # TRL's trainer distributes through accelerate; the main process saves
 
     def run(self, context: StageContext) -> Artifact:
