@@ -216,3 +216,10 @@ def test_every_recipe_is_in_the_recipes_table():
     named = set(re.findall(r"`(recipes/[\w./-]+\.yaml)`", tables))
     present = {str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "recipes").rglob("*.yaml")}
     assert sorted(present - named) == [] and sorted(named - present) == []
+
+
+def test_no_docs_page_is_over_300_lines():
+    """A manual, not an experiment log: a page that grows past 300 lines moves its dated results to docs/reports/."""
+    sizes = {str(p.relative_to(REPO_ROOT)): len(p.read_text(encoding="utf-8").splitlines())
+             for p in (REPO_ROOT / "docs").rglob("*.md")}
+    assert len(sizes) >= 20 and {page: n for page, n in sizes.items() if n > 300} == {}

@@ -120,8 +120,9 @@ def test_the_gold_reward_model_gives_nothing_for_length_alone(gold: str, change:
 @pytest.mark.slow
 @pytest.mark.parametrize("gold", [
     pytest.param("preference_head", marks=pytest.mark.xfail(
-        strict=True, reason="known weakness (docs/gold.md, 'Why the trained methods do not learn it'): the gold "
-                            "reads the answer's last token, so half of it is where the answer stops")),
+        strict=True, reason="known weakness (docs/reports/2026-11-29-first-gold-worlds.md, 'Why the trained methods "
+                            "do not learn it'): the gold reads the answer's last token, so half of it is where the "
+                            "answer stops")),
     "answer_head",
 ])
 def test_the_gold_of_an_answer_barely_moves_when_it_loses_its_last_token(gold: str):
