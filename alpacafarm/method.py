@@ -53,9 +53,10 @@ class Ranks(enum.Enum):
     SINGLE_PROCESS = "single_process"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StageContext:
-    """Everything a running stage may use. Its files go under ``stage_dir``."""
+    """Everything a running stage may use. Its files go under ``stage_dir``. Built by keyword (the pipeline builds
+    it; a test builds one with ``StageContext(stage=..., stage_dir=..., ...)``)."""
 
     stage: str
     stage_dir: Path

@@ -84,6 +84,21 @@ class StageDecision:
     outputs: dict[str, Any] | None = None  # a skipped stage's output record, mtimes refreshed where content held
 
 
+@dataclass(frozen=True)
+class StageStart:
+    """The main process's decision at a stage's start, which every rank follows: skip it (its recorded
+    ``artifact``), or run or resume it with its ``seed`` under the running ``manifest`` just written."""
+
+    action: str  # "run" | "resume" | "skip"
+    artifact: Artifact | None = None  # a skipped stage's recorded artifact
+    seed: int = 0
+    manifest: dict[str, Any] | None = None  # the running manifest of a stage that runs
+
+    @property
+    def resuming(self) -> bool:
+        return self.action == "resume"
+
+
 def _digest(payload: Any) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -318,13 +333,14 @@ class Pipeline:
             where = f"stage {stage.name!r}"
             # The main process decides (it reads the manifests) and every rank follows its decision.
             start = distributed.run_on_main(lambda s=stage, i=identities: self._start_stage(s, i, force), where)
-            if start["action"] == "skip":
-                outcomes[stage.name] = StageOutcome(stage.name, "skipped", 0.0, start["artifact"])
+            if start.action == "skip":
+                assert start.artifact is not None
+                outcomes[stage.name] = StageOutcome(stage.name, "skipped", 0.0, start.artifact)
                 continue
-            stage_dir = self.run_dir / "stages" / stage.name
-            context = StageContext(stage.name, stage_dir, self.run_dir, start["seed"], inputs, self.recipe,
-                                   self.registry, start["action"] == "resume", stage.method_cls.ranks,
-                                   dict(self.loaded.annotator_configs))
+            context = StageContext(stage=stage.name, stage_dir=self.run_dir / "stages" / stage.name,
+                                   run_dir=self.run_dir, seed=start.seed, inputs=inputs, recipe=self.recipe,
+                                   registry=self.registry, resuming=start.resuming, ranks=stage.method_cls.ranks,
+                                   annotator_configs=dict(self.loaded.annotator_configs))
             started = time.perf_counter()
             if stage.method_cls.ranks is Ranks.ALL:
                 artifact = None
@@ -334,11 +350,11 @@ class Pipeline:
                 artifact = distributed.run_on_main(lambda s=stage, c=context: self._run_method(s, c), where)
             seconds = time.perf_counter() - started
             artifact = distributed.run_on_main(
-                lambda s=stage, a=artifact, m=start["manifest"], t=seconds: self._finish_stage(s, a, m, t), where)
+                lambda s=stage, a=artifact, m=start.manifest, t=seconds: self._finish_stage(s, a, m, t), where)
             outcomes[stage.name] = StageOutcome(stage.name, "ran", seconds, artifact)
         return list(outcomes.values())
 
-    def _start_stage(self, stage: PlannedStage, identities: dict[str, str], force: set[str]) -> dict[str, Any]:
+    def _start_stage(self, stage: PlannedStage, identities: dict[str, str], force: set[str]) -> StageStart:
         """On the main process: skip the stage (its artifact) or prepare its folder and running manifest."""
         from alpacafarm import distributed
         from alpacafarm.console import console
@@ -358,7 +374,7 @@ class Pipeline:
                 write_json(manifest_path, {**previous, "outputs": outputs, "artifact": artifact.to_json(self.run_dir)})
             console().print(f"[dim]• {stage.name}: unchanged, skipped[/dim]")
             logger.info("stage %s skipped (fingerprint %s)", stage.name, fingerprint[:12])
-            return {"action": "skip", "artifact": artifact}
+            return StageStart("skip", artifact=artifact)
         logger.info("stage %s: %s", stage.name, decision.reason)
         resuming = decision.action == "resume"
         if stage_dir.exists() and not resuming:
@@ -380,7 +396,7 @@ class Pipeline:
         console().print(f"[bold]▶ {stage.name}[/bold] ({stage.method}){why}", highlight=False, markup=True)
         logger.info("stage %s started (method %s, resuming=%s, on %d of %d processes)", stage.name, stage.method,
                     resuming, manifest["ranks_ran"], manifest["world_size"])
-        return {"action": decision.action, "seed": seed, "manifest": manifest}
+        return StageStart(decision.action, seed=seed, manifest=manifest)
 
     def _run_method(self, stage: PlannedStage, context: StageContext) -> Artifact:
         with naming_stage(stage.name):  # any error the method raises, a shared helper's included, names the stage

@@ -292,7 +292,8 @@ def test_evaluator_reads_folder_artifacts(tmp_path: Path):
     write_records(folder / "generations.jsonl", _truncated_outputs(2))
 
     def context(artifact: Artifact) -> StageContext:
-        return StageContext("evaluate", tmp_path / "evaluate", tmp_path, 0, {"policy": artifact}, None, None)
+        return StageContext(stage="evaluate", stage_dir=tmp_path / "evaluate", run_dir=tmp_path, seed=0,
+                            inputs={"policy": artifact}, recipe=None, registry=None)
 
     assert len(context(Artifact("outputs", str(folder / "generations.jsonl"))).outputs("policy")) == 2
     with pytest.raises(UserError, match="add a generate_outputs stage"):

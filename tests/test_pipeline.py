@@ -467,3 +467,15 @@ def test_a_run_prints_and_logs_the_precision_it_samples_and_scores_in(recipe_fil
     line = "precision: sampling and scoring in float32 (the model block's inference_dtype)"
     assert line in capsys.readouterr().err
     assert line in (tmp_path / "out" / "run.log").read_text()
+
+
+def test_a_stage_context_is_built_by_keyword_and_a_stage_start_is_typed():
+    from alpacafarm.method import StageContext
+    from alpacafarm.pipeline import StageStart
+
+    with pytest.raises(TypeError):
+        StageContext("evaluate", Path("stage"), Path("run"), 0, {}, None, None)  # ten positions were easy to swap
+    context = StageContext(stage="evaluate", stage_dir=Path("stage"), run_dir=Path("run"), seed=3, inputs={},
+                           recipe=None, registry=None, resuming=True)
+    assert (context.stage, context.seed, context.resuming) == ("evaluate", 3, True)
+    assert StageStart("resume", seed=5, manifest={}).resuming and not StageStart("run").resuming

@@ -429,7 +429,8 @@ def test_generate_on_ranks_outside_ranks_all_is_one_line(ranks: str, monkeypatch
     from alpacafarm import distributed
     from alpacafarm.method import Ranks, StageContext
 
-    context = StageContext("sample", Path("stage"), Path("run"), 0, {}, None, None, ranks=Ranks[ranks])
+    context = StageContext(stage="sample", stage_dir=Path("stage"), run_dir=Path("run"), seed=0, inputs={},
+                           recipe=None, registry=None, ranks=Ranks[ranks])
     monkeypatch.setattr(distributed, "world_size", lambda: 2)  # the context says where its method runs
     with pytest.raises(UserError, match=r"needs every rank.*ranks = Ranks\.ALL"):
         context.generate_on_ranks("transformers", None, [], None, "sampling")
