@@ -1,7 +1,7 @@
 """What one stage hands the next: the :class:`Artifact` a method returns and the typed hand-offs it carries.
 
-A stage's ``run`` returns an :class:`Artifact`: a ``kind`` (a word for people, see :data:`KINDS`), a ``path`` (the
-file or folder later stages read) and, as declared types, whatever a later stage needs to know about it:
+A stage's ``run`` returns an :class:`Artifact`: a ``kind`` (a word for people, see :data:`ARTIFACT_KINDS`), a
+``path`` (the file or folder later stages read) and, as declared types, whatever a later stage needs to know about it:
 
 - ``files`` (``dict[str, str]``): a folder's named files (``split_instructions``: ``train``, ``eval``), read by
   ``context.records(name, "train")``;
@@ -45,7 +45,7 @@ RUN_DIR_TOKEN = "${run_dir}"
 
 #: The kinds of artifact the built-in stages hand on, and what each one's ``path`` is. ``kind`` is a word for
 #: people (the run's summary table shows it); a plugin may use its own.
-KINDS = {
+ARTIFACT_KINDS = {
     "model": "a model folder: full weights (config.json) or adapters (adapter_config.json naming their base, "
              "itself possibly an adapter folder), with its tokenizer; loaded with the recipe's model block "
              "(context.generator, context.reward_function, alpacafarm.model_loading.load_merged_causal_lm)",
@@ -117,8 +117,8 @@ HANDOFFS = ("files", "systems", "snapshots", "judged", "table")
 
 @dataclass
 class Artifact:
-    """What a stage produced: a ``kind`` (:data:`KINDS`), a ``path``, the typed hand-offs later stages read, and
-    ``metadata``, the stage's own figures for people."""
+    """What a stage produced: a ``kind`` (:data:`ARTIFACT_KINDS`), a ``path``, the typed hand-offs later stages
+    read, and ``metadata``, the stage's own figures for people."""
 
     kind: str
     path: str | None = None

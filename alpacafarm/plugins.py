@@ -26,7 +26,7 @@ import pluggy
 
 from alpacafarm import PROJECT_NAME, hookspecs
 from alpacafarm.errors import PluginError
-from alpacafarm.registry import KINDS, REGISTER_KEYWORDS, Registry
+from alpacafarm.registry import PLUGIN_KINDS, REGISTER_KEYWORDS, Registry
 
 ENTRY_POINT_GROUP = PROJECT_NAME
 DISABLE_AUTOLOAD_ENV = "ALPACAFARM_DISABLE_PLUGIN_AUTOLOAD"
@@ -131,7 +131,7 @@ def _fill(registry: Registry, manager: pluggy.PluginManager, info: PluginInfo) -
     see every call), limited to this plugin's implementation (:func:`plugin_hook_caller`), so that ``register``
     knows which plugin a name comes from."""
     staged = Registry()
-    for kind, spec in KINDS.items():
+    for kind, spec in PLUGIN_KINDS.items():
         caller = plugin_hook_caller(manager, spec.hook, info.name)
         if caller is None:
             continue
@@ -208,7 +208,7 @@ def _register(manager: pluggy.PluginManager, plugin: Any, name: str) -> None:
         manager.check_pending()
     except pluggy.PluginValidationError as exc:
         manager.unregister(name=name)
-        raise PluginError(f"{exc}; valid hooks: {', '.join(k.hook for k in KINDS.values())}") from exc
+        raise PluginError(f"{exc}; valid hooks: {', '.join(k.hook for k in PLUGIN_KINDS.values())}") from exc
 
 
 def clash_error(loaded: LoadedPlugins) -> PluginError | None:

@@ -34,7 +34,7 @@ class Kind:
 
 
 #: The kinds of things a plugin can register, by kind name. What a target must be is documented in hookspecs.
-KINDS: dict[str, Kind] = {
+PLUGIN_KINDS: dict[str, Kind] = {
     "method": Kind("register_methods", "alpacafarm.method:Method"),
     "annotator": Kind("register_annotators", "alpacafarm.annotation:Annotator", ("registry", "cache", "budget"),
                       identity=True),
@@ -134,7 +134,7 @@ class Registry:
     """All registered names, one namespace per kind."""
 
     def __init__(self) -> None:
-        self._entries: dict[str, dict[str, Entry]] = {kind: {} for kind in KINDS}
+        self._entries: dict[str, dict[str, Entry]] = {kind: {} for kind in PLUGIN_KINDS}
         #: the installed version of each plugin (by plugin name): part of every stage's fingerprint
         self.plugin_versions: dict[str, str] = {}
 
@@ -151,7 +151,7 @@ class Registry:
             raise PluginError(f"{what}: target must be 'module:attr' or callable")
         if not isinstance(description, str):
             raise PluginError(f"{what}: description= must be a string, got {type(description).__name__}")
-        spec = KINDS[kind]
+        spec = PLUGIN_KINDS[kind]
         if identity is not None and not spec.identity:
             raise PluginError(f"{what}: identity= applies to annotators only")
         if identity is not None and not (isinstance(identity, str) and identity.count(":") == 1):
@@ -212,7 +212,7 @@ class Registry:
         evaluators): anything else is one line naming the plugin, before a recipe reads what the class declares."""
         entry = self.entry(kind, name)
         target = entry.load()
-        base = import_target(KINDS[kind].base or "", what=f"base class of kind {kind!r}")
+        base = import_target(PLUGIN_KINDS[kind].base or "", what=f"base class of kind {kind!r}")
         if not (isinstance(target, type) and issubclass(target, base)):
             raise PluginError(f"{entry.what}: its target {_target_name(entry.target)} is not a subclass of "
                               f"{base.__module__}.{base.__name__}")
@@ -232,12 +232,13 @@ class Registry:
         """Build the object registered as ``name``: ``target(config, **declared)``, checked against the kind's base.
 
         ``config`` is a config block (validated here) or a config object validated before (passed through).
-        ``runtime`` holds the kind's runtime arguments (:data:`KINDS`) the caller has; the target receives exactly
-        those its registration declares (``runtime=``), a declared one the caller lacks as ``None`` (``registry``:
-        this registry). A target that cannot be called that way (a declared argument it has no parameter for, a
-        required one its registration does not declare) is one line naming its plugin, the target and the call.
+        ``runtime`` holds the kind's runtime arguments (:data:`PLUGIN_KINDS`) the caller has; the target receives
+        exactly those its registration declares (``runtime=``), a declared one the caller lacks as ``None``
+        (``registry``: this registry). A target that cannot be called that way (a declared argument it has no
+        parameter for, a required one its registration does not declare) is one line naming its plugin, the target
+        and the call.
         """
-        spec = KINDS[kind]
+        spec = PLUGIN_KINDS[kind]
         entry = self.entry(kind, name)
         if spec.base is None:
             raise PluginError(f"{kind} targets are not built from a config")

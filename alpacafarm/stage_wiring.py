@@ -31,7 +31,7 @@ class PlannedStage:
     method: str
     method_cls: type[Method]
     plugin: str
-    kind: str  # "method" or "evaluator": the registry kind that builds it
+    kind: str  # "method" or "evaluator": the plugin kind (registry.PLUGIN_KINDS) that builds it
     config: Any
     raw_config: dict[str, Any]
     inputs: dict[str, str] = field(default_factory=dict)
