@@ -53,6 +53,16 @@ class Ranks(enum.Enum):
     SINGLE_PROCESS = "single_process"
 
 
+def _plain_names(names: Any) -> Any:
+    """A name (a ``str``, an :class:`~alpacafarm.artifact_names.ArtifactName` among them) as a plain ``str``, a tuple of
+    them as a tuple of plain ``str``; any other value unchanged."""
+    if isinstance(names, str):
+        return str(names)
+    if isinstance(names, tuple):
+        return tuple(str(n) if isinstance(n, str) else n for n in names)
+    return names
+
+
 @dataclass(kw_only=True)
 class StageContext:
     """Everything a running stage may use. Its files go under ``stage_dir``. Built by keyword (the pipeline builds
@@ -267,9 +277,10 @@ class Method:
         if unknown:
             raise TypeError(f"{cls.__module__}.{cls.__qualname__}.produces = {cls.produces!r}: it must be a tuple "
                             f"of {', '.join(HANDOFFS)}")
-        # an ArtifactName is a str; kept as the plain string, so that messages, manifests and YAML see the name
-        cls.requires, cls.optional = tuple(map(str, cls.requires)), tuple(map(str, cls.optional))
-        cls.provides = str(cls.provides)
+        # an ArtifactName is a str; kept as the plain string, so that messages, manifests and YAML see the name.
+        # Only names are converted: anything else stays as declared, for the checks that refuse it (no provides)
+        cls.requires, cls.optional = _plain_names(cls.requires), _plain_names(cls.optional)
+        cls.provides = _plain_names(cls.provides)
         if not isinstance(cls.ranks, Ranks):
             raise TypeError(f"{cls.__module__}.{cls.__qualname__}.ranks is {cls.ranks!r}; it must be Ranks.MAIN, "
                             f"Ranks.ALL or Ranks.SINGLE_PROCESS (from alpacafarm.method import Ranks)")

@@ -38,11 +38,16 @@ class Forgetful(Method):  # declares no ``provides``
         return Artifact("report")
 
 
+class ForgetfulNone(Forgetful):  # ``provides`` set to None: still none (never the name 'None')
+    provides = None
+
+
 class Plugin:
     @alpacafarm.hookimpl
     def register_methods(self, register):
         register("count", Count)
         register("forgetful", Forgetful)
+        register("forgetful_none", ForgetfulNone)
 
 
 @pytest.fixture
@@ -64,10 +69,11 @@ def test_a_new_plugin_version_reruns_its_stages(counting: Path, tmp_path: Path):
     assert RUNS == ["one", "one"] and outcomes[0].status == "ran"
 
 
-def test_a_method_without_provides_is_refused_naming_its_plugin(counting: Path, tmp_path: Path):
+@pytest.mark.parametrize("method", ["forgetful", "forgetful_none"])
+def test_a_method_without_provides_is_refused_naming_its_plugin(counting: Path, tmp_path: Path, method: str):
     recipe = tmp_path / "f.yaml"
-    recipe.write_text("name: f\nstages:\n  - {name: x, method: forgetful}\n", encoding="utf-8")
-    with pytest.raises(RecipeError, match=r"f\.yaml:3: stages\[0\]\.method: method 'forgetful' of plugin "
+    recipe.write_text(f"name: f\nstages:\n  - {{name: x, method: {method}}}\n", encoding="utf-8")
+    with pytest.raises(RecipeError, match=rf"f\.yaml:3: stages\[0\]\.method: method '{method}' of plugin "
                                           r"'counting-plugin' declares no 'provides'"):
         load_recipe(recipe)
 
