@@ -62,7 +62,9 @@ def build_parser(plugin_commands: dict[str, str]) -> argparse.ArgumentParser:
                     "recipe and the CI gate workflow")
     plugin_new.add_argument("name", help="the plugin's distribution name, e.g. my-rerank (package my_rerank)")
     plugin_new.add_argument("--dir", default=".", help="where to create the folder NAME (default: here)")
-    plugin_new.add_argument("--kind", default="rerank", choices=("rerank", "direct-alignment"),
+    from alpacafarm.scaffold import KINDS as PLUGIN_TEMPLATE_KINDS  # light: no torch, no plugin loaded
+
+    plugin_new.add_argument("--kind", default="rerank", choices=tuple(PLUGIN_TEMPLATE_KINDS),
                             help="the method it starts from: rerank (best-of-n with the reward model) or "
                                  "direct-alignment (a DPO variant on the preference pairs); default rerank")
 
