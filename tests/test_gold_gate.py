@@ -111,22 +111,23 @@ def test_the_gate_fails_a_reward_model_that_learns_from_swapped_labels(register_
 
 
 @pytest.mark.trained_gate
-@pytest.mark.parametrize("sabotage", ["swapped pairs", "learning rate 0"])
-def test_the_gate_fails_a_dpo_that_stops_learning(sabotage: str, register_test_plugin, tmp_path: Path,
+@pytest.mark.parametrize(("override", "method", "learning_rate", "drop_beyond"), [
+    # learning the wrong way round goes below the SFT model, not just back to it
+    ("stages.dpo.method=swapped_dpo", "swapped_dpo", 2.0e-5, -5.0),
+    # nothing learnt: the SFT model comes out, a drop of DPO's whole gain (4.3 points on the baseline)
+    ("stages.dpo.config.learning_rate=0.0", "dpo", 0.0, 0.0),
+], ids=["swapped pairs", "learning rate 0"])
+def test_the_gate_fails_a_dpo_that_stops_learning(override: str, method: str, learning_rate: float, drop_beyond: float,
+                                                  register_test_plugin, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture):
     register_test_plugin(SwapPlugin(), "swap-test")
     run = tmp_path / "run"
-    override = ("stages.dpo.method=swapped_dpo" if sabotage == "swapped pairs"
-                else "stages.dpo.config.learning_rate=0.0")
     code, report, verdicts = bench_against_the_baseline(run, capsys, [override])
     assert code == 1 and report["verdict"] == "FAIL", report
     assert verdicts["dpo_outputs"]["verdict"] == "FAIL", verdicts["dpo_outputs"]  # a drop beyond the margin shown
-    if sabotage == "swapped pairs":  # learning the wrong way round goes below the SFT model, not just back to it
-        assert verdicts["dpo_outputs"]["delta"] < -5, verdicts["dpo_outputs"]
+    assert verdicts["dpo_outputs"]["delta"] < drop_beyond, verdicts["dpo_outputs"]
     for untouched in ("best_of_1", "best_of_8"):  # best-of-n does not read DPO's model
         assert verdicts[untouched]["verdict"] == "PASS", verdicts[untouched]
     manifest = json.loads((run / "stages/dpo/manifest.json").read_text())
-    if sabotage == "swapped pairs":
-        assert manifest["method"] == "swapped_dpo"  # the candidate really ran
-    else:
-        assert manifest["config"]["learning_rate"] == 0.0, manifest["config"]
+    # the candidate really ran
+    assert (manifest["method"], manifest["config"]["learning_rate"]) == (method, learning_rate), manifest["config"]
